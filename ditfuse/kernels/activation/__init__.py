@@ -1,0 +1,1 @@
+"""activation kernels (one file per op family, backend as filename suffix)."""

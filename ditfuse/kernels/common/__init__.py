@@ -1,0 +1,1 @@
+"""Numerics helpers shared by the Triton kernels (imports triton: only kernel modules use it)."""

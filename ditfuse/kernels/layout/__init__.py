@@ -1,0 +1,1 @@
+"""layout kernels (one file per op family, backend as filename suffix)."""

@@ -1,0 +1,1 @@
+"""modulate kernels (one file per op family, backend as filename suffix)."""

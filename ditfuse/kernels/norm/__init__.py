@@ -1,0 +1,1 @@
+"""norm kernels (one file per op family, backend as filename suffix)."""

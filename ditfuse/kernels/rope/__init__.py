@@ -1,0 +1,1 @@
+"""rope kernels (one file per op family, backend as filename suffix)."""
