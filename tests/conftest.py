@@ -1,0 +1,31 @@
+"""Test configuration shared by the CPU and GPU suites.
+
+Without CUDA, Triton kernels run under Triton's interpreter. ``TRITON_INTERPRET`` must be set
+before any kernel module (and so ``triton.jit``) is imported, hence at conftest import time.
+"""
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _clean_kernel_env(monkeypatch):
+    """Tests start without ditfuse pins/disables from the caller's environment."""
+    for var in ("DITFUSE_DISABLE", "DITFUSE_BACKEND", "DITFUSE_VERIFY"):
+        monkeypatch.delenv(var, raising=False)
+    yield
