@@ -37,11 +37,14 @@ class Mismatch:
     inf_diff: int
     first_indices: tuple[tuple[int, ...], ...]
 
+    bits: int = 64
+
     def __str__(self) -> str:
+        mask = (1 << self.bits) - 1
         return (
             f"{self.name}: {self.count} of {self.numel} elements differ bitwise; first at "
-            f"{list(self.index)}: got {self.actual!r} (0x{self.actual_bits & 0xFFFFFFFFFFFFFFFF:x}), "
-            f"expected {self.expected!r} (0x{self.expected_bits & 0xFFFFFFFFFFFFFFFF:x}); "
+            f"{list(self.index)}: got {self.actual!r} (0x{self.actual_bits & mask:x}), "
+            f"expected {self.expected!r} (0x{self.expected_bits & mask:x}); "
             f"NaN placement differs at {self.nan_diff}, Inf at {self.inf_diff}; "
             f"first indices {[list(i) for i in self.first_indices]}"
         )
@@ -109,6 +112,7 @@ def first_mismatch(actual: torch.Tensor, expected: torch.Tensor, name: str = "ou
         nan_diff=nan_diff,
         inf_diff=inf_diff,
         first_indices=firsts,
+        bits=expected.element_size() * 8,
     )
 
 

@@ -1,0 +1,245 @@
+"""models/: where fused kernels mount. One adapter per diffusers model family.
+
+``accelerate(pipe_or_model, quality="lossless")`` walks a pipeline's components (or takes one
+model), mounts every adapter that matches, and returns an :class:`Acceleration` handle.
+Components without an adapter are left untouched and listed in the report, never half-patched.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..contracts import quality as _quality
+from ..contracts.bitexact import gate
+from ..contracts.quality import MountResult, Quality
+from .base import Adapter, AdapterMount, AdapterVersionError
+
+logger = logging.getLogger("ditfuse.models")
+
+# Adapters, by module:attr; imported on first use.
+_ADAPTER_TARGETS: tuple[str, ...] = ("ditfuse.models.flux:ADAPTER",)
+
+
+def adapters() -> list[Adapter]:
+    out = []
+    for target in _ADAPTER_TARGETS:
+        mod, _, attr = target.partition(":")
+        out.append(getattr(importlib.import_module(mod), attr))
+    return out
+
+
+def coverage() -> list[dict[str, Any]]:
+    """Rows of the model coverage table: one per adapter site."""
+    rows = []
+    for a in adapters():
+        for s in a.sites:
+            rows.append(
+                {
+                    "family": a.family,
+                    "cls": s.cls_name,
+                    "site": s.description or s.name,
+                    "ops": list(s.ops),
+                    "versions": ", ".join(a.diffusers_versions),
+                }
+            )
+    return rows
+
+
+def _fused_ops_possible() -> str | None:
+    """None when fused kernels can run in this process, else why not (one line)."""
+    if torch.cuda.is_available():
+        return None
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return None
+    return "no CUDA device: fused ops are unavailable, every model runs its normal diffusers path"
+
+
+@dataclass
+class ComponentReport:
+    component: str
+    cls: str
+    adapter: str | None
+    status: str  # "mounted" | "untouched" | "refused"
+    reason: str = ""
+    sites: list[tuple[str, str]] = field(default_factory=list)  # (module path, site)
+    skipped_sites: list[tuple[str, str]] = field(default_factory=list)
+    ops: list[str] = field(default_factory=list)
+    high: MountResult | None = None
+
+
+@dataclass
+class AccelerationReport:
+    quality: Quality
+    components: list[ComponentReport]
+    notes: list[str]
+    gate: Any
+
+    def summary(self) -> str:
+        lines = [*self.notes]
+        for c in self.components:
+            if c.status == "mounted":
+                extra = ""
+                if c.skipped_sites:
+                    extra = f"; {len(c.skipped_sites)} module(s) kept their own forward"
+                hi = ""
+                if c.high is not None and c.high.failed is not None:
+                    hi = f"; quality=high not mounted: {c.high.failed}"
+                lines.append(
+                    f"{c.component} ({c.cls}): {c.adapter} adapter, {len(c.sites)} fast forwards "
+                    f"[{', '.join(c.ops)}]{extra}{hi}"
+                )
+            else:
+                lines.append(f"{c.component} ({c.cls}): {c.status} — {c.reason}")
+        lines.append(f"quality: {self.quality.value}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "quality": self.quality.value,
+            "notes": list(self.notes),
+            "components": [
+                {
+                    "component": c.component,
+                    "class": c.cls,
+                    "adapter": c.adapter,
+                    "status": c.status,
+                    "reason": c.reason,
+                    "sites": [{"path": p, "site": s} for p, s in c.sites],
+                    "skipped_sites": [{"path": p, "reason": r} for p, r in c.skipped_sites],
+                    "ops": list(c.ops),
+                    "high_failure": None if c.high is None or c.high.failed is None else str(c.high.failed),
+                }
+                for c in self.components
+            ],
+            "gate": self.gate.to_dict(),
+        }
+
+
+class Acceleration:
+    """Handle returned by :func:`accelerate`."""
+
+    def __init__(self, components: dict[str, torch.nn.Module], quality: Quality) -> None:
+        self._components = components
+        self._mounted: dict[str, tuple[Adapter, torch.nn.Module]] = {}
+        self._reports: dict[str, ComponentReport] = {}
+        self._notes: list[str] = []
+        self._quality = Quality.LOSSLESS
+        self._graphs: dict[str, Any] = {}
+        self._requested_quality = quality
+
+    @property
+    def quality(self) -> Quality:
+        return self._quality
+
+    def _mount_all(self) -> None:
+        why_not = _fused_ops_possible()
+        if why_not is not None:
+            self._notes.append(why_not)
+        table = adapters()
+        for name, model in self._components.items():
+            cls = type(model).__name__
+            adapter = next((a for a in table if a.handles(model)), None)
+            if adapter is None:
+                self._reports[name] = ComponentReport(name, cls, None, "untouched", "no ditfuse adapter for this class")
+                continue
+            if why_not is not None:
+                self._reports[name] = ComponentReport(name, cls, adapter.family, "untouched", "fused ops unavailable here")
+                continue
+            try:
+                m: AdapterMount = adapter.mount(model)
+            except AdapterVersionError as e:
+                logger.warning("ditfuse: %s", e)
+                self._reports[name] = ComponentReport(name, cls, adapter.family, "refused", str(e))
+                continue
+            self._mounted[name] = (adapter, model)
+            self._reports[name] = ComponentReport(
+                name,
+                cls,
+                adapter.family,
+                "mounted",
+                sites=[(s.path, s.site) for s in m.mounted],
+                skipped_sites=list(m.skipped),
+                ops=list(adapter.ops()),
+            )
+            for path, reason in m.skipped:
+                logger.info("ditfuse: %s.%s keeps its diffusers forward: %s", name, path, reason)
+
+    def set_quality(self, quality: "str | Quality") -> dict[str, MountResult]:
+        """Mount (high) or unmount (lossless) the request-gated sites of every mounted model.
+
+        All-or-nothing per transformer: a failing guard leaves that transformer lossless and the
+        result says which guard and why. Call between batches only.
+        """
+        q = Quality.parse(quality)
+        results = {}
+        for name, (_, model) in self._mounted.items():
+            res = _quality.mount(model, q)
+            results[name] = res
+            self._reports[name].high = res if q is Quality.HIGH else None
+            if not res.ok:
+                logger.warning("ditfuse: %s stays lossless: %s", name, res.failed)
+        self._quality = q
+        return results
+
+    def report(self) -> AccelerationReport:
+        return AccelerationReport(self._quality, list(self._reports.values()), list(self._notes), gate.report())
+
+    def enable_cuda_graphs(self) -> None:
+        from .cuda_graph import install_graph_runner
+
+        for name, (_, model) in self._mounted.items():
+            self._graphs[name] = install_graph_runner(model)
+
+    def unmount(self) -> None:
+        """Remove everything ditfuse installed; the models behave exactly as before."""
+        from .cuda_graph import remove_graph_runner
+
+        for name, (adapter, model) in list(self._mounted.items()):
+            if name in self._graphs:
+                remove_graph_runner(model)
+            _quality.unmount(model)
+            adapter.unmount(model)
+            self._reports[name].status = "untouched"
+            self._reports[name].reason = "unmounted"
+        self._graphs.clear()
+        self._mounted.clear()
+        self._quality = Quality.LOSSLESS
+
+
+def _components(target: Any) -> dict[str, torch.nn.Module]:
+    if isinstance(target, torch.nn.Module):
+        return {type(target).__name__: target}
+    comps = getattr(target, "components", None)
+    if isinstance(comps, dict):
+        return {k: v for k, v in comps.items() if isinstance(v, torch.nn.Module)}
+    raise TypeError(f"accelerate() takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}")
+
+
+def accelerate(pipe_or_model: Any, quality: "str | Quality" = "lossless", cuda_graph: bool = False) -> Acceleration:
+    """Mount ditfuse's fused kernels on a diffusers pipeline or model.
+
+    quality="lossless" (default): bit-exact kernels only; outputs are bitwise equal to diffusers.
+    quality="high": also the request-gated close kernels (all-or-nothing per transformer).
+    cuda_graph=True: capture each accelerated transformer's forward per static input shape (after
+    one eager warm-up call that performs all first-sight verification); replays are bitwise equal.
+    """
+    q = Quality.parse(quality)
+    handle = Acceleration(_components(pipe_or_model), q)
+    handle._mount_all()
+    if q is not Quality.LOSSLESS:
+        handle.set_quality(q)
+    if cuda_graph and handle._mounted:
+        if torch.cuda.is_available():
+            handle.enable_cuda_graphs()
+        else:
+            handle._notes.append("cuda_graph=True ignored: no CUDA device")
+    return handle
+
+
+__all__ = ["accelerate", "Acceleration", "AccelerationReport", "adapters", "coverage"]

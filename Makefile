@@ -1,0 +1,36 @@
+# ditfuse: the two commands of the README are `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ditfuse-installed
+PYTEST_ARGS ?=
+
+.PHONY: install demo test test-gpu docs clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# Never let the install pull a multi-GB CUDA torch on a CPU machine: take the CPU wheel
+	# (torch 2.13.0) unless a torch is already there (e.g. a CUDA build you installed yourself).
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==2.13.0"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job on the built-in default: a tiny random-weight FLUX pipeline (its images are noise).
+demo: install
+	$(BIN)/ditfuse generate --model tiny-flux --prompt "a lighthouse at dusk" --size 256x256 --steps 8 --seed 0 --quality lossless --out out/demo.png
+
+test: install
+	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+
+# On a CUDA machine (see scripts/gpu_suite.sh for the carried-wheels variant used on the H200).
+test-gpu: install
+	$(BIN)/python -m pytest -q -m gpu tests/gpu $(PYTEST_ARGS)
+
+docs: install
+	$(BIN)/ditfuse docs
+
+clean:
+	rm -rf $(VENV) out .pytest_cache
