@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     d.set_defaults(func=_cmd_docs)
 
+    from .commands import register as _register_runtime  # generate, serve (light: no torch)
+
+    _register_runtime(sub)
     for register in _EXTRA_COMMANDS:
         register(sub)
     return p

@@ -1,0 +1,76 @@
+"""Argument definitions for ``ditfuse generate`` and ``ditfuse serve``.
+
+Kept apart from generate.py / server.py so that building the parser (``ditfuse --help``) imports
+neither torch nor triton; the handlers import their modules only when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+
+def _generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-flux", help="'tiny-flux' (built-in, random weights: images are noise) or a diffusers directory")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--true-cfg-scale", type=float, default=1.0, help="> 1 with --negative-prompt: true CFG (2 passes per step)")
+    p.add_argument("--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default: the model's default)")
+    p.add_argument("--steps", type=int, default=28, dest="steps")
+    p.add_argument("--guidance", type=float, default=3.5, dest="guidance")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--quality", default="lossless", help="lossless (bit-exact kernels only, default) or high")
+    p.add_argument("--out", type=Path, default=Path("out.png"))
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+    p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-flux", help="'tiny-flux' (built-in, random weights: images are noise) or a diffusers directory")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--default-quality", default="lossless", help="quality for requests that send none/auto/standard")
+    p.add_argument("--max-batch-size", type=int, default=4, help="most images per pipeline call")
+    p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long the oldest request waits for batch-mates")
+    p.add_argument("--max-queue", type=int, default=256, help="most waiting requests; more get 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails with 504")
+    p.add_argument("--no-pad-batches", action="store_true", help="run partial batches unpadded (faster at low load; an image may then depend on its batch size)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest accepted request body")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
+    p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from .generate import run
+
+    return run(args)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import run
+
+    return run(args)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="generate images from a prompt (tiny-flux preset: random weights, the images are noise)",
+        description="Generate images with a diffusers pipeline accelerated by ditfuse. The built-in "
+        "tiny-flux preset has random weights: its images are noise (it exercises the code path).",
+    )
+    _generate_arguments(g)
+    g.set_defaults(func=_cmd_generate)
+    s = sub.add_parser(
+        "serve",
+        help="OpenAI-compatible images server (POST /v1/images/generations)",
+        description="Serve POST /v1/images/generations with dynamic batching and per-request quality. "
+        "The built-in tiny-flux preset has random weights: its images are noise.",
+    )
+    _serve_arguments(s)
+    s.set_defaults(func=_cmd_serve)

@@ -1,0 +1,554 @@
+"""The serving engine: owns the pipeline and its ditfuse handle, batches compatible requests.
+
+Scheduling
+    Requests wait in one bounded FIFO (``max_queue`` requests; a full queue raises
+    :class:`QueueFull`, which the server maps to 429). The scheduler takes the oldest request, waits
+    at most ``batch_wait_ms`` (counted from that request's arrival) for more requests with the same
+    signature (model, size, steps, guidance, quality, true-CFG), and runs up to ``max_batch_size``
+    images of them as one pipeline call. A request's ``n`` images may be split over consecutive
+    batches. Requests whose client went away, or whose timeout passed, are dropped before they run.
+
+Seeds and batch-mates
+    Every image gets its own ``torch.Generator`` (image ``i`` of a request: ``seed + i``), passed as
+    a list to the pipeline, so its initial latents depend on its seed only. That alone is not
+    enough for identical bytes: on CPU, PyTorch's GEMM for one row (M=1, a GEMV path) and its conv
+    for batch 1 round differently from the batched kernels (measured on the tiny preset: the first
+    differing op is ``time_text_embed.timestep_embedder.linear_1`` in the transformer and
+    ``conv_in`` in the VAE decoder; batches of 2 and 4 agree with each other at every position).
+    cuBLAS/cuDNN likewise pick kernels by batch size. So by default (``pad_batches=True``) every
+    batch runs at exactly ``max_batch_size`` images, filling empty slots with copies of the first
+    image (results discarded): an image is then a function of its own request and seed only, the
+    same whether it ran alone or with batch-mates. ``pad_batches=False`` (``--no-pad-batches``)
+    trades that guarantee for throughput at low load.
+
+Quality
+    quality is part of the signature, so a batch never mixes tiers; ``handle.set_quality`` (mount /
+    unmount of the request-gated kernels) runs on the worker thread between batches only. Every
+    batch is recorded in :attr:`Engine.batch_log` with the quality it ran at and the request-gated
+    sites that were mounted while it ran.
+
+Shutdown
+    :meth:`Engine.shutdown` stops accepting requests, lets the running batch finish and (by
+    default) drains the queue before the worker stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import itertools
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..contracts.quality import Quality
+from .params import SamplingParams
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class EngineError(Exception):
+    """Base of the engine's request errors; ``status`` is the HTTP status the server returns."""
+
+    status = 500
+    code = "engine_error"
+
+
+class QueueFull(EngineError):
+    status = 429
+    code = "queue_full"
+
+
+class EngineClosed(EngineError):
+    status = 503
+    code = "shutting_down"
+
+
+class RequestTimeout(EngineError):
+    status = 504
+    code = "timeout"
+
+
+class RequestDropped(EngineError):
+    """The client disconnected before its request ran."""
+
+    status = 499
+    code = "client_closed_request"
+
+
+@dataclass
+class GeneratedImage:
+    image: Any  # PIL.Image.Image
+    index: int
+    seed: int
+    params: SamplingParams
+
+
+# ---------------------------------------------------------------------------------------------
+# One pipeline call for a list of (params, image index) slots. Shared by the engine and `generate`.
+
+
+def _call_kwargs(pipe: Any) -> set[str]:
+    try:
+        return set(inspect.signature(pipe.__call__).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def run_batch(
+    loaded: Any,
+    slots: Sequence[tuple[SamplingParams, int]],
+    pad_to: int | None = None,
+    on_step: Callable[[int, int], None] | None = None,
+) -> list[Any]:
+    """Run one pipeline call producing one image per slot; returns PIL images in slot order.
+
+    All slots must share a signature. ``pad_to`` appends copies of slot 0 until the call has that
+    many images (their outputs are discarded); see the module docstring for why. ``on_step(i,
+    total)`` is called after each denoising step (from ``callback_on_step_end``).
+    """
+    import torch
+
+    if not slots:
+        return []
+    p0 = slots[0][0]
+    sig = p0.signature(loaded.name)
+    for p, _ in slots:
+        if p.signature(loaded.name) != sig:
+            raise ValueError("run_batch: slots with different signatures cannot share a pipeline call")
+    real = len(slots)
+    full = list(slots)
+    if pad_to is not None and pad_to > real:
+        full += [slots[0]] * (pad_to - real)
+    pipe = loaded.pipe
+    accepted = _call_kwargs(pipe)
+    gen_device = "cpu" if loaded.device == "cpu" else loaded.device
+    kwargs: dict[str, Any] = {
+        "prompt": [p.prompt for p, _ in full],
+        "height": p0.height,
+        "width": p0.width,
+        "num_inference_steps": p0.num_inference_steps,
+        "guidance_scale": p0.guidance_scale,
+        "generator": [torch.Generator(device=gen_device).manual_seed(p.seed + i) for p, i in full],
+        "num_images_per_prompt": 1,
+        "output_type": "pil",
+    }
+    if p0.uses_true_cfg:
+        kwargs["negative_prompt"] = [p.negative_prompt for p, _ in full]
+        kwargs["true_cfg_scale"] = p0.true_cfg_scale
+    kwargs.update(loaded.call_kwargs)
+    if on_step is not None and "callback_on_step_end" in accepted:
+        total = p0.num_inference_steps
+
+        def _cb(_pipe: Any, i: int, _t: Any, cb_kwargs: dict[str, Any]) -> dict[str, Any]:
+            on_step(i, total)
+            return {}
+
+        kwargs["callback_on_step_end"] = _cb
+        kwargs["callback_on_step_end_tensor_inputs"] = []
+    if accepted:
+        dropped = [k for k in kwargs if k not in accepted]
+        if "negative_prompt" in dropped:
+            raise ValueError(f"{type(pipe).__name__} does not take a negative_prompt")
+        for k in dropped:
+            kwargs.pop(k)
+    with torch.inference_mode():
+        out = pipe(**kwargs)
+    return list(out.images[:real])
+
+
+def mounted_sites(pipe: Any) -> list[str]:
+    """The request-gated sites currently mounted on any component of ``pipe`` ("comp/path:family")."""
+    import torch
+
+    from ..contracts import quality as q
+
+    comps = getattr(pipe, "components", {}) or {}
+    out = []
+    for name, mod in comps.items():
+        if isinstance(mod, torch.nn.Module):
+            out += [f"{name}/{s}" for s in q.mounted(mod)]
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    params: SamplingParams
+    signature: tuple
+    future: asyncio.Future
+    enqueued: float
+    deadline: float
+    next_index: int = 0
+    results: dict[int, GeneratedImage] = field(default_factory=dict)
+    abandoned: str | None = None  # "disconnected" | "timeout"
+
+    @property
+    def remaining(self) -> int:
+        return self.params.n - self.next_index
+
+
+class Metrics:
+    """Counters and histograms exposed at /metrics (Prometheus text format)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = collections.Counter()  # by outcome
+        self.images = 0
+        self.batches = 0
+        self.batch_sizes = collections.Counter()  # real images per batch
+        self.latency_buckets = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.latency_sum = 0.0
+        self.latency_count = 0
+        self.mounts = 0
+        self.unmounts = 0
+        self.batch_seconds = 0.0
+
+    def observe_latency(self, seconds: float) -> None:
+        with self.lock:
+            for i, b in enumerate(LATENCY_BUCKETS):
+                if seconds <= b:
+                    self.latency_buckets[i] += 1
+                    break
+            else:
+                self.latency_buckets[-1] += 1
+            self.latency_sum += seconds
+            self.latency_count += 1
+
+
+class Engine:
+    """Owns the loaded pipeline and its acceleration handle; batches and runs requests."""
+
+    def __init__(
+        self,
+        loaded: Any,
+        handle: Any = None,
+        *,
+        max_batch_size: int = 4,
+        batch_wait_ms: float = 10.0,
+        max_queue: int = 256,
+        request_timeout_s: float = 600.0,
+        pad_batches: bool = True,
+        default_quality: "str | Quality" = Quality.LOSSLESS,
+        batch_log_limit: int = 10000,
+        runner: Callable[..., list[Any]] = run_batch,
+    ) -> None:
+        if max_batch_size < 1:
+            raise ValueError("max_batch_size must be >= 1")
+        if max_queue < 1:
+            raise ValueError("max_queue must be >= 1")
+        self.loaded = loaded
+        self.handle = handle
+        self.max_batch_size = int(max_batch_size)
+        self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
+        self.max_queue = int(max_queue)
+        self.request_timeout_s = float(request_timeout_s)
+        self.pad_batches = bool(pad_batches)
+        self.default_quality = Quality.parse(default_quality)
+        self.metrics = Metrics()
+        self.batch_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=batch_log_limit)
+        self._runner = runner
+        self._pending: list[_Request] = []
+        self._ids = itertools.count(1)
+        self._batch_ids = itertools.count(1)
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._closing = False
+        self._in_flight = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self.loaded.name
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._pending)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    async def start(self) -> None:
+        if self._task is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ditfuse-engine")
+        self._task = asyncio.create_task(self._scheduler(), name="ditfuse-scheduler")
+
+    async def shutdown(self, drain: bool = True) -> None:
+        """Stop accepting requests; finish the running batch and, if ``drain``, the queue."""
+        self._closing = True
+        if not drain:
+            for r in self._pending:
+                if not r.future.done():
+                    r.future.set_exception(EngineClosed("server is shutting down"))
+            self._pending.clear()
+        if self._wake is not None:
+            self._wake.set()
+        if self._task is not None:
+            await self._task
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- requests ----------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        params: SamplingParams,
+        is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[GeneratedImage]:
+        """Queue ``params`` and wait for its images.
+
+        Raises QueueFull, EngineClosed, RequestTimeout, RequestDropped (client went away) or the
+        pipeline's own exception.
+        """
+        if self._task is None:
+            raise EngineClosed("engine is not running")
+        if self._closing:
+            self.metrics.requests["rejected_shutdown"] += 1
+            raise EngineClosed("server is shutting down")
+        if len(self._pending) >= self.max_queue:
+            self.metrics.requests["rejected_queue_full"] += 1
+            raise QueueFull(f"queue is full ({self.max_queue} requests waiting); retry later")
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        timeout = self.request_timeout_s if timeout_s is None else timeout_s
+        req = _Request(
+            id=next(self._ids),
+            params=params,
+            signature=params.signature(self.loaded.name),
+            future=loop.create_future(),
+            enqueued=now,
+            deadline=now + timeout,
+        )
+        self._pending.append(req)
+        self._wake.set()
+        try:
+            while True:
+                left = req.deadline - time.monotonic()
+                if left <= 0:
+                    req.abandoned = "timeout"
+                    self.metrics.requests["timeout"] += 1
+                    raise RequestTimeout(f"request did not finish within {timeout:g} s")
+                step = left if is_disconnected is None else min(left, 0.1)
+                done, _ = await asyncio.wait({req.future}, timeout=step)
+                if done:
+                    break
+                if is_disconnected is not None and await is_disconnected():
+                    req.abandoned = "disconnected"
+                    self.metrics.requests["client_disconnected"] += 1
+                    raise RequestDropped("client disconnected")
+        except asyncio.CancelledError:
+            req.abandoned = "disconnected"
+            self.metrics.requests["client_disconnected"] += 1
+            raise
+        images = req.future.result()
+        elapsed = time.monotonic() - req.enqueued
+        self.metrics.observe_latency(elapsed)
+        self.metrics.requests["ok"] += 1
+        return images
+
+    # -- scheduler ---------------------------------------------------------------------------
+
+    def _drop_abandoned(self) -> None:
+        now = time.monotonic()
+        keep = []
+        for r in self._pending:
+            if r.abandoned is None and now >= r.deadline:
+                r.abandoned = "timeout"
+            if r.abandoned is not None:
+                if not r.future.done():
+                    r.future.set_exception(RequestDropped(f"dropped before running ({r.abandoned})"))
+                    r.future.exception()  # mark retrieved: nobody may be waiting any more
+                with self.metrics.lock:
+                    self.metrics.requests[f"dropped_{r.abandoned}"] += 1
+                continue
+            keep.append(r)
+        self._pending[:] = keep
+
+    def _available(self, sig: tuple) -> int:
+        return sum(r.remaining for r in self._pending if r.signature == sig)
+
+    async def _scheduler(self) -> None:
+        assert self._wake is not None
+        while True:
+            self._drop_abandoned()
+            if not self._pending:
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            first = self._pending[0]
+            sig = first.signature
+            fill_deadline = first.enqueued + self.batch_wait_s
+            while not self._closing and self._available(sig) < self.max_batch_size:
+                left = fill_deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=left)
+                except asyncio.TimeoutError:
+                    break
+            self._drop_abandoned()
+            slots: list[tuple[_Request, int]] = []
+            for r in list(self._pending):
+                if r.signature != sig:
+                    continue
+                while r.remaining and len(slots) < self.max_batch_size:
+                    slots.append((r, r.next_index))
+                    r.next_index += 1
+                if r.remaining == 0:
+                    self._pending.remove(r)
+                if len(slots) >= self.max_batch_size:
+                    break
+            if not slots:
+                continue
+            await self._run(slots)
+
+    def _run_sync(self, quality: Quality, slots: list[tuple[SamplingParams, int]]) -> tuple[list[Any], dict]:
+        info: dict[str, Any] = {"transition": None}
+        if self.handle is not None and self.handle.quality != quality:
+            before = self.handle.quality
+            res = self.handle.set_quality(quality)
+            info["transition"] = {
+                "from": before.value,
+                "to": quality.value,
+                "result": {k: {"mounted": v.mounted, "unmounted": v.unmounted, "failed": str(v.failed) if v.failed else None} for k, v in (res or {}).items()},
+            }
+            with self.metrics.lock:
+                if quality is Quality.HIGH:
+                    self.metrics.mounts += 1
+                else:
+                    self.metrics.unmounts += 1
+        info["mounted"] = mounted_sites(self.loaded.pipe)
+        info["handle_quality"] = None if self.handle is None else self.handle.quality.value
+        pad_to = self.max_batch_size if self.pad_batches else None
+        t0 = time.perf_counter()
+        images = self._runner(self.loaded, slots, pad_to=pad_to)
+        info["seconds"] = time.perf_counter() - t0
+        info["padded_to"] = max(len(slots), pad_to or 0)
+        return images, info
+
+    async def _run(self, slots: list[tuple[_Request, int]]) -> None:
+        batch_id = next(self._batch_ids)
+        quality = slots[0][0].params.quality
+        reqs = list(dict.fromkeys(r for r, _ in slots))
+        self._in_flight += len(slots)
+        loop = asyncio.get_running_loop()
+        entry: dict[str, Any] = {
+            "batch_id": batch_id,
+            "size": len(slots),
+            "quality": quality.value,
+            "requests": [r.id for r in reqs],
+            "signature": list(slots[0][0].signature),
+        }
+        try:
+            images, info = await loop.run_in_executor(
+                self._executor, self._run_sync, quality, [(r.params, i) for r, i in slots]
+            )
+        except Exception as e:  # the pipeline failed: fail every request of this batch
+            entry.update(error=f"{type(e).__name__}: {e}")
+            self.batch_log.append(entry)
+            for r in reqs:
+                if not r.future.done():
+                    r.future.set_exception(e)
+                    r.future.exception()
+                if r in self._pending:
+                    self._pending.remove(r)
+            with self.metrics.lock:
+                self.metrics.requests["error"] += len(reqs)
+            return
+        finally:
+            self._in_flight -= len(slots)
+        entry.update(
+            mounted=info["mounted"],
+            handle_quality=info["handle_quality"],
+            transition=info["transition"],
+            padded_to=info["padded_to"],
+            seconds=round(info["seconds"], 6),
+        )
+        self.batch_log.append(entry)
+        with self.metrics.lock:
+            self.metrics.batches += 1
+            self.metrics.batch_sizes[len(slots)] += 1
+            self.metrics.images += len(slots)
+            self.metrics.batch_seconds += info["seconds"]
+        for (r, i), img in zip(slots, images):
+            r.results[i] = GeneratedImage(image=img, index=i, seed=r.params.seed + i, params=r.params)
+            if len(r.results) == r.params.n and not r.future.done():
+                r.future.set_result([r.results[k] for k in range(r.params.n)])
+
+    # -- metrics -----------------------------------------------------------------------------
+
+    def prometheus(self) -> str:
+        m = self.metrics
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP {name} {help_}")
+            lines.append(f"# TYPE {name} {kind}")
+            for labels, value in samples:
+                v = int(value) if float(value).is_integer() else value
+                lines.append(f"{name}{labels} {v}")
+
+        with m.lock:
+            metric("ditfuse_queue_depth", "gauge", "Requests waiting to be batched.", [("", len(self._pending))])
+            metric("ditfuse_images_in_flight", "gauge", "Images in the running batch.", [("", self._in_flight)])
+            metric(
+                "ditfuse_requests_total",
+                "counter",
+                "Requests by outcome.",
+                [(f'{{outcome="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{outcome="ok"}', 0)],
+            )
+            metric("ditfuse_images_total", "counter", "Images generated.", [("", m.images)])
+            metric("ditfuse_batches_total", "counter", "Pipeline calls (batches) run.", [("", m.batches)])
+            metric(
+                "ditfuse_batch_size_total",
+                "counter",
+                "Batches by number of real images in them.",
+                [(f'{{size="{k}"}}', v) for k, v in sorted(m.batch_sizes.items())],
+            )
+            metric("ditfuse_batch_seconds_total", "counter", "Time spent in pipeline calls.", [("", m.batch_seconds)])
+            cum = 0
+            samples = []
+            for b, c in zip(LATENCY_BUCKETS, m.latency_buckets):
+                cum += c
+                samples.append((f'_bucket{{le="{b}"}}', cum))
+            samples.append(('_bucket{le="+Inf"}', m.latency_count))
+            samples.append(("_sum", m.latency_sum))
+            samples.append(("_count", m.latency_count))
+            lines.append("# HELP ditfuse_request_latency_seconds Time from arrival to images ready.")
+            lines.append("# TYPE ditfuse_request_latency_seconds histogram")
+            for suffix, v in samples:
+                v = int(v) if float(v).is_integer() else v
+                lines.append(f"ditfuse_request_latency_seconds{suffix} {v}")
+            metric("ditfuse_quality_mounts_total", "counter", "Transitions to quality=high (request-gated kernels mounted).", [("", m.mounts)])
+            metric("ditfuse_quality_unmounts_total", "counter", "Transitions back to quality=lossless.", [("", m.unmounts)])
+            q = None if self.handle is None else self.handle.quality.value
+            metric(
+                "ditfuse_quality_current",
+                "gauge",
+                "1 for the quality tier currently mounted.",
+                [(f'{{quality="{t.value}"}}', 1 if q == t.value else 0) for t in Quality],
+            )
+        return "\n".join(lines) + "\n"

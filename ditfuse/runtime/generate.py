@@ -1,0 +1,146 @@
+"""``ditfuse generate``: one request, from the command line, with timings.
+
+Loads the model (the built-in ``tiny-flux`` preset or a local diffusers directory), mounts ditfuse
+with ``ditfuse.models.accelerate``, runs the pipeline with a progress bar over the denoising steps
+and writes PNGs carrying the sampling parameters as PNG text metadata. With ``--n 2 --out out.png``
+the files are ``out-0.png`` and ``out-1.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+
+def output_paths(out: Path, n: int) -> list[Path]:
+    if n == 1:
+        return [out]
+    suffix = out.suffix or ".png"
+    return [out.with_name(f"{out.stem}-{i}{suffix}") for i in range(n)]
+
+
+def save_image(image: Any, path: "Path | IO[bytes]", fmt: str, metadata: dict[str, str]) -> None:
+    """Write ``image`` to a path or binary file; PNGs carry ``metadata`` as tEXt chunks (plus
+    ``parameters``: all of them on one line)."""
+    from PIL.PngImagePlugin import PngInfo
+
+    if isinstance(path, Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "png":
+        info = PngInfo()
+        for k, v in metadata.items():
+            info.add_text(k, v)
+        info.add_text("parameters", "; ".join(f"{k}={v}" for k, v in metadata.items()))
+        image.save(path, format="PNG", pnginfo=info)
+    elif fmt == "jpeg":
+        image.save(path, format="JPEG", quality=95)
+    else:
+        image.save(path, format=fmt.upper())
+
+
+def run(args: argparse.Namespace) -> int:
+    from .params import ParamError, SamplingParams
+
+    t_start = time.perf_counter()
+    # Validate what can be checked before the (slow) model load.
+    try:
+        from ..contracts.quality import Quality
+
+        Quality.parse(args.quality)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    fmt = args.out.suffix.lower().lstrip(".") or "png"
+    fmt = {"jpg": "jpeg"}.get(fmt, fmt)
+
+    from .engine import run_batch
+    from .presets import load_model
+
+    try:
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        params = SamplingParams.create(
+            args.prompt,
+            size=args.size,
+            num_inference_steps=args.steps,
+            guidance_scale=args.guidance,
+            seed=args.seed,
+            n=args.n,
+            quality=args.quality,
+            negative_prompt=args.negative_prompt,
+            true_cfg_scale=args.true_cfg_scale,
+            output_format=fmt,
+            default_size=loaded.default_size,
+            size_multiple=loaded.size_multiple,
+        )
+    except ParamError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    print(f"device: {loaded.device} ({str(loaded.dtype).replace('torch.', '')})")
+    print(f"model: {loaded.name} ({type(loaded.pipe).__name__})")
+    if loaded.note:
+        print(f"NOTE: {loaded.note}")
+    if args.no_accelerate:
+        print("accelerated: nothing (--no-accelerate)")
+    else:
+        from ..models import accelerate
+
+        handle = accelerate(loaded.pipe, quality=params.quality)
+        summary = handle.report().summary().strip().splitlines()
+        print("accelerated:")
+        for line in summary:
+            print(f"  {line}")
+    t_loaded = time.perf_counter()
+
+    from tqdm import tqdm
+
+    stamps: list[float] = []
+    bar = tqdm(total=params.num_inference_steps, desc="denoising", unit="step", file=sys.stderr)
+
+    def on_step(i: int, total: int) -> None:
+        stamps.append(time.perf_counter())
+        bar.update(1)
+
+    t_call = time.perf_counter()
+    try:
+        images = run_batch(loaded, [(params, i) for i in range(params.n)], on_step=on_step)
+    finally:
+        bar.close()
+    t_done = time.perf_counter()
+
+    paths = output_paths(args.out, params.n)
+    for i, (img, path) in enumerate(zip(images, paths)):
+        save_image(img, path, params.output_format, params.metadata(i, model=loaded.name))
+    t_saved = time.perf_counter()
+
+    print(
+        f"sampling: {params.size}, {params.num_inference_steps} steps, guidance {params.guidance_scale:g}, "
+        f"seed {params.seed}{'..' + str(params.seed + params.n - 1) if params.n > 1 else ''}, "
+        f"n {params.n}, quality {params.quality.value}"
+    )
+    print("timings:")
+    print(f"  load + accelerate : {t_loaded - t_start:8.3f} s")
+    if stamps:
+        # step 0 includes text encoding and latent preparation; later steps are pure denoising
+        print(f"  encode + step 0   : {stamps[0] - t_call:8.3f} s")
+        if len(stamps) > 1:
+            diffs = [b - a for a, b in zip(stamps, stamps[1:])]
+            print(f"  per step (median) : {statistics.median(diffs) * 1000:8.1f} ms  (steps 1..{len(stamps) - 1})")
+        print(f"  VAE decode + post : {t_done - stamps[-1]:8.3f} s")
+    else:
+        print(f"  pipeline call     : {t_done - t_call:8.3f} s")
+    print(f"  save              : {t_saved - t_done:8.3f} s")
+    print(f"  total             : {t_saved - t_start:8.3f} s")
+    for path in paths:
+        print(f"wrote {path}")
+    if loaded.note:
+        print(f"NOTE: {loaded.note}")
+    return 0

@@ -1,0 +1,215 @@
+"""Sampling parameters shared by ``ditfuse generate`` and the HTTP server, with validation.
+
+Every check raises :class:`ParamError` (a ``ValueError``) naming the parameter and what is allowed,
+so the server can turn it into a 400 with ``param`` set and the CLI can print it as is.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from ..contracts.quality import Quality
+
+MIN_SIDE = 16
+MAX_SIDE = 2048
+MAX_STEPS = 200
+MAX_N = 8
+MAX_PROMPT_CHARS = 4000
+MAX_SEED = 2**63 - 1
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*[xX×]\s*(\d+)\s*$")
+
+
+class ParamError(ValueError):
+    """An invalid sampling parameter. ``param`` names it (as the HTTP API spells it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+def parse_size(size: str, multiple: int = 16) -> tuple[int, int]:
+    """``"WxH"`` -> (width, height), each a multiple of ``multiple`` within [MIN_SIDE, MAX_SIDE]."""
+    if not isinstance(size, str):
+        raise ParamError("size", f"size must be a string 'WIDTHxHEIGHT', got {size!r}")
+    m = _SIZE_RE.match(size)
+    if m is None:
+        raise ParamError("size", f"size must look like '256x256' (WIDTHxHEIGHT), got {size!r}")
+    w, h = int(m.group(1)), int(m.group(2))
+    check_side("size", w, multiple)
+    check_side("size", h, multiple)
+    return w, h
+
+
+def check_side(param: str, value: Any, multiple: int = 16) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(param, f"{param} must be an integer, got {value!r}")
+    lo = max(MIN_SIDE, multiple)
+    if value < lo or value > MAX_SIDE or value % multiple:
+        raise ParamError(
+            param,
+            f"{param}: {value} is not allowed; width and height must be multiples of {multiple} "
+            f"between {lo} and {MAX_SIDE}",
+        )
+    return value
+
+
+def _check_int(param: str, value: Any, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ParamError(param, f"{param} must be an integer, got {value!r}")
+    if not lo <= value <= hi:
+        raise ParamError(param, f"{param} must be between {lo} and {hi}, got {value}")
+    return value
+
+
+def _check_float(param: str, value: Any, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ParamError(param, f"{param} must be a number, got {value!r}")
+    v = float(value)
+    if not (lo <= v <= hi):  # also rejects NaN
+        raise ParamError(param, f"{param} must be between {lo} and {hi}, got {value}")
+    return v
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request asks for. Build with :meth:`create` (validates); fields are final values.
+
+    ``seed`` is the seed of image 0; image ``i`` of a request uses ``seed + i``, so an image is a
+    function of (model, prompt, negative prompt, size, steps, guidance, quality, its seed) only.
+    ``true_cfg_scale`` > 1 with a ``negative_prompt`` runs FLUX's true classifier-free guidance
+    (two transformer passes per step); otherwise the negative prompt has no effect on FLUX.
+    """
+
+    prompt: str
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    n: int = 1
+    quality: Quality = Quality.LOSSLESS
+    negative_prompt: str | None = None
+    true_cfg_scale: float = 1.0
+    output_format: str = "png"
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @classmethod
+    def create(
+        cls,
+        prompt: Any,
+        *,
+        size: str | None = None,
+        width: int | None = None,
+        height: int | None = None,
+        num_inference_steps: int = 28,
+        guidance_scale: float = 3.5,
+        seed: int | None = None,
+        n: int = 1,
+        quality: "str | Quality | None" = None,
+        default_quality: "str | Quality" = Quality.LOSSLESS,
+        negative_prompt: str | None = None,
+        true_cfg_scale: float = 1.0,
+        output_format: str = "png",
+        default_size: tuple[int, int] = (1024, 1024),
+        size_multiple: int = 16,
+    ) -> "SamplingParams":
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ParamError("prompt", "prompt must be a non-empty string")
+        if len(prompt) > MAX_PROMPT_CHARS:
+            raise ParamError("prompt", f"prompt is longer than {MAX_PROMPT_CHARS} characters")
+        if negative_prompt is not None and not isinstance(negative_prompt, str):
+            raise ParamError("negative_prompt", "negative_prompt must be a string")
+        if negative_prompt is not None and len(negative_prompt) > MAX_PROMPT_CHARS:
+            raise ParamError("negative_prompt", f"negative_prompt is longer than {MAX_PROMPT_CHARS} characters")
+        if size is not None and (width is not None or height is not None):
+            raise ParamError("size", "give either size or width/height, not both")
+        if size is not None and size != "auto":
+            w, h = parse_size(size, size_multiple)
+        else:
+            w = check_side("width", width, size_multiple) if width is not None else default_size[0]
+            h = check_side("height", height, size_multiple) if height is not None else default_size[1]
+        steps = _check_int("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
+        guidance = _check_float("guidance_scale", guidance_scale, 0.0, 100.0)
+        tcfg = _check_float("true_cfg_scale", true_cfg_scale, 0.0, 100.0)
+        count = _check_int("n", n, 1, MAX_N)
+        if seed is None:
+            seed = random.SystemRandom().randrange(0, 2**32)
+        seed = _check_int("seed", seed, 0, MAX_SEED - MAX_N)
+        try:
+            q = Quality.parse(quality) if quality is not None else Quality.parse(default_quality)
+        except ValueError as e:
+            raise ParamError("quality", str(e)) from None
+        fmt = str(output_format).lower()
+        if fmt == "jpg":
+            fmt = "jpeg"
+        if fmt not in OUTPUT_FORMATS:
+            raise ParamError("output_format", f"output_format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}")
+        return cls(
+            prompt=prompt,
+            width=w,
+            height=h,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
+            seed=seed,
+            n=count,
+            quality=q,
+            negative_prompt=negative_prompt or None,
+            true_cfg_scale=tcfg,
+            output_format=fmt,
+        )
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    @property
+    def uses_true_cfg(self) -> bool:
+        return self.negative_prompt is not None and self.true_cfg_scale > 1.0
+
+    def seeds(self) -> list[int]:
+        return [self.seed + i for i in range(self.n)]
+
+    def signature(self, model: str) -> tuple:
+        """Requests with equal signatures can share a batch (one pipeline call)."""
+        return (
+            model,
+            self.width,
+            self.height,
+            self.num_inference_steps,
+            self.guidance_scale,
+            self.quality.value,
+            self.uses_true_cfg,
+            self.true_cfg_scale if self.uses_true_cfg else 1.0,
+        )
+
+    def with_(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    def metadata(self, index: int = 0, model: str | None = None) -> dict[str, str]:
+        """Text metadata for image ``index`` of this request (PNG tEXt chunks)."""
+        meta = {
+            "prompt": self.prompt,
+            "size": self.size,
+            "num_inference_steps": str(self.num_inference_steps),
+            "guidance_scale": repr(self.guidance_scale),
+            "seed": str(self.seed + index),
+            "quality": self.quality.value,
+        }
+        if self.negative_prompt is not None:
+            meta["negative_prompt"] = self.negative_prompt
+            meta["true_cfg_scale"] = repr(self.true_cfg_scale)
+        if model is not None:
+            meta["model"] = model
+        return meta
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["quality"] = self.quality.value
+        d.pop("extra")
+        return d

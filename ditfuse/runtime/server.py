@@ -1,0 +1,368 @@
+"""OpenAI-compatible images server (FastAPI + uvicorn).
+
+Routes
+    POST /v1/images/generations   OpenAI request schema (model, prompt, n, size, response_format,
+                                  quality) plus seed, num_inference_steps, guidance_scale,
+                                  negative_prompt, true_cfg_scale, output_format.
+    GET  /v1/models               the one model this server runs.
+    GET  /health                  liveness/readiness (never needs the API key).
+    GET  /metrics                 Prometheus text: queue depth, batches and batch sizes, latency
+                                  histogram, quality mounts/unmounts.
+    GET  /v1/debug/batches        the engine's recent batch log (batch id, size, quality, mounted
+                                  request-gated sites).
+
+quality
+    ``lossless`` (bit-exact kernels only) and ``high`` (adds the request-gated close kernels) are
+    ditfuse's tiers. OpenAI's own values are accepted too: ``auto`` and ``standard`` mean the
+    server's ``--default-quality``; ``hd`` means ``high``; ``low`` and ``medium`` mean
+    ``lossless`` (ditfuse has no lower-fidelity tier than eager diffusers, and these ask for
+    nothing better). Anything else is a 400 listing the allowed values.
+
+Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 invalid
+parameters, 401 missing/wrong API key, 404 unknown model or route, 413 body too large, 429 queue
+full, 499 client went away, 503 shutting down, 504 request timeout, 500 pipeline failure.
+
+Security: binds 127.0.0.1 unless told otherwise; ``--api-key`` requires ``Authorization: Bearer
+<key>`` on every route except /health; request bodies over ``max_body_bytes`` are refused with 413
+before they reach the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import io
+import json
+import time
+from typing import Any
+
+from ..contracts.quality import Quality
+from .engine import Engine, EngineError
+from .params import ParamError, SamplingParams
+
+OPENAI_QUALITY_ALIASES = {"hd": Quality.HIGH, "low": Quality.LOSSLESS, "medium": Quality.LOSSLESS}
+DEFAULT_QUALITY_ALIASES = ("auto", "standard")
+ALLOWED_QUALITY = [q.value for q in Quality] + list(DEFAULT_QUALITY_ALIASES) + list(OPENAI_QUALITY_ALIASES)
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    499: "invalid_request_error",
+    503: "server_error",
+    504: "timeout_error",
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def parse_quality(value: Any, default: Quality) -> Quality:
+    """Map an OpenAI-or-ditfuse quality value to a tier (see the module docstring)."""
+    if value is None:
+        return default
+    if not isinstance(value, str):
+        raise ParamError("quality", f"quality must be a string; allowed values: {', '.join(ALLOWED_QUALITY)}")
+    v = value.strip().lower()
+    if v in DEFAULT_QUALITY_ALIASES:
+        return default
+    if v in OPENAI_QUALITY_ALIASES:
+        return OPENAI_QUALITY_ALIASES[v]
+    try:
+        return Quality.parse(v)
+    except ValueError:
+        raise ParamError("quality", f"unknown quality {value!r}; allowed values: {', '.join(ALLOWED_QUALITY)}") from None
+
+
+def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
+    """Validate an images/generations body into SamplingParams (raises ParamError / APIError)."""
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    model = body.get("model")
+    if model is not None and model not in (engine.model_name, "ditfuse"):
+        raise APIError(404, f"model {model!r} is not served here; this server runs {engine.model_name!r}", "model", "model_not_found")
+    fmt = body.get("response_format")
+    if fmt not in (None, "b64_json"):
+        raise ParamError("response_format", f"response_format {fmt!r} is not supported; use 'b64_json'")
+    quality = parse_quality(body.get("quality"), engine.default_quality)
+    loaded = engine.loaded
+    kwargs: dict[str, Any] = {}
+    for key in ("num_inference_steps", "guidance_scale", "true_cfg_scale"):
+        if body.get(key) is not None:
+            kwargs[key] = body[key]
+    n = body.get("n")
+    return SamplingParams.create(
+        body.get("prompt"),
+        size=body.get("size"),
+        width=body.get("width"),
+        height=body.get("height"),
+        seed=body.get("seed"),
+        n=1 if n is None else n,
+        quality=quality,
+        negative_prompt=body.get("negative_prompt"),
+        output_format=body.get("output_format") or "png",
+        default_size=loaded.default_size,
+        size_multiple=loaded.size_multiple,
+        **kwargs,
+    )
+
+
+def encode_image(image: Any, params: SamplingParams, index: int, model: str) -> str:
+    from .generate import save_image
+
+    buf = io.BytesIO()
+    save_image(image, buf, params.output_format, params.metadata(index, model=model))
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class GuardMiddleware:
+    """Pure ASGI: API-key check (all routes but /health) and a request body size limit.
+
+    The body is read here (bounded) and replayed to the app, so an oversized body never reaches
+    it; later ``receive`` calls go to the server, so disconnect detection keeps working.
+    """
+
+    def __init__(self, app: Any, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def _reply(self, send: Any, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
+        if status == 401:
+            headers.append((b"www-authenticate", b"Bearer"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if self.api_key is not None and scope.get("path") != "/health":
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+                msg = "missing API key (send 'Authorization: Bearer <key>')" if not auth else "invalid API key"
+                return await self._reply(send, 401, error_body(401, msg, code="invalid_api_key"))
+        too_large = error_body(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            return await self._reply(send, 413, too_large)
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await self._reply(send, 413, too_large)
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
+    """The ASGI app: FastAPI routes wrapped in :class:`GuardMiddleware`. Starts and drains ``engine``
+    with the app's lifespan."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    started = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app: Any):
+        await engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown(drain=True)
+
+    app = FastAPI(title="ditfuse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine = engine
+
+    def err(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return err(e.status, e.message, e.param, e.code)
+
+    @app.exception_handler(ParamError)
+    async def _param_error(_: Request, e: ParamError) -> JSONResponse:
+        return err(400, e.message, e.param, "invalid_value")
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, e: EngineError) -> JSONResponse:
+        return err(e.status, str(e), None, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        return err(400, first.get("msg", "invalid request"), ".".join(loc) or None, "invalid_value")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return err(e.status_code, str(e.detail), None, None)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
+        return err(500, f"{type(e).__name__}: {e}", None, "internal_error")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        ok = engine.running and not engine._closing
+        body = {
+            "status": "ok" if ok else "unavailable",
+            "model": engine.model_name,
+            "queue_depth": engine.queue_depth,
+            "in_flight": engine.in_flight,
+            "quality": None if engine.handle is None else engine.handle.quality.value,
+        }
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": engine.model_name, "object": "model", "created": started, "owned_by": "ditfuse"}],
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/debug/batches")
+    async def batches(limit: int = 100) -> dict:
+        log = list(engine.batch_log)[-max(0, limit):] if limit else []
+        return {"object": "list", "data": log}
+
+    @app.post("/v1/images/generations")
+    async def generations(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        params = parse_generation_request(body, engine)
+        images = await engine.submit(params, is_disconnected=request.is_disconnected)
+        data = await asyncio.to_thread(
+            lambda: [
+                {
+                    "b64_json": encode_image(g.image, g.params, g.index, engine.model_name),
+                    "revised_prompt": None,
+                    "seed": g.seed,
+                }
+                for g in images
+            ]
+        )
+        return JSONResponse(
+            {
+                "created": int(time.time()),
+                "data": data,
+                "size": params.size,
+                "quality": params.quality.value,
+                "output_format": params.output_format,
+            }
+        )
+
+    return GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes)
+
+
+def build_engine(
+    model: str,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    accelerate: bool = True,
+    default_quality: str = "lossless",
+    **engine_kwargs: Any,
+) -> tuple[Engine, str]:
+    """Load ``model``, mount ditfuse (unless ``accelerate=False``), wrap it in an Engine.
+
+    Returns the engine and the acceleration summary (for logging)."""
+    from .presets import load_model
+
+    loaded = load_model(model, device=device, dtype=dtype)
+    handle = None
+    summary = "nothing (acceleration disabled)"
+    if accelerate:
+        from ..models import accelerate as _accelerate
+
+        handle = _accelerate(loaded.pipe, quality=default_quality)
+        summary = handle.report().summary()
+    engine = Engine(loaded, handle, default_quality=default_quality, **engine_kwargs)
+    return engine, summary
+
+
+def run(args: Any) -> int:
+    import sys
+
+    import uvicorn
+
+    try:
+        Quality.parse(args.default_quality)
+        engine, summary = build_engine(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            accelerate=not args.no_accelerate,
+            default_quality=args.default_quality,
+            max_batch_size=args.max_batch_size,
+            batch_wait_ms=args.batch_wait_ms,
+            max_queue=args.max_queue,
+            request_timeout_s=args.request_timeout,
+            pad_batches=not args.no_pad_batches,
+        )
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
+    print(f"model: {engine.model_name}")
+    if engine.loaded.note:
+        print(f"NOTE: {engine.loaded.note}")
+    print("accelerated:")
+    for line in summary.strip().splitlines():
+        print(f"  {line}")
+    print(
+        f"batching: up to {engine.max_batch_size} images per call, wait {engine.batch_wait_s * 1000:g} ms, "
+        f"queue {engine.max_queue}, {'padded' if engine.pad_batches else 'unpadded'} batches"
+    )
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print(f"WARNING: listening on {args.host} without --api-key", file=sys.stderr)
+    print(f"serving on http://{args.host}:{args.port}  (POST /v1/images/generations)", flush=True)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
+    return 0
