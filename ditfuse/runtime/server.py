@@ -35,7 +35,15 @@ import hmac
 import io
 import json
 import time
+from contextlib import asynccontextmanager
 from typing import Any
+
+# FastAPI resolves handler annotations from this module's globals (``from __future__ import
+# annotations`` makes them strings), so these must be module-level imports.
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..contracts.quality import Quality
 from .engine import Engine, EngineError
@@ -193,13 +201,6 @@ class GuardMiddleware:
 def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
     """The ASGI app: FastAPI routes wrapped in :class:`GuardMiddleware`. Starts and drains ``engine``
     with the app's lifespan."""
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
-
     started = int(time.time())
 
     @asynccontextmanager
