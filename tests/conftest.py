@@ -28,4 +28,7 @@ def _clean_kernel_env(monkeypatch):
     """Tests start without ditfuse pins/disables from the caller's environment."""
     for var in ("DITFUSE_DISABLE", "DITFUSE_BACKEND", "DITFUSE_VERIFY"):
         monkeypatch.delenv(var, raising=False)
+    from ditfuse.contracts.bitexact import gate
+
+    gate.reset()  # each test sees a fresh process-wide gate
     yield

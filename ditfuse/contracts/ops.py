@@ -106,12 +106,16 @@ class GatedOp:
         return self._loaded[key]
 
     def available(self, device: torch.device | str) -> bool:
-        return self._kernel_for(torch.device(device)) is not None and not gate.is_disabled(self.op)
+        return (
+            self._kernel_for(torch.device(device)) is not None
+            and not gate.is_disabled(self.op)
+            and not registry.is_disabled(self.op)
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0]
         loaded = self._kernel_for(first.device)
-        if loaded is None or gate.is_disabled(self.op):
+        if loaded is None or gate.is_disabled(self.op) or registry.is_disabled(self.op):
             return self.reference(*args, **kwargs)
         kernel, predicate = loaded
         if not predicate(*args, **kwargs):

@@ -258,14 +258,14 @@ def _signature_problem() -> str | None:
     from diffusers.models.transformers import transformer_flux as tf
 
     want = {
-        tf.FluxTransformerBlock.forward: ["self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs"],
-        tf.FluxSingleTransformerBlock.forward: ["self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs"],
-        tf.FluxAttention.forward: ["self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs"],
+        tf.FluxTransformerBlock: ["self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs"],
+        tf.FluxSingleTransformerBlock: ["self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs"],
+        tf.FluxAttention: ["self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs"],
     }
-    for fn, params in want.items():
-        got = list(inspect.signature(fn).parameters)
+    for cls, params in want.items():
+        got = list(inspect.signature(cls.forward).parameters)
         if got != params:
-            return f"{fn.__qualname__} has parameters {got}, expected {params}"
+            return f"{cls.__name__}.forward has parameters {got}, expected {params}"
     return None
 
 

@@ -1,0 +1,214 @@
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+from ditfuse.contracts.bitexact import BitExactGate, BitExactMismatch, tensor_signature
+from ditfuse.kernels.compare import assert_bitwise_equal, first_mismatch
+from ditfuse.kernels.errors import UnsupportedInput
+
+
+class Counting:
+    def __init__(self, fn):
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        return self.fn(*a, **k)
+
+
+def ref_fn(x):
+    return x * 2 + 1
+
+
+@pytest.fixture
+def g():
+    gate = BitExactGate()
+    gate.is_compiling = lambda: False
+    gate.is_capturing = lambda: False
+    return gate
+
+
+def test_reference_called_once_per_new_signature(g):
+    kern, ref = Counting(ref_fn), Counting(ref_fn)
+    x = torch.randn(4, 8)
+    for _ in range(5):
+        assert torch.equal(g.call("t.op", ("sigA",), kern, ref, x), ref_fn(x))
+    assert ref.calls == 1 and kern.calls == 5
+    g.call("t.op", ("sigB",), kern, ref, x)
+    assert ref.calls == 2
+    rep = g.report()
+    assert sorted(rep.verified["t.op"]) == [("sigA",), ("sigB",)]
+    assert rep.calls["t.op"]["verify"] == 2 and rep.calls["t.op"]["kernel"] == 4
+    assert rep.disabled == {} and rep.fallbacks == []
+
+
+def test_mismatch_disables_permanently_and_returns_reference(g, caplog):
+    def bad(x):
+        y = ref_fn(x)
+        y[1, 2] += 1
+        return y
+
+    kern, ref = Counting(bad), Counting(ref_fn)
+    x = torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="ditfuse.gate"):
+        out = g.call("t.bad", ("s",), kern, ref, x)
+    assert torch.equal(out, ref_fn(x))
+    assert g.is_disabled("t.bad")
+    msg = " ".join(r.getMessage() for r in caplog.records)
+    assert "t.bad" in msg and "[1, 2]" in msg and "('s',)" in msg
+    # permanently: even a new signature goes to the reference, the kernel is not called again
+    g.call("t.bad", ("other",), kern, ref, x)
+    assert kern.calls == 1 and ref.calls == 2
+    rep = g.report()
+    assert "t.bad" in rep.disabled and rep.fallbacks[0].op == "t.bad"
+    assert "1 of 32 elements differ" in rep.fallbacks[0].reason
+
+
+def test_nan_inputs_compared_bitwise(g):
+    x = torch.tensor([1.0, float("nan"), float("inf"), -0.0])
+    # NaN in the same place: equal, even with another payload
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    alt = lambda x: torch.where(torch.isnan(x), nan2.expand_as(x), x)
+    assert g.call("t.nan", ("s",), alt, lambda x: x.clone(), x) is not None
+    assert not g.is_disabled("t.nan")
+    # -0.0 vs +0.0 is a mismatch
+    g2 = BitExactGate()
+    g2.is_compiling = g2.is_capturing = lambda: False
+    g2.call("t.zero", ("s",), lambda x: x.abs(), lambda x: x.clone(), x.nan_to_num())
+    assert g2.is_disabled("t.zero")
+    # NaN where eager has a number: mismatch
+    g2.call("t.nanplace", ("s",), lambda x: x.clone().fill_(float("nan")), lambda x: x.clone(), torch.ones(3))
+    assert g2.is_disabled("t.nanplace")
+
+
+@pytest.mark.parametrize("which", ["compiling", "capturing"])
+def test_no_verification_under_capture_or_compile(g, which):
+    kern, ref = Counting(ref_fn), Counting(ref_fn)
+    x = torch.randn(3)
+    setattr(g, "is_" + which, lambda: True)
+    g.call("t.cap", ("s",), kern, ref, x)  # unverified: reference only, no compare
+    assert kern.calls == 0 and ref.calls == 1
+    assert g.report().calls["t.cap"]["unverified_under_capture"] == 1
+    setattr(g, "is_" + which, lambda: False)
+    g.call("t.cap", ("s",), kern, ref, x)  # verification outside
+    assert kern.calls == 1 and ref.calls == 2
+    setattr(g, "is_" + which, lambda: True)
+    g.call("t.cap", ("s",), kern, ref, x)  # verified: kernel runs inside capture
+    assert kern.calls == 2 and ref.calls == 2
+
+
+def test_strict_mode_raises(g, monkeypatch):
+    monkeypatch.setenv("DITFUSE_VERIFY", "strict")
+    with pytest.raises(BitExactMismatch, match="t.strict"):
+        g.call("t.strict", ("s",), lambda x: x + 1, ref_fn, torch.ones(2))
+
+
+def test_always_and_off_modes(g, monkeypatch):
+    kern, ref = Counting(ref_fn), Counting(ref_fn)
+    monkeypatch.setenv("DITFUSE_VERIFY", "always")
+    for _ in range(3):
+        g.call("t.always", ("s",), kern, ref, torch.ones(2))
+    assert ref.calls == 3
+    monkeypatch.setenv("DITFUSE_VERIFY", "off")
+    g.call("t.off", ("s",), lambda x: x + 100, ref, torch.ones(2))
+    assert ref.calls == 3 and not g.is_disabled("t.off")
+    monkeypatch.setenv("DITFUSE_VERIFY", "sometimes")
+    with pytest.raises(ValueError, match="first, always, off, strict"):
+        g.call("t.x", ("s",), kern, ref, torch.ones(2))
+
+
+def test_kernel_exception_falls_back_and_reports(g):
+    def boom(x):
+        raise RuntimeError("launch failed")
+
+    out = g.call("t.boom", ("s",), boom, ref_fn, torch.ones(2))
+    assert torch.equal(out, ref_fn(torch.ones(2)))
+    rep = g.report()
+    assert "launch failed" in rep.disabled["t.boom"]
+    assert "RuntimeError" in rep.fallbacks[0].reason
+
+
+def test_unsupported_input_falls_back_without_disabling(g):
+    def picky(x):
+        if x.numel() == 3:
+            raise UnsupportedInput("odd width 3")
+        return ref_fn(x)
+
+    g.call("t.picky", ("s3",), picky, ref_fn, torch.ones(3))
+    assert not g.is_disabled("t.picky")
+    assert "odd width 3" in g.report().fallbacks[0].reason
+    g.call("t.picky", ("s4",), picky, ref_fn, torch.ones(4))
+    assert g.is_verified("t.picky", ("s4",))
+
+
+def test_out_buffer_kernels_verified(g):
+    def kern(x, out):
+        out.copy_(x * 2)
+        return out
+
+    def ref(x, out):
+        out.copy_(x * 2)
+        return out
+
+    buf = torch.empty(4)
+    res = g.call("t.out", ("s",), kern, ref, torch.arange(4.0), buf)
+    assert res.data_ptr() == buf.data_ptr() and torch.equal(buf, torch.arange(4.0) * 2)
+    assert g.is_verified("t.out", ("s",))
+
+
+def test_concurrent_first_sight_verifies_once(g):
+    ref_calls = []
+
+    def slow_ref(x):
+        ref_calls.append(threading.get_ident())
+        time.sleep(0.05)
+        return ref_fn(x)
+
+    x = torch.randn(16)
+    barrier = threading.Barrier(2)
+    results = []
+
+    def worker():
+        barrier.wait()
+        results.append(g.call("t.conc", ("s",), ref_fn, slow_ref, x))
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert len(ref_calls) == 1
+    assert all(torch.equal(r, ref_fn(x)) for r in results)
+    assert g.report().calls["t.conc"]["kernel"] == 1
+
+
+def test_report_summary_and_dict(g):
+    g.call("t.a", ("s",), ref_fn, ref_fn, torch.ones(2))
+    text = g.report().summary()
+    assert "t.a: 1 verified signature(s)" in text
+    d = g.report().to_dict()
+    assert d["calls"]["t.a"]["verify"] == 1
+
+
+def test_tensor_signature_layout_classes():
+    x = torch.randn(4, 6)
+    assert tensor_signature(x) == ("float32", "cpu", "contiguous")
+    assert tensor_signature(x[:, :3])[2] == "rows-strided"
+    assert tensor_signature(x.t())[2] == "strided"
+
+
+def test_assert_bitwise_equal_reports_details():
+    a = torch.zeros(3, 5, dtype=torch.bfloat16)
+    b = a.clone()
+    b[1, 3] = 1.5
+    b[2, 0] = float("nan")
+    with pytest.raises(AssertionError) as e:
+        assert_bitwise_equal(a, b, "x")
+    msg = str(e.value)
+    assert "2 of 15 elements differ" in msg and "[1, 3]" in msg and "expected 1.5" in msg
+    assert "NaN placement differs at 1" in msg
+    assert first_mismatch(a, a.clone()) is None
+    with pytest.raises(AssertionError, match="shape/dtype"):
+        assert_bitwise_equal(a, a.float())
