@@ -1,0 +1,400 @@
+"""QK RMSNorm + FLUX interleaved RoPE, written into the joint tensors; bit-exact vs torch 2.11
+CUDA eager (diffusers 0.42.1 ``FluxAttnProcessor``).
+
+For q and k alike, with ``x`` each text / image input and ``w`` its RMSNorm weight::
+
+    n   = r(w * (rstd * x))      rstd = rsqrtf(sum(x*x) / D + eps), torch's reduction order
+    y   = cat([n_txt, n_img], dim=1)                 (text first; copies bits)
+    out[2i]   = r(r32(y[2i]   * cos[2i])   + r32(-y[2i+1] * sin[2i]))   (computed as a - b)
+    out[2i+1] = r(r32(y[2i+1] * cos[2i+1]) + r32( y[2i]   * sin[2i+1]))
+
+``r`` rounds to the input dtype (round-to-nearest-even), ``r32`` is an fp32 result. The norm is
+``torch.nn.RMSNorm(D, eps)`` (``_fused_rms_norm`` on CUDA, one rounding; sum of squares in the
+order of ``common.rms``); RoPE is diffusers' ``apply_rotary_emb(use_real=True,
+use_real_unbind_dim=-1, sequence_dim=1)``: ``x.float() * cos + x_rotated.float() * sin`` as three
+separate eager ops, so the products are rounded to fp32 before the add and the kernel is launched
+with ``enable_fp_fusion=False`` (the sum of squares keeps its FMAs through explicit ``fma``).
+The bf16 rounding of the norm output before RoPE is kept. Without cos/sin the kernel is
+RMSNorm + cat; without text inputs (single blocks) it is RMSNorm (+ RoPE) of q and k alone.
+
+One launch handles q and k, text and image: each program takes a block of output rows
+(b, s, h) of the joint [B, S_txt + S_img, H, D] tensors, loads each row from the text or the image
+input (any strides), and loads cos/sin once for q and k.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_rstd, rms_sumsq_torch_order
+from ..common.rounding import round_to, rround
+from ..errors import UnsupportedInput
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+_ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _load_rows(txt_ptr, img_ptr, b, s, h, row_ok, d, d_ok,
+               t_sb, t_ss, t_sh, t_sd, i_sb, i_ss, i_sh, i_sd,
+               S_TXT, HAS_TXT: tl.constexpr):
+    """[R, DP] fp32: row (b, s, h) of the joint sequence from the text input (s < S_TXT) or the
+    image input (s - S_TXT); masked columns and rows are 0."""
+    in_txt = s < S_TXT
+    img_row = b * i_sb + (s - S_TXT) * i_ss + h * i_sh
+    m_img = (row_ok & (s >= S_TXT))[:, None] & d_ok[None, :]
+    x = tl.load(img_ptr + img_row[:, None] + d[None, :] * i_sd, mask=m_img, other=0.0).to(tl.float32)
+    if HAS_TXT:
+        txt_row = b * t_sb + s * t_ss + h * t_sh
+        m_txt = (row_ok & in_txt)[:, None] & d_ok[None, :]
+        xt = tl.load(txt_ptr + txt_row[:, None] + d[None, :] * t_sd, mask=m_txt, other=0.0).to(tl.float32)
+        x = tl.where(m_txt, xt, x)
+    return x
+
+
+@triton.jit
+def _row_weight(wt_ptr, wi_ptr, s, d, d_ok, S_TXT,
+                HAS_TXT: tl.constexpr, HAS_WT: tl.constexpr, HAS_WI: tl.constexpr):
+    """[R, DP] fp32 weight of each row's source; 1.0 where that source has no weight
+    (``1.0 * v == v`` bit for bit, so ``w * (rstd * x)`` then equals torch's gamma-less
+    ``rstd * x``)."""
+    if HAS_WI:
+        wi = tl.load(wi_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    else:
+        wi = tl.full(d.shape, 1.0, tl.float32)
+    if HAS_TXT:
+        if HAS_WT:
+            wt = tl.load(wt_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        else:
+            wt = tl.full(d.shape, 1.0, tl.float32)
+        w = tl.where((s < S_TXT)[:, None], wt[None, :], wi[None, :])
+    else:
+        w = tl.broadcast_to(wi[None, :], [s.shape[0], d.shape[0]])
+    return w
+
+
+@triton.jit
+def _norm_rope_store(x, w, cos_e, cos_o, sin_e, sin_o, out_ptr, out_off, mask, eps,
+                     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
+                     HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr):
+    rstd = rms_rstd(rms_sumsq_torch_order(x, R, DP), D, eps)
+    # torch: gamma * (rstd * x), one rounding to the dtype (the eager op's store).
+    n = rround(w * (rstd[:, None] * x), DTYPE)
+    if HAS_ROPE:
+        ye, yo = tl.split(tl.reshape(n, [R, DP // 2, 2]))
+        # x.float() * cos, x_rotated.float() * sin, then their sum: three eager ops, three fp32
+        # roundings (no FMA: the launch disables fp fusion). Eager's ``-x_imag`` is written as a
+        # subtraction: a + (-y)*s == a - y*s bit for bit (signed zeros included), whereas
+        # Triton's unary minus is ``0 - y`` and turns -0 into +0.
+        oe = ye * cos_e - yo * sin_e
+        oo = yo * cos_o + ye * sin_o
+        out = tl.reshape(tl.join(oe, oo), [R, DP])
+    else:
+        out = n
+    tl.store(out_ptr + out_off, round_to(out, DTYPE), mask=mask)
+
+
+@triton.jit
+def _qk_rmsnorm_rope_kernel(
+    q_img, k_img, q_txt, k_txt, wq_img, wk_img, wq_txt, wk_txt,
+    cos_ptr, sin_ptr, q_out, k_out,
+    qi_sb, qi_ss, qi_sh, qi_sd, ki_sb, ki_ss, ki_sh, ki_sd,
+    qt_sb, qt_ss, qt_sh, qt_sd, kt_sb, kt_ss, kt_sh, kt_sd,
+    c_ss, c_sd, s_ss, s_sd,
+    n_rows, S_TXT, S_TOT, H, eps,
+    D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
+    HAS_TXT: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_WQI: tl.constexpr, HAS_WKI: tl.constexpr, HAS_WQT: tl.constexpr, HAS_WKT: tl.constexpr,
+    DTYPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < n_rows
+    h = rows % H
+    bs = rows // H
+    s = bs % S_TOT
+    b = bs // S_TOT
+    d = tl.arange(0, DP)
+    d_ok = d < D
+    mask = row_ok[:, None] & d_ok[None, :]
+    # Output rows are (b, s, h) of a contiguous [B, S_TOT, H, D]: row r starts at r * D.
+    out_off = rows[:, None] * D + d[None, :]
+
+    if HAS_ROPE:
+        de = tl.arange(0, DP // 2) * 2
+        de_ok = (de < D)[None, :] & row_ok[:, None]
+        c_row = s[:, None] * c_ss
+        s_row = s[:, None] * s_ss
+        cos_e = tl.load(cos_ptr + c_row + de[None, :] * c_sd, mask=de_ok, other=0.0).to(tl.float32)
+        cos_o = tl.load(cos_ptr + c_row + (de[None, :] + 1) * c_sd, mask=de_ok, other=0.0).to(tl.float32)
+        sin_e = tl.load(sin_ptr + s_row + de[None, :] * s_sd, mask=de_ok, other=0.0).to(tl.float32)
+        sin_o = tl.load(sin_ptr + s_row + (de[None, :] + 1) * s_sd, mask=de_ok, other=0.0).to(tl.float32)
+    else:
+        cos_e = tl.zeros([R, DP // 2], tl.float32)
+        cos_o = cos_e
+        sin_e = cos_e
+        sin_o = cos_e
+
+    xq = _load_rows(q_txt, q_img, b, s, h, row_ok, d, d_ok,
+                    qt_sb, qt_ss, qt_sh, qt_sd, qi_sb, qi_ss, qi_sh, qi_sd, S_TXT, HAS_TXT)
+    wq = _row_weight(wq_txt, wq_img, s, d, d_ok, S_TXT, HAS_TXT, HAS_WQT, HAS_WQI)
+    _norm_rope_store(xq, wq, cos_e, cos_o, sin_e, sin_o, q_out, out_off, mask, eps,
+                     D, DP, R, HAS_ROPE, DTYPE)
+
+    xk = _load_rows(k_txt, k_img, b, s, h, row_ok, d, d_ok,
+                    kt_sb, kt_ss, kt_sh, kt_sd, ki_sb, ki_ss, ki_sh, ki_sd, S_TXT, HAS_TXT)
+    wk = _row_weight(wk_txt, wk_img, s, d, d_ok, S_TXT, HAS_TXT, HAS_WKT, HAS_WKI)
+    _norm_rope_store(xk, wk, cos_e, cos_o, sin_e, sin_o, k_out, out_off, mask, eps,
+                     D, DP, R, HAS_ROPE, DTYPE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicate
+
+
+def _interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _suggests_channels_last(t: torch.Tensor) -> bool:
+    """c10's ``is_channels_last_strides_2d_s4`` for a 4-D tensor: ``F.rms_norm`` sends a tensor
+    whose strides suggest channels-last to its composite (unfused) path."""
+    sizes, strides = t.shape, t.stride()
+    if strides[1] == 0:
+        return False
+    lo = 0
+    for dim in (1, 3, 2, 0):
+        if sizes[dim] == 0 or strides[dim] < lo:
+            return False
+        if dim == 0 and lo == strides[1]:
+            return False
+        lo = strides[dim] * (sizes[dim] if sizes[dim] > 1 else 1)
+    return True
+
+
+def _vector_aligned(t: torch.Tensor) -> bool:
+    """torch's vectorized kernel needs the row data (after ``expect_contiguous``, which copies a
+    non-contiguous tensor into a fresh, aligned buffer) aligned to 4 elements."""
+    return not t.is_contiguous() or t.data_ptr() % (RMS_VEC_WIDTH * t.element_size()) == 0
+
+
+def _unsupported_reason(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+    q_txt: torch.Tensor | None,
+    k_txt: torch.Tensor | None,
+    q_txt_weight: torch.Tensor | None,
+    k_txt_weight: torch.Tensor | None,
+) -> str | None:
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return "q and k must be tensors"
+    if (q_txt is None) != (k_txt is None):
+        return "q_txt and k_txt must be given together"
+    if (cos is None) != (sin is None):
+        return "cos and sin must be given together"
+    if q_txt is None and (q_txt_weight is not None or k_txt_weight is not None):
+        return "text weights given without text inputs"
+    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
+    weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
+    rope = [t for t in (cos, sin) if t is not None]
+    tensors = inputs + weights + rope
+    dev = q.device
+    if any(t.device != dev for t in tensors):
+        return "tensors on different devices"
+    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreter_on()):
+        return f"device {dev} is not CUDA (the CPU runs Triton only under TRITON_INTERPRET=1)"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "an input requires grad and grad mode is on (the kernel has no backward)"
+    if q.dim() != 4 or q.shape != k.shape:
+        return f"q and k must be [B, S, H, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
+    B, S_img, H, D = q.shape
+    if q_txt is not None:
+        if q_txt.dim() != 4 or q_txt.shape != k_txt.shape:
+            return "q_txt and k_txt must be [B, S_txt, H, D] of one shape"
+        if (q_txt.shape[0], q_txt.shape[2], q_txt.shape[3]) != (B, H, D):
+            return "text and image inputs differ in B, H or D"
+    dtype = q.dtype
+    if dtype not in _SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not bf16, fp16 or fp32"
+    if any(t.dtype != dtype for t in inputs):
+        return "q, k, q_txt, k_txt have different dtypes (torch.cat would type-promote)"
+    if D % RMS_VEC_WIDTH != 0:
+        return f"head_dim {D} is not a multiple of 4 (torch takes its non-vectorized RMSNorm path)"
+    if D > RMS_MAX_WIDTH:
+        return f"head_dim {D} > {RMS_MAX_WIDTH} (torch's threads then sum several vectors each)"
+    for w in weights:
+        if w.dim() != 1 or w.shape[0] != D:
+            return f"a weight has shape {tuple(w.shape)}, expected ({D},)"
+        if w.dtype != dtype:
+            return "a weight dtype differs from the input dtype (F.rms_norm then runs its composite path)"
+    for t in inputs:
+        if _suggests_channels_last(t):
+            return "an input's strides suggest channels-last (F.rms_norm then runs its composite path)"
+    for t in inputs + weights:
+        if not _vector_aligned(t):
+            return "a contiguous input or weight is not 4-element aligned (torch's non-vectorized path)"
+    if cos is not None:
+        S_tot = S_img + (q_txt.shape[1] if q_txt is not None else 0)
+        for t in (cos, sin):
+            if t.dim() != 2 or tuple(t.shape) != (S_tot, D):
+                return f"cos/sin must be [S_txt + S_img, D] = [{S_tot}, {D}], got {tuple(t.shape)}"
+            if t.dtype not in _ROPE_DTYPES:
+                return f"cos/sin dtype {t.dtype} is not fp32, bf16 or fp16 (the RoPE would not compute in fp32)"
+    if not isinstance(eps, (int, float)):
+        return "eps must be a Python number"
+    return None
+
+
+def can_use_qk_rmsnorm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> bool:
+    """True when :func:`qk_rmsnorm_rope` reproduces the reference bit for bit on these inputs.
+
+    Rejected (False), each a case torch computes differently or the kernel does not take:
+    - tensors on different devices; a device other than CUDA (the CPU only under
+      TRITON_INTERPRET=1); an input requiring grad while grad mode is on (no backward);
+    - q/k not 4-D [B, S, H, D] of one shape; q_txt/k_txt (or cos/sin) given one without the
+      other; text inputs whose B, H, D differ from the image inputs'; text weights without text;
+    - dtype other than bf16/fp16/fp32, or mixed dtypes among q, k, q_txt, k_txt;
+    - head_dim D not a multiple of 4 (torch's non-vectorized RMSNorm kernels, another order) or
+      D > 512 (torch's threads then accumulate several vectors; not implemented);
+    - a weight that is not [D] or whose dtype differs from the input's (F.rms_norm's composite
+      path, several roundings);
+    - an input whose strides suggest channels-last (F.rms_norm's composite path);
+    - a contiguous input or weight not aligned to 4 elements (torch's non-vectorized path);
+    - cos/sin not [S_txt + S_img, D] or not fp32/bf16/fp16.
+    Strided inputs (e.g. chunks of a fused qkv projection) are accepted: torch copies them
+    contiguous first, which changes no value.
+    """
+    return (
+        _unsupported_reason(
+            q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight
+        )
+        is None
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom op and launch
+
+
+def _block_rows(D: int) -> int:
+    # About 4K elements per tensor per program: 32 rows of 128.
+    return max(1, 4096 // triton.next_power_of_2(D))
+
+
+def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight):
+    B, S_img, H, D = q.shape
+    S_txt = q_txt.shape[1] if q_txt is not None else 0
+    S_tot = S_txt + S_img
+    q_out = torch.empty((B, S_tot, H, D), dtype=q.dtype, device=q.device)
+    k_out = torch.empty((B, S_tot, H, D), dtype=q.dtype, device=q.device)
+    n_rows = B * S_tot * H
+    if n_rows == 0 or D == 0:
+        return q_out, k_out
+    has_txt = q_txt is not None
+    has_rope = cos is not None
+    qt = q_txt if has_txt else q
+    kt = k_txt if has_txt else k
+    dummy = q
+    R = _block_rows(D)
+    grid = (triton.cdiv(n_rows, R),)
+    _qk_rmsnorm_rope_kernel[grid](
+        q, k, qt, kt,
+        q_weight if q_weight is not None else dummy,
+        k_weight if k_weight is not None else dummy,
+        q_txt_weight if q_txt_weight is not None else dummy,
+        k_txt_weight if k_txt_weight is not None else dummy,
+        cos if has_rope else dummy, sin if has_rope else dummy,
+        q_out, k_out,
+        *q.stride(), *k.stride(), *qt.stride(), *kt.stride(),
+        *(cos.stride() if has_rope else (0, 0)), *(sin.stride() if has_rope else (0, 0)),
+        n_rows, S_txt, S_tot, H, float(eps),
+        D=D, DP=triton.next_power_of_2(D), R=R,
+        HAS_TXT=has_txt, HAS_ROPE=has_rope,
+        HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
+        HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
+        DTYPE=_TL_DTYPE[q.dtype],
+        num_warps=4, enable_fp_fusion=False,
+    )
+    return q_out, k_out
+
+
+@torch.library.custom_op("ditfuse::qk_rmsnorm_rope", mutates_args=())
+def _qk_rmsnorm_rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+    q_txt: torch.Tensor | None,
+    k_txt: torch.Tensor | None,
+    q_txt_weight: torch.Tensor | None,
+    k_txt_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+@_qk_rmsnorm_rope_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight):
+    B, S_img, H, D = q.shape
+    S_tot = S_img + (q_txt.shape[1] if q_txt is not None else 0)
+    return (
+        q.new_empty((B, S_tot, H, D)),
+        q.new_empty((B, S_tot, H, D)),
+    )
+
+
+def qk_rmsnorm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FluxAttnProcessor's QK-norm + concat + RoPE in one launch, bitwise equal to
+    ``ditfuse.kernels.reference.qk_rmsnorm_rope`` on CUDA (torch 2.11).
+
+    q, k: [B, S_img, H, D] (image tokens, or all tokens in single blocks), any strides;
+    q_txt, k_txt: [B, S_txt, H, D] or None; weights: [D] in the input dtype or None
+    (``elementwise_affine=False``); cos, sin: [S_txt + S_img, D] (fp32) or None (no RoPE).
+    Returns contiguous (q_joint, k_joint), each [B, S_txt + S_img, H, D], text first.
+    Formula: see the module docstring. Raises :class:`UnsupportedInput` exactly where
+    :func:`can_use_qk_rmsnorm_rope` is False.
+    """
+    reason = _unsupported_reason(
+        q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight
+    )
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return torch.ops.ditfuse.qk_rmsnorm_rope(
+        q, k, q_weight, k_weight, cos, sin, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight
+    )
