@@ -1,0 +1,128 @@
+"""Gated residual: ``out = r(residual + r(gate * update))``, bit-exact vs torch 2.11 CUDA eager.
+
+diffusers writes ``gate.unsqueeze(1) * update`` and then ``residual + that``: two eager kernels,
+each computing in fp32 and rounding once to the dtype when it stores. This kernel computes the
+same two fp32 operations, rounds the product before the add (``common.rounding.rround``) and the
+sum once at the store. Launched with ``enable_fp_fusion=False`` so the product is never fused into
+the add (an FMA would skip the intermediate rounding; in fp32 the rounding is the fp32 product
+itself).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.elementwise import SUPPORTED_DTYPES, broadcast_3d, device_reason, grad_reason, load_f32, rround_exact, tile, tl_dtype
+from ..common.rounding import round_to
+from ..errors import UnsupportedInput
+
+
+@triton.jit
+def _gate_residual_kernel(
+    res_ptr, gate_ptr, upd_ptr, out_ptr,
+    R, S, D,
+    srb, srs, srd,
+    sgb, sgs, sgd,
+    sub, sus, sud,
+    sob, sos,
+    DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    b = rows // S
+    s = rows - b * S
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    c = cols[None, :].to(tl.int64)
+    res = load_f32(res_ptr + (b * srb + s * srs)[:, None] + c * srd, mask)
+    g = load_f32(gate_ptr + (b * sgb + s * sgs)[:, None] + c * sgd, mask)
+    u = load_f32(upd_ptr + (b * sub + s * sus)[:, None] + c * sud, mask)
+    prod = rround_exact(g * u, DTYPE)  # eager op 1: gate[:, None] * update
+    out = round_to(res + prod, DTYPE)  # eager op 2: residual + product
+    tl.store(out_ptr + (b * sob + s * sos)[:, None] + c, out, mask=mask)
+
+
+def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> str | None:
+    if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
+        return "residual, gate and update must be tensors"
+    if residual.dim() != 3:
+        return f"residual must be 3-D [B, S, D], got {residual.dim()}-D"
+    if tuple(update.shape) != tuple(residual.shape):
+        # Eager would broadcast; FLUX never does, and the output shape would no longer be residual's.
+        return f"update shape {tuple(update.shape)} differs from residual {tuple(residual.shape)}"
+    if residual.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {residual.dtype} is not bf16, fp16 or fp32"
+    if gate.dtype != residual.dtype or update.dtype != residual.dtype:
+        return f"dtypes differ (residual {residual.dtype}, gate {gate.dtype}, update {update.dtype}); eager would promote"
+    reason = device_reason(residual, gate, update) or grad_reason(residual, gate, update)
+    if reason:
+        return reason
+    if broadcast_3d(gate, tuple(residual.shape)) is None:
+        return (
+            f"gate of shape {tuple(gate.shape)} is not [B, D], [B, 1, D] or [B, S, D] broadcastable "
+            f"to {tuple(residual.shape)}"
+        )
+    return None
+
+
+def can_use_gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> bool:
+    """True when :func:`gate_residual` reproduces eager for these inputs. Rejected (False):
+    non-tensors; residual not 3-D; update shape != residual shape; dtypes other than
+    bf16/fp16/fp32 or not all equal (eager would type-promote); different devices, or the CPU
+    without TRITON_INTERPRET=1; an input requiring grad with grad mode on (no backward); gate not
+    [B, D], [B, 1, D] or [B, S, D] broadcastable to residual. Any strides are handled."""
+    return _unsupported_reason(residual, gate, update) is None
+
+
+@torch.library.custom_op("ditfuse::gate_residual", mutates_args=())
+def _gate_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    B, S, D = residual.shape
+    out = torch.empty((B, S, D), dtype=residual.dtype, device=residual.device)
+    if out.numel() == 0:
+        return out
+    sr, su = residual.stride(), update.stride()
+    sg = broadcast_3d(gate, (B, S, D))
+    assert sg is not None
+    block_r, block_d, warps = tile(D)
+    R = B * S
+    grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
+    _gate_residual_kernel[grid](
+        residual, gate, update, out,
+        R, S, D,
+        sr[0], sr[1], sr[2],
+        sg[0], sg[1], sg[2],
+        su[0], su[1], su[2],
+        out.stride(0), out.stride(1),
+        DTYPE=tl_dtype(residual.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=warps, enable_fp_fusion=False,
+    )
+    return out
+
+
+@_gate_residual_op.register_fake
+def _(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    return residual.new_empty(residual.shape)
+
+
+def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """``out = r(residual + r(gate * update))``, bitwise equal to torch 2.11 CUDA eager
+    ``residual + gate.unsqueeze(1) * update`` (r = round to the dtype, nearest-even).
+
+    residual, update: [B, S, D] (any strides); gate: [B, D] / [B, 1, D] per sample or [B, S, D] per
+    token; all bf16, fp16 or fp32. Returns a new contiguous [B, S, D] tensor. FLUX's fp16 ``clip``
+    after the single block's residual is a separate op and not part of this kernel. Raises
+    :class:`UnsupportedInput` exactly where :func:`can_use_gate_residual` is False. Runs as the
+    custom op ``ditfuse::gate_residual``.
+    """
+    reason = _unsupported_reason(residual, gate, update)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return torch.ops.ditfuse.gate_residual(residual, gate, update)
+
+
+__all__ = ["gate_residual", "can_use_gate_residual"]

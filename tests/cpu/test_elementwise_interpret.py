@@ -1,0 +1,240 @@
+"""Elementwise kernels under TRITON_INTERPRET=1 (set by tests/conftest.py when there is no CUDA).
+
+scale_shift and gate_residual are checked bitwise against ditfuse.kernels.reference: their fp32
+math is a plain multiply and add per eager op (numpy computes them exactly as the GPU does) and
+the bf16 stores go through the round-to-nearest-even shim. GELU is checked with a tolerance
+here: on the GPU the kernel uses libdevice tanhf (ex2.approx / rcp.approx), which the interpreter
+does not have; it runs the same algorithm with numpy's exp2 and an exact division, and the
+interpreter's fma rounds twice, so the fp32 value before the final rounding may differ by a few
+ulps from torch's CPU tanh-GELU (itself a different implementation from CUDA's). Bitwise GELU is
+proved on the GPU (tests/gpu/test_elementwise.py, all 65,536 bf16 and fp16 patterns).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditfuse.kernels import reference as ref
+from ditfuse.kernels.compare import assert_bitwise_equal
+from ditfuse.kernels.errors import UnsupportedInput
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU-only machines")
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1, 1, 1), (1, 1, 64), (2, 7, 96), (1, 13, 136), (2, 3, 97), (2, 1, 31)]
+
+
+@pytest.fixture(scope="module")
+def k():
+    from ditfuse.kernels.activation import gelu_tanh_triton as g
+    from ditfuse.kernels.modulate import gate_residual_triton as gr
+    from ditfuse.kernels.modulate import scale_shift_triton as ss
+
+    return type("K", (), dict(ss=ss, gr=gr, g=g))
+
+
+def _specials(t: torch.Tensor) -> torch.Tensor:
+    flat = t.reshape(-1)
+    vals = (float("nan"), float("inf"), float("-inf"), -0.0, 1e-40)
+    for i, v in enumerate(vals):
+        if i * 5 < flat.numel():
+            flat[i * 5] = v
+    return flat.reshape(t.shape)
+
+
+def _rand(shape, dtype, scale=1.0, specials=True):
+    t = (torch.randn(shape) * scale).to(dtype)
+    return _specials(t) if specials else t
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_scale_shift_bitwise(k, dtype, shape, per_token):
+    torch.manual_seed(sum(shape))
+    B, S, D = shape
+    x = _rand(shape, dtype, 4.0)
+    pshape = (B, S, D) if per_token else (B, D)
+    scale, shift = _rand(pshape, dtype, 0.7), _rand(pshape, dtype, 0.7)
+    assert k.ss.can_use_scale_shift(x, scale, shift)
+    assert_bitwise_equal(k.ss.scale_shift(x, scale, shift), ref.scale_shift(x, scale, shift))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("per_token", [False, True])
+def test_gate_residual_bitwise(k, dtype, shape, per_token):
+    torch.manual_seed(sum(shape) + 1)
+    B, S, D = shape
+    res, upd = _rand(shape, dtype, 4.0), _rand(shape, dtype, 3.0)
+    gate = _rand((B, S, D) if per_token else (B, D), dtype, 0.7)
+    assert k.gr.can_use_gate_residual(res, gate, upd)
+    assert_bitwise_equal(k.gr.gate_residual(res, gate, upd), ref.gate_residual(res, gate, upd))
+
+
+def test_rounding_paths_are_exercised(k):
+    """Values chosen so that skipping any one of the three roundings changes the bf16 result."""
+    torch.manual_seed(0)
+    x = _rand((2, 16, 64), torch.bfloat16, 8.0, specials=False)
+    scale, shift = _rand((2, 64), torch.bfloat16, 0.9, False), _rand((2, 64), torch.bfloat16, 0.9, False)
+    exact = (x.double() * (1 + scale[:, None].double()) + shift[:, None].double()).to(torch.bfloat16)
+    expect = ref.scale_shift(x, scale, shift)
+    assert not torch.equal(exact, expect)  # the roundings matter for these inputs
+    assert_bitwise_equal(k.ss.scale_shift(x, scale, shift), expect)
+
+
+def test_broadcast_forms(k):
+    torch.manual_seed(1)
+    x = _rand((2, 5, 64), torch.bfloat16, 2.0)
+    for sc in (_rand((2, 1, 64), torch.bfloat16), _rand((1, 64), torch.bfloat16), _rand((1, 5, 64), torch.bfloat16)):
+        sh = _rand((2, 64), torch.bfloat16)
+        assert_bitwise_equal(k.ss.scale_shift(x, sc, sh), ref.scale_shift(x, sc, sh))
+        assert_bitwise_equal(k.gr.gate_residual(x, sc, x), ref.gate_residual(x, sc, x))
+
+
+def test_strided_views(k):
+    torch.manual_seed(2)
+    dt = torch.bfloat16
+    big = _rand((2, 7, 160), dt, 3.0)
+    x = big[:, :, 32:128]  # row stride 160
+    xt = _rand((7, 2, 96), dt, 3.0).transpose(0, 1)
+    xs = _rand((2, 7, 192), dt, 3.0)[:, :, ::2]
+    sc = _rand((2, 192), dt)[:, ::2]
+    sh = _rand((96, 2), dt).t()
+    g3 = _rand((2, 7, 192), dt)[:, :, 96:]
+    for xx in (x, xt, xs):
+        assert_bitwise_equal(k.ss.scale_shift(xx, sc, sh), ref.scale_shift(xx, sc, sh))
+        assert_bitwise_equal(k.gr.gate_residual(xx, g3, x), ref.gate_residual(xx, g3, x))
+
+
+def _gelu_close(actual: torch.Tensor, x: torch.Tensor) -> None:
+    expect = ref.gelu_tanh(x)
+    nan_a, nan_e = torch.isnan(actual), torch.isnan(expect)
+    assert torch.equal(nan_a, nan_e)
+    assert torch.equal(torch.isinf(actual), torch.isinf(expect))
+    fin = ~nan_e & ~torch.isinf(expect)
+    a64, e64 = actual[fin].double(), expect[fin].double()
+    # 1 ulp of the output dtype (bf16 2^-8, fp16 2^-10 relative; 4 ulps in fp32), plus the
+    # cancellation in 1 + tanh(inner) for x << 0 (tanh -> -1): a few fp32 ulps of 1 times |0.5 x|.
+    rel = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10, torch.float32: 2.0**-21}[x.dtype]
+    tol = rel * e64.abs() + 2.0**-21 * x[fin].double().abs() + 1e-38
+    bad = (a64 - e64).abs() > tol
+    assert int(bad.sum()) == 0, f"{int(bad.sum())} values out of tolerance, first at x={x[fin][bad][0].item()}"
+    # after a bf16/fp16 rounding the vast majority must be bitwise equal already
+    same = (actual.reshape(-1) == expect.reshape(-1)) | (nan_a & nan_e).reshape(-1)
+    assert same.float().mean() > (0.97 if x.dtype != torch.float32 else 0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES + [(3, 5, 7, 16)])
+def test_gelu_tanh_close(k, dtype, shape):
+    torch.manual_seed(len(shape) + sum(shape))
+    x = _rand(shape, dtype, 3.0)
+    _gelu_close(k.g.gelu_tanh(x), x)
+
+
+def test_gelu_tanh_into_buffer_slice(k):
+    torch.manual_seed(3)
+    B, S, D = 2, 5, 32
+    attn = _rand((B, S, D), torch.bfloat16)
+    mlp_pre = _rand((B, S, 4 * D), torch.bfloat16, 3.0)
+    buf = torch.full((B, S, 5 * D), 7.0, dtype=torch.bfloat16)
+    buf[:, :, :D].copy_(attn)
+    ret = k.g.gelu_tanh(mlp_pre, out=buf[:, :, D:])
+    assert ret.data_ptr() == buf[:, :, D:].data_ptr()
+    assert_bitwise_equal(buf[:, :, :D], attn)  # untouched
+    assert_bitwise_equal(buf[:, :, D:], k.g.gelu_tanh(mlp_pre))  # same bits as the contiguous path
+    _gelu_close(buf[:, :, D:], mlp_pre)
+
+
+def test_gelu_tanh_strided_input_and_in_place(k):
+    torch.manual_seed(4)
+    x = _rand((2, 6, 128), torch.bfloat16, 3.0)[:, :, ::2]
+    _gelu_close(k.g.gelu_tanh(x), x)
+    y = _rand((2, 6, 64), torch.bfloat16, 3.0)
+    y0 = y.clone()
+    k.g.gelu_tanh(y, out=y)
+    assert_bitwise_equal(y, k.g.gelu_tanh(y0))
+
+
+def test_predicates_match_raises(k):
+    dt = torch.bfloat16
+    x = torch.randn(2, 3, 64).to(dt)
+    good_sc = torch.randn(2, 64).to(dt)
+    bad = [
+        (x[0], good_sc, good_sc),  # 2-D x
+        (x, good_sc.float(), good_sc),  # dtype promotion
+        (x.double(), good_sc.double(), good_sc.double()),  # fp64
+        (x, torch.randn(3, 64).to(dt), good_sc),  # batch mismatch
+        (x, torch.randn(2, 32).to(dt), good_sc),  # width mismatch
+        (x[:, :1], torch.randn(2, 3, 64).to(dt), good_sc),  # would broadcast x
+    ]
+    for args in bad:
+        assert not k.ss.can_use_scale_shift(*args)
+        with pytest.raises(UnsupportedInput):
+            k.ss.scale_shift(*args)
+        assert not k.gr.can_use_gate_residual(args[0], args[1], args[0])
+        with pytest.raises(UnsupportedInput):
+            k.gr.gate_residual(args[0], args[1], args[0])
+    assert not k.gr.can_use_gate_residual(x, good_sc, x[:, :1])  # update shape differs
+    w = torch.randn(2, 3, 64, requires_grad=True)
+    assert not k.ss.can_use_scale_shift(w, torch.randn(2, 64), torch.randn(2, 64))
+    with torch.no_grad():
+        assert k.ss.can_use_scale_shift(w, torch.randn(2, 64), torch.randn(2, 64))
+    # gelu
+    buf = torch.empty(2, 3, 80, dtype=dt)
+    gbad = [
+        (x.double(), None),
+        (x, torch.empty(2, 3, 64)),  # out dtype
+        (x, torch.empty(2, 3, 63, dtype=dt)),  # out shape
+        (buf[:, :, :64], buf[:, :, 16:]),  # partial overlap
+        (torch.randn(4, 3, 5, 64).to(dt).permute(1, 0, 2, 3)[:, :, ::2], None),  # 3 leading strided dims
+    ]
+    for xx, out in gbad:
+        assert not k.g.can_use_gelu_tanh(xx, out)
+        with pytest.raises(UnsupportedInput):
+            k.g.gelu_tanh(xx, out)
+    assert k.g.can_use_gelu_tanh(x, x)  # in place is fine
+    assert k.g.can_use_gelu_tanh(torch.randn(7).to(dt))  # 1-D
+
+
+def test_empty_inputs(k):
+    x = torch.empty(2, 0, 64, dtype=torch.bfloat16)
+    sc = torch.randn(2, 64).to(torch.bfloat16)
+    assert k.ss.scale_shift(x, sc, sc).shape == (2, 0, 64)
+    assert k.gr.gate_residual(x, sc, x).shape == (2, 0, 64)
+    assert k.g.gelu_tanh(x).shape == (2, 0, 64)
+
+
+def test_custom_ops_registered_with_fake_impls(k):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    assert torch.ops.ditfuse.scale_shift.default._schema.name == "ditfuse::scale_shift"
+    assert torch.ops.ditfuse.gate_residual.default._schema.name == "ditfuse::gate_residual"
+    schema = torch.ops.ditfuse.gelu_tanh.default._schema
+    assert schema.name == "ditfuse::gelu_tanh"
+    assert schema.arguments[1].alias_info is not None and schema.arguments[1].alias_info.is_write
+    with FakeTensorMode():
+        x = torch.empty(2, 3, 64, dtype=torch.bfloat16)
+        sc = torch.empty(2, 64, dtype=torch.bfloat16)
+        assert torch.ops.ditfuse.scale_shift(x, sc, sc).shape == (2, 3, 64)
+        assert torch.ops.ditfuse.gate_residual(x, sc, x).shape == (2, 3, 64)
+        assert torch.ops.ditfuse.gelu_tanh(x, x) is None
+
+
+def test_opcheck_scale_shift(k):
+    x = torch.randn(1, 2, 32).to(torch.bfloat16)
+    sc = torch.randn(1, 32).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.ditfuse.scale_shift.default, (x, sc, sc),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.ditfuse.gelu_tanh.default, (x, torch.empty_like(x)),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_registry_loads_these_kernels():
+    from ditfuse.kernels.registry import select
+
+    for op in ("modulate.scale_shift", "modulate.gate_residual", "activation.gelu_tanh"):
+        spec = select(op)
+        assert callable(spec.load()) and callable(spec.load_predicate())
