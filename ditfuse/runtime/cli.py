@@ -56,6 +56,26 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_flux(args: argparse.Namespace) -> int:
+    from . import bench_flux
+
+    bench_flux.run(args)
+    return 0
+
+
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "bench_kernels.py"
+    if not script.is_file():
+        print(f"{script} not found: run from a source checkout", file=sys.stderr)
+        return 2
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pathlib import Path
 
@@ -76,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--out", type=Path, default=None, help="output path (default: docs/fused_kernels.md)")
     d.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     d.set_defaults(func=_cmd_docs)
+
+    b = sub.add_parser("bench", help="benchmarks (GPU): `ditfuse bench flux`, `ditfuse bench kernels`")
+    bsub = b.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
+    bf = bsub.add_parser("flux", help="FLUX.1-dev-size step time: eager / lossless / +CUDA graph / torch.compile")
+    from .bench_flux import add_arguments as _bench_flux_args
+
+    _bench_flux_args(bf)
+    bf.set_defaults(func=_cmd_bench_flux)
+    bk = bsub.add_parser("kernels", help="per-kernel eager / torch.compile / ditfuse (bench/bench_kernels.py)")
+    bk.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to bench/bench_kernels.py")
+    bk.set_defaults(func=_cmd_bench_kernels)
 
     from .commands import register as _register_runtime  # generate, serve (light: no torch)
 

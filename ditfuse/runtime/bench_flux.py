@@ -1,0 +1,285 @@
+"""``ditfuse bench flux``: FLUX.1-dev-size transformer step time, eager vs ditfuse vs torch.compile.
+
+A FLUX.1-dev-shaped FluxTransformer2DModel (19 dual + 38 single blocks, width 3072, 24 heads,
+random bf16 weights — timings do not depend on the weights' values) at 1024x1024 (4096 image +
+512 text tokens), batch 1 and 2. Providers: diffusers eager, ditfuse lossless, ditfuse lossless +
+CUDA graph, torch.compile (default mode), and ditfuse high when any close kernel is registered.
+Median step time over ``--steps`` timed steps after warm-up, each step timed with CUDA events.
+Each ditfuse provider's output is checked bitwise against eager (column ``bitwise_equal``);
+torch.compile's relative difference is reported instead (it is not bit-exact). A torch.profiler
+kernel-time breakdown (GEMM, attention, norms, elementwise, copies, other) before and after is
+written too. Output: long-format CSV + breakdown CSV + PNG bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+FLUX_DEV = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+
+CATEGORIES = (
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "wgmma", "splitk")),
+    ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("copies", ("copy", "cat_", "catarray", "concat", "direct_copy", "memcpy", "memset")),
+    ("norms", ("layer_norm", "layernorm", "rms", "welford", "norm")),
+    ("elementwise", ("elementwise", "vectorized", "gelu", "rope", "scale_shift", "gate_residual", "triton", "mul", "add")),
+)
+
+
+def categorize(name: str) -> str:
+    n = name.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in n for k in keys):
+            return cat
+    return "other"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def build_model(layers: tuple[int, int] | None = None):
+    import torch
+    from diffusers import FluxTransformer2DModel
+
+    cfg = dict(FLUX_DEV)
+    if layers is not None:
+        cfg["num_layers"], cfg["num_single_layers"] = layers
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # initialise 12B params directly in bf16 on the GPU
+    try:
+        with torch.device("cuda"):
+            model = FluxTransformer2DModel(**cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.to(torch.bfloat16).eval().requires_grad_(False)
+
+
+def make_inputs(batch: int, img_tokens: int = 4096, txt_tokens: int = 512, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator("cuda").manual_seed(seed)
+    side = int(img_tokens ** 0.5)
+    ids = torch.zeros(img_tokens, 3, device="cuda")
+    ids[:, 1] = torch.arange(img_tokens, device="cuda") // side
+    ids[:, 2] = torch.arange(img_tokens, device="cuda") % side
+    bf = torch.bfloat16
+    return dict(
+        hidden_states=torch.randn(batch, img_tokens, 64, device="cuda", generator=g).to(bf),
+        encoder_hidden_states=torch.randn(batch, txt_tokens, 4096, device="cuda", generator=g).to(bf),
+        pooled_projections=torch.randn(batch, 768, device="cuda", generator=g).to(bf),
+        timestep=torch.full((batch,), 0.5, device="cuda", dtype=bf),
+        guidance=torch.full((batch,), 3.5, device="cuda", dtype=torch.float32),
+        img_ids=ids,
+        txt_ids=torch.zeros(txt_tokens, 3, device="cuda"),
+        return_dict=False,
+    )
+
+
+def time_steps(fn: Callable[[], Any], steps: int, warmup: int) -> tuple[list[float], Any]:
+    import torch
+
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return times, out
+
+
+def profile_breakdown(fn: Callable[[], Any]) -> dict[str, float]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    cats: dict[str, float] = {}
+    for evt in prof.key_averages():
+        dev_us = getattr(evt, "device_time_total", None)
+        if dev_us is None:
+            dev_us = getattr(evt, "cuda_time_total", 0.0)
+        if not dev_us:  # only CUDA activity is recorded: every row with device time is a kernel/memcpy
+            continue
+        cats[categorize(evt.key)] = cats.get(categorize(evt.key), 0.0) + dev_us / 1000.0
+    return cats
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torch
+    import triton
+
+    import ditfuse
+    from ditfuse.kernels.compare import first_mismatch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("ditfuse bench flux needs a CUDA GPU")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    meta = dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, commit=_commit())
+    import diffusers
+
+    meta["diffusers"] = diffusers.__version__
+    layers = tuple(args.layers) if args.layers else None
+    t0 = time.time()
+    model = build_model(layers)
+    print(f"[bench] model built in {time.time() - t0:.1f}s on {gpu}", flush=True)
+    rows: list[dict[str, Any]] = []
+    breakdown: list[dict[str, Any]] = []
+    providers = args.providers
+
+    for batch in args.batches:
+        inp = make_inputs(batch, args.img_tokens, args.txt_tokens)
+        step = lambda: model(**inp)[0]
+        with torch.no_grad():
+            times, ref_out = time_steps(step, args.steps, args.warmup)
+            ref_out = ref_out.clone()
+        results = {"eager": (times, True, 0.0)}
+        print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms", flush=True)
+        if args.profile and batch == args.batches[0]:
+            with torch.no_grad():
+                breakdown.append({"provider": "eager", "batch": batch, **profile_breakdown(step)})
+
+        for prov in providers:
+            if prov == "eager":
+                continue
+            handle = None
+            fn = step
+            if prov in ("lossless", "lossless_graph", "high"):
+                ditfuse.gate.reset()
+                handle = ditfuse.accelerate(
+                    model, quality="high" if prov == "high" else "lossless", cuda_graph=(prov == "lossless_graph")
+                )
+            elif prov == "compile":
+                torch._dynamo.reset()
+                cm = torch.compile(model)
+                fn = lambda: cm(**inp)[0]
+            try:
+                t1 = time.time()
+                with torch.no_grad():
+                    times, out = time_steps(fn, args.steps, args.warmup)
+                mm = first_mismatch(out, ref_out)
+                rel = float(((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item())
+                results[prov] = (times, mm is None, rel)
+                extra = ""
+                if handle is not None:
+                    rep = ditfuse.gate.report()
+                    extra = f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)}"
+                print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms bitwise={mm is None} "
+                      f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
+                if args.profile and batch == args.batches[0] and prov == "lossless":
+                    with torch.no_grad():
+                        breakdown.append({"provider": prov, "batch": batch, **profile_breakdown(fn)})
+            finally:
+                if handle is not None:
+                    handle.unmount()
+                if prov == "compile":
+                    del cm
+                    torch._dynamo.reset()
+        for prov, (times, bitwise, rel) in results.items():
+            rows.append(
+                dict(model="flux1-dev-size", provider=prov, batch=batch, img_tokens=args.img_tokens,
+                     txt_tokens=args.txt_tokens, median_ms=round(statistics.median(times), 3),
+                     min_ms=round(min(times), 3), steps=len(times), bitwise_equal=bitwise,
+                     rel_diff_vs_eager=f"{rel:.3e}", **meta)
+            )
+        del inp, ref_out
+        torch.cuda.empty_cache()
+
+    csv_path = out_dir / "flux_step_h200.csv"
+    with csv_path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    if breakdown:
+        cats = sorted({k for b in breakdown for k in b} - {"provider", "batch"})
+        with (out_dir / "flux_breakdown_h200.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["provider", "batch", *cats])
+            w.writeheader()
+            for b in breakdown:
+                w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()})
+    _plot(rows, out_dir / "flux_step_h200.png")
+    (out_dir / "flux_meta.json").write_text(json.dumps(meta, indent=2))
+    print("\nprovider          batch  median ms  bitwise  rel diff")
+    for r in rows:
+        print(f"{r['provider']:<17} {r['batch']:>5}  {r['median_ms']:>9.2f}  {str(r['bitwise_equal']):>7}  {r['rel_diff_vs_eager']}")
+    for b in breakdown:
+        print("breakdown", b["provider"], {k: round(v, 2) for k, v in b.items() if isinstance(v, float)})
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[bench] matplotlib missing: no PNG")
+        return
+    provs = list(dict.fromkeys(r["provider"] for r in rows))
+    batches = list(dict.fromkeys(r["batch"] for r in rows))
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(provs)
+    for i, p in enumerate(provs):
+        vals = [next((r["median_ms"] for r in rows if r["provider"] == p and r["batch"] == b), 0) for b in batches]
+        bars = ax.bar([j + i * width for j in range(len(batches))], vals, width, label=p)
+        ax.bar_label(bars, fmt="%.0f", fontsize=7)
+    ax.set_xticks([j + width * (len(provs) - 1) / 2 for j in range(len(batches))])
+    ax.set_xticklabels([f"B={b}" for b in batches])
+    ax.set_ylabel("median step time (ms)")
+    ax.set_title(f"FLUX.1-dev-size transformer step, 1024x1024, {rows[0]['gpu']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--img-tokens", type=int, default=4096)
+    p.add_argument("--txt-tokens", type=int, default=512)
+    p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("DUAL", "SINGLE"),
+                   help="override block counts (default FLUX.1-dev: 19 38)")
+    p.add_argument("--providers", nargs="+", default=["eager", "lossless", "lossless_graph", "compile"],
+                   choices=["eager", "lossless", "lossless_graph", "compile", "high"])
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--out-dir", default="bench/results")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    run(p.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
