@@ -1,0 +1,177 @@
+"""Layout helpers that let a fused FLUX path skip copies whose bits do not matter (torch only).
+
+A copy is exact by construction: removing one changes no output bit, provided the consumer reads
+the same values from a strided view (or a buffer it was written into directly). These helpers are
+plain torch (views, one preallocated buffer, a cat that returns a view when the pieces already
+lie back to back); no new kernel, so no KernelSpec. notes/layout.md lists every copy in diffusers
+0.42.1's FLUX blocks and which of these helpers removes it.
+
+What a consumer accepts decides whether a copy can go:
+
+- ditfuse's elementwise kernels (scale_shift, gate_residual, gelu_tanh) take any strides.
+- ``nn.Linear`` on a 3-D input folds the leading dims (``input.view(-1, K)``-like) and calls
+  addmm; a view whose leading dims cannot fold (e.g. ``x[:, 512:]`` of a ``[2, S, D]`` tensor) is
+  copied first, inside linear. Calling the GEMM per sample or as a strided batched GEMM would
+  avoid that copy but changes the GEMM shape, which may change cuBLAS's algorithm and the bits:
+  not lossless. For batch 1 the sequence split of a contiguous tensor is contiguous, so
+  ``.contiguous()`` there is already free.
+- SDPA accepts the permuted ``[B, H, S, D]`` views of ``[B, S, H, D]`` tensors as diffusers passes
+  them; its flash/cuDNN output permuted back is already contiguous in ``[B, S, H, D]``, so
+  ``flatten(2, 3)`` is a view.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def is_back_to_back(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int) -> bool:
+    """True when ``torch.cat(tensors, dim)`` would produce exactly the memory these tensors already
+    occupy: same storage, dtype, device and strides, sizes equal except along ``dim``, and each piece
+    starting where the previous one ends along ``dim`` (so the concatenation is a view of it)."""
+    if len(tensors) == 0:
+        return False
+    first = tensors[0]
+    nd = first.dim()
+    dim = dim % nd if nd else 0
+    if nd == 0:
+        return False
+    try:
+        storage_ptr = first.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    for t in tensors:
+        if t.dim() != nd or t.dtype != first.dtype or t.device != first.device:
+            return False
+        if t.untyped_storage().data_ptr() != storage_ptr:
+            return False
+        if any(t.shape[i] != first.shape[i] for i in range(nd) if i != dim):
+            return False
+        if any(t.stride(i) != first.stride(i) for i in range(nd) if t.shape[i] != 1 or i == dim):
+            return False
+    offset = first.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset:
+            return False
+        offset += t.shape[dim] * first.stride(dim)
+    return True
+
+
+def cat_or_view(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
+    """``torch.cat(tensors, dim)``, returned as a view without copying when the pieces already lie
+    back to back in one buffer (:func:`is_back_to_back`), e.g. the ``[:, :S_txt]`` / ``[:, S_txt:]``
+    views a previous FLUX single block returned. Same values either way.
+
+    Aliasing: unlike ``torch.cat`` the result shares memory with the inputs. FLUX's blocks never
+    write in place into their inputs, which is what makes this safe there; do not use it where a
+    later in-place op writes into either side.
+    """
+    if len(tensors) > 0 and is_back_to_back(tensors, dim):
+        first = tensors[0]
+        size = list(first.shape)
+        size[dim % first.dim()] = sum(t.shape[dim] for t in tensors)
+        return first.as_strided(size, first.stride(), first.storage_offset())
+    return torch.cat(list(tensors), dim=dim)
+
+
+def split_seq(x: torch.Tensor, s_txt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views ``(x[:, :s_txt], x[:, s_txt:])`` of a joint ``[B, S, ...]`` tensor (text first), as
+    diffusers' ``split_with_sizes`` / slicing produces them; no copy."""
+    return x[:, :s_txt], x[:, s_txt:]
+
+
+def linear_copies_input(x: torch.Tensor) -> bool:
+    """True when ``nn.Linear`` (``F.linear``) would copy ``x`` before its GEMM: the leading dims of
+    ``x`` cannot be folded into one (``x.view(-1, K)`` fails) or the last dim is not unit-stride.
+    Then the ``.contiguous()`` diffusers writes costs exactly the copy linear would make anyway."""
+    if x.dim() < 2:
+        return x.dim() == 1 and x.stride(0) != 1
+    if x.stride(-1) != 1 and x.shape[-1] != 1:
+        return True
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return True
+    return False
+
+
+@dataclass
+class SingleBlockBuffer:
+    """The FLUX single block's ``proj_out`` input, ``cat([attn, gelu(proj_mlp(n))], dim=2)``, as one
+    preallocated ``[B, S, D + mlp_dim]`` buffer so the cat is never materialised.
+
+    ``attn`` (``buf[:, :, :D]``) receives the attention output (:meth:`write_attention`, or an
+    attention kernel that writes there); ``mlp`` (``buf[:, :, D:]``) is the ``out=`` of
+    ``ditfuse.kernels.gelu_tanh``. ``buf`` itself is contiguous, so ``proj_out(buf)`` runs the same
+    addmm as on the eager cat's result: same bits.
+    """
+
+    buf: torch.Tensor
+    dim: int
+
+    @classmethod
+    def allocate(
+        cls, batch: int, seq: int, dim: int, mlp_dim: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "SingleBlockBuffer":
+        return cls(torch.empty(batch, seq, dim + mlp_dim, dtype=dtype, device=device), dim)
+
+    @property
+    def attn(self) -> torch.Tensor:
+        return self.buf[:, :, : self.dim]
+
+    @property
+    def mlp(self) -> torch.Tensor:
+        return self.buf[:, :, self.dim :]
+
+    def write_attention(self, attn_out: torch.Tensor) -> torch.Tensor:
+        """Copy an attention output (``[B, S, H, Dh]`` or ``[B, S, H*Dh]``, any strides) into ``attn``.
+
+        This copy replaces the attention half of the cat (the cat copied both halves; the MLP half
+        is now written in place by the GELU kernel), so it moves 1/5 of the cat's bytes at FLUX's
+        4x MLP ratio."""
+        src = attn_out.flatten(2, 3) if attn_out.dim() == 4 else attn_out
+        if src.shape != self.attn.shape:
+            raise ValueError(f"attention output {tuple(src.shape)} does not fit {tuple(self.attn.shape)}")
+        self.attn.copy_(src)
+        return self.buf
+
+
+class JointSequence:
+    """A joint ``[B, S_txt + S_img, D]`` hidden state carried across FLUX single blocks.
+
+    diffusers' single block starts with ``cat([encoder_hidden_states, hidden_states], dim=1)`` and
+    ends with ``h[:, :S_txt], h[:, S_txt:]``; between two single blocks that is a full copy of a
+    tensor into itself. Keeping the joint tensor (and handing out views for the per-stream results)
+    skips the cat for every single block after the first; :func:`cat_or_view` does the same when
+    given the previous block's two views.
+    """
+
+    def __init__(self, joint: torch.Tensor, s_txt: int) -> None:
+        if joint.dim() != 3 or not 0 <= s_txt <= joint.shape[1]:
+            raise ValueError(f"expected [B, S, D] with 0 <= s_txt <= S, got {tuple(joint.shape)}, s_txt={s_txt}")
+        self.joint = joint
+        self.s_txt = s_txt
+
+    @classmethod
+    def from_streams(cls, txt: torch.Tensor, img: torch.Tensor) -> "JointSequence":
+        return cls(cat_or_view((txt, img), dim=1), txt.shape[1])
+
+    @property
+    def txt(self) -> torch.Tensor:
+        return self.joint[:, : self.s_txt]
+
+    @property
+    def img(self) -> torch.Tensor:
+        return self.joint[:, self.s_txt :]
+
+
+__all__ = [
+    "is_back_to_back",
+    "cat_or_view",
+    "split_seq",
+    "linear_copies_input",
+    "SingleBlockBuffer",
+    "JointSequence",
+]

@@ -1,0 +1,72 @@
+"""Layout helpers (ditfuse.kernels.layout.joint_buffers_torch): copies skipped, values unchanged."""
+
+from __future__ import annotations
+
+import torch
+
+from ditfuse.kernels import reference as ref
+from ditfuse.kernels.compare import assert_bitwise_equal
+from ditfuse.kernels.layout.joint_buffers_torch import (
+    JointSequence,
+    SingleBlockBuffer,
+    cat_or_view,
+    is_back_to_back,
+    linear_copies_input,
+    split_seq,
+)
+
+
+def test_cat_or_view_returns_view_for_adjacent_pieces():
+    h = torch.randn(2, 9, 16)
+    txt, img = split_seq(h, 4)
+    joined = cat_or_view((txt, img), dim=1)
+    assert joined.data_ptr() == h.data_ptr() and joined.shape == h.shape
+    assert_bitwise_equal(joined, torch.cat([txt, img], dim=1))
+
+
+def test_cat_or_view_copies_otherwise():
+    a, b = torch.randn(2, 4, 16), torch.randn(2, 5, 16)
+    assert not is_back_to_back((a, b), 1)
+    assert_bitwise_equal(cat_or_view((a, b), 1), torch.cat([a, b], 1))
+    h = torch.randn(2, 9, 16)
+    assert not is_back_to_back((h[:, 4:], h[:, :4]), 1)  # wrong order
+    assert not is_back_to_back((h[:, :3], h[:, 4:]), 1)  # gap
+    # strided pieces that are adjacent along dim: the view has the same values as the cat
+    out = cat_or_view((h[:, :4, :8], h[:, 4:, :8]), 1)
+    assert out.data_ptr() == h.data_ptr()
+    assert_bitwise_equal(out, torch.cat([h[:, :4, :8], h[:, 4:, :8]], 1))
+    w = torch.randn(3, 32)
+    assert is_back_to_back((w[:, :8], w[:, 8:16]), 1)
+    assert_bitwise_equal(cat_or_view((w[:, :8], w[:, 8:16]), 1), w[:, :16])
+    assert not is_back_to_back((w[:, :8], w[:, 8:16].to(torch.float64)), 1)  # dtype differs
+
+
+def test_joint_sequence_across_single_blocks():
+    txt, img = torch.randn(1, 5, 8), torch.randn(1, 7, 8)
+    js = JointSequence.from_streams(txt, img)
+    assert_bitwise_equal(js.joint, torch.cat([txt, img], 1))
+    js2 = JointSequence.from_streams(js.txt, js.img)  # second block: no copy
+    assert js2.joint.data_ptr() == js.joint.data_ptr()
+
+
+def test_linear_copies_input():
+    x = torch.randn(2, 9, 16)
+    txt, img = split_seq(x, 4)
+    assert linear_copies_input(img) and linear_copies_input(txt)  # B=2: rows of two samples not foldable
+    x1 = torch.randn(1, 9, 16)
+    assert not any(linear_copies_input(t) for t in split_seq(x1, 4))  # B=1: already contiguous
+    assert linear_copies_input(torch.randn(2, 9, 32)[:, :, ::2])
+    assert not linear_copies_input(torch.randn(2, 9, 16))
+
+
+def test_single_block_buffer_equals_cat():
+    torch.manual_seed(0)
+    B, S, D = 2, 6, 8
+    attn4 = torch.randn(B, H := 2, S, D // 2).to(torch.bfloat16).permute(0, 2, 1, 3)  # [B, S, H, Dh] strided
+    mlp = torch.randn(B, S, 4 * D).to(torch.bfloat16)
+    sb = SingleBlockBuffer.allocate(B, S, D, 4 * D, torch.bfloat16, "cpu")
+    sb.write_attention(attn4)
+    sb.mlp.copy_(ref.gelu_tanh(mlp))
+    assert sb.buf.is_contiguous()
+    assert_bitwise_equal(sb.buf, ref.single_block_mlp_cat(attn4.flatten(2, 3), mlp))
+    assert H == 2
