@@ -160,9 +160,25 @@ def main() -> None:
           f"copy bandwidth {copy_gbs:.0f} GB/s (read+write)")
     wanted = {k for k in args.kernels.split(",") if k}
     loaded: dict[str, Callable[..., Any] | None] = {}
+    fields = ["kernel", "provider", "shape", "ms", "GB/s", "pct_of_copy", "bitwise_equal", "gpu", "torch",
+              "triton", "commit"]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    fh = open(args.out, "w", newline="")  # rows are written as they are measured (partial runs keep them)
+    writer = csv.DictWriter(fh, fieldnames=fields)
+    writer.writeheader()
     rows: list[dict] = []
-    rows.append(dict(kernel="device_copy", provider="torch.copy_", shape="1GiB", ms=float("nan"),
-                     **{"GB/s": round(copy_gbs, 1)}, pct_of_copy=100.0, bitwise_equal="", **meta))
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        writer.writerow(row)
+        fh.flush()
+        if row["provider"] != "torch.copy_":
+            print(f"{row['kernel']:<40} {row['shape']:<26} {row['provider']:<8} {row['ms']:>8.4f} "
+                  f"{row['GB/s']:>7.0f} {row['pct_of_copy']:>6.1f} {row['bitwise_equal']}  "
+                  f"[{time.time() - t_start:.0f}s]", flush=True)
+
+    emit(dict(kernel="device_copy", provider="torch.copy_", shape="1GiB", ms=float("nan"),
+              **{"GB/s": round(copy_gbs, 1)}, pct_of_copy=100.0, bitwise_equal="", **meta))
     for shape_name in [s for s in args.shapes.split(",") if s]:
         cases = make_cases(shape_name)
         for case in cases:
@@ -192,20 +208,14 @@ def main() -> None:
                 del got
                 ms = triton.testing.do_bench(lambda: fn(*case.args), return_mode="median")
                 gbs = case.nbytes / (ms * 1e-3) / 1e9
-                rows.append(dict(kernel=case.kernel, provider=pname, shape=case.shape_label, ms=round(ms, 4),
-                                 **{"GB/s": round(gbs, 1)}, pct_of_copy=round(100 * gbs / copy_gbs, 1),
-                                 bitwise_equal=mm is None, **meta))
+                emit(dict(kernel=case.kernel, provider=pname, shape=case.shape_label, ms=round(ms, 4),
+                          **{"GB/s": round(gbs, 1)}, pct_of_copy=round(100 * gbs / copy_gbs, 1),
+                          bitwise_equal=mm is None, **meta))
             del expected, providers
         del cases
         torch.cuda.empty_cache()
+    fh.close()
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fields = ["kernel", "provider", "shape", "ms", "GB/s", "pct_of_copy", "bitwise_equal", "gpu", "torch",
-              "triton", "commit"]
-    with open(args.out, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
     print(f"{'kernel':<40} {'shape':<26} {'provider':<8} {'ms':>8} {'GB/s':>7} {'%copy':>6} bitwise")
     for r in rows[1:]:
         print(f"{r['kernel']:<40} {r['shape']:<26} {r['provider']:<8} {r['ms']:>8.4f} {r['GB/s']:>7.0f} "
