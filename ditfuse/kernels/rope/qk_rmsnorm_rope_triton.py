@@ -303,7 +303,11 @@ def _block_rows(D: int) -> int:
     return max(1, 4096 // triton.next_power_of_2(D))
 
 
-def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight):
+def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+            rows_per_program: int | None = None, num_warps: int = 4):
+    """Allocate the joint outputs and launch. ``rows_per_program`` / ``num_warps`` only tile the
+    work (each row's arithmetic is fixed by the kernel body), so any choice gives the same bits;
+    the perf probe (bench/probe_qk_rmsnorm_rope.py) sweeps them."""
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     S_tot = S_txt + S_img
@@ -317,7 +321,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     qt = q_txt if has_txt else q
     kt = k_txt if has_txt else k
     dummy = q
-    R = _block_rows(D)
+    R = rows_per_program or _block_rows(D)
     grid = (triton.cdiv(n_rows, R),)
     _qk_rmsnorm_rope_kernel[grid](
         q, k, qt, kt,
@@ -335,7 +339,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
         HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
         DTYPE=_TL_DTYPE[q.dtype],
-        num_warps=4, enable_fp_fusion=False,
+        num_warps=num_warps, enable_fp_fusion=False,
     )
     return q_out, k_out
 
