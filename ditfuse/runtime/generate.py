@@ -57,16 +57,10 @@ def run(args: argparse.Namespace) -> int:
     fmt = args.out.suffix.lower().lstrip(".") or "png"
     fmt = {"jpg": "jpeg"}.get(fmt, fmt)
 
-    from .engine import run_batch
-    from .presets import load_model
+    from .presets import PRESET_GEOMETRY, load_model
 
-    try:
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:
-        params = SamplingParams.create(
+    def make_params(default_size: tuple[int, int], size_multiple: int) -> SamplingParams:
+        return SamplingParams.create(
             args.prompt,
             size=args.size,
             num_inference_steps=args.steps,
@@ -77,10 +71,19 @@ def run(args: argparse.Namespace) -> int:
             negative_prompt=args.negative_prompt,
             true_cfg_scale=args.true_cfg_scale,
             output_format=fmt,
-            default_size=loaded.default_size,
-            size_multiple=loaded.size_multiple,
+            default_size=default_size,
+            size_multiple=size_multiple,
         )
-    except ParamError as e:
+
+    try:
+        # A preset's geometry is known without loading it, so bad arguments fail fast.
+        if args.model in PRESET_GEOMETRY:
+            make_params(*PRESET_GEOMETRY[args.model])
+        from .engine import run_batch
+
+        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        params = make_params(loaded.default_size, loaded.size_multiple)
+    except (ParamError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

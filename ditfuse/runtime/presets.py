@@ -29,6 +29,8 @@ _TINY_FLUX_VERSION = 1
 _TINY_SEED = 0
 
 PRESETS = (TINY_FLUX,)
+# (default size, size multiple) per preset, known without loading it.
+PRESET_GEOMETRY = {TINY_FLUX: ((256, 256), 16)}
 
 NOISE_NOTE = "tiny-flux has random weights: its images are noise (it exercises the pipeline, not image quality)"
 
@@ -263,8 +265,8 @@ def load_model(model: str, device: str | None = None, dtype: str | Any | None = 
             dtype=torch_dtype,
             is_preset=True,
             call_kwargs={"max_sequence_length": 32},
-            default_size=(256, 256),
-            size_multiple=16,
+            default_size=PRESET_GEOMETRY[TINY_FLUX][0],
+            size_multiple=PRESET_GEOMETRY[TINY_FLUX][1],
             note=NOISE_NOTE,
         )
     path = Path(model).expanduser()
