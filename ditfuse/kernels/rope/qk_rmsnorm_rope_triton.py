@@ -299,12 +299,13 @@ def can_use_qk_rmsnorm_rope(
 
 
 def _block_rows(D: int) -> int:
-    # About 4K elements per tensor per program: 32 rows of 128.
-    return max(1, 4096 // triton.next_power_of_2(D))
+    # About 1K elements per tensor per program (8 rows of 128) with 2 warps: the fastest tiling
+    # the H200 probe measured (bench/probe_qk_rmsnorm_rope.py, notes/rope.md).
+    return max(1, 1024 // triton.next_power_of_2(D))
 
 
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-            rows_per_program: int | None = None, num_warps: int = 4):
+            rows_per_program: int | None = None, num_warps: int = 2):
     """Allocate the joint outputs and launch. ``rows_per_program`` / ``num_warps`` only tile the
     work (each row's arithmetic is fixed by the kernel body), so any choice gives the same bits;
     the perf probe (bench/probe_qk_rmsnorm_rope.py) sweeps them."""
