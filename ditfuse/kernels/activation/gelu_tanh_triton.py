@@ -160,7 +160,7 @@ def _launch(
     view = as_3d(x, out)
     assert view is not None
     (B, S, D), (sx, so) = view
-    block_r, block_d, warps = tile(D)
+    block_r, block_d, warps = tile(D, per_program=2048)
     R = B * S
     grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
     _gelu_tanh_kernel[grid](

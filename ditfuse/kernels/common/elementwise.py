@@ -85,26 +85,34 @@ def as_3d(*tensors: torch.Tensor) -> tuple[tuple[int, int, int], list[tuple[int,
 
 def broadcast_3d(t: torch.Tensor, shape: tuple[int, int, int]) -> tuple[int, int, int] | None:
     """Strides of a ``[B, D]`` / ``[B, 1, D]`` / ``[B, S, D]`` (or broadcastable) operand expanded to
-    ``shape`` = (B, S, D), with diffusers' ``t[:, None]`` for 2-D operands; None when it does not
-    broadcast to exactly ``shape``."""
-    if t.dim() == 2:
-        t = t[:, None]
-    if t.dim() != 3:
+    ``shape`` = (B, S, D), with diffusers' ``t[:, None]`` for 2-D operands (stride 0 along broadcast
+    dims); None when it does not broadcast to exactly ``shape``. Integer arithmetic only (no view is
+    created: this runs on every call)."""
+    nd = t.dim()
+    if nd == 2:
+        sizes, strides = (t.shape[0], 1, t.shape[1]), (t.stride(0), 0, t.stride(1))
+    elif nd == 3:
+        sizes, strides = tuple(t.shape), t.stride()
+    else:
         return None
-    try:
-        e = t.expand(shape)
-    except RuntimeError:
-        return None
-    if tuple(e.shape) != tuple(shape):
-        return None
-    return tuple(int(s) if n != 1 else 0 for n, s in zip(e.shape, e.stride()))  # type: ignore[return-value]
+    out = []
+    for n, st, want in zip(sizes, strides, shape):
+        if n == want and n != 1:
+            out.append(int(st))
+        elif n == 1:
+            out.append(0)
+        else:
+            return None
+    return out[0], out[1], out[2]
 
 
-def tile(d: int) -> tuple[int, int, int]:
-    """(BLOCK_R, BLOCK_D, num_warps): about 8K elements per program, whole 16-byte vectors."""
+def tile(d: int, per_program: int = 8192) -> tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_D, num_warps): about ``per_program`` elements per program (8 warps), whole
+    16-byte vectors. Memory-bound chains (modulate) use 8K (32 elements per thread); GELU's tanh
+    keeps two branches live per element and uses 2K (8 per thread) to stay clear of spills."""
     block_d = min(triton.next_power_of_2(max(d, 1)), 1024)
-    block_r = max(1, 8192 // block_d)
-    return block_r, block_d, 8 if block_r * block_d >= 4096 else 4
+    block_r = max(1, per_program // block_d)
+    return block_r, block_d, 8 if block_r * block_d >= 2048 else 4
 
 
 def overlap_reason(out: torch.Tensor, *inputs: torch.Tensor) -> str | None:
