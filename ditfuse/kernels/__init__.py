@@ -80,6 +80,41 @@ _SPECS: tuple[KernelSpec, ...] = (
         "r(gelu(x, approximate='tanh')) then cat([attn, mlp], dim=2)",
         "tanh-GELU written straight into a slice of a preallocated buffer (the cat disappears)",
     ),
+    # Close kernels (quality="high" only; each must pass the fp64 admission test).
+    KernelSpec(
+        op="activation.linear_gelu_tanh",
+        backend=Backend.TORCH,
+        target="ditfuse.kernels.activation.linear_gelu_tanh_torch:linear_gelu_tanh",
+        predicate="ditfuse.kernels.activation.linear_gelu_tanh_torch:can_use_linear_gelu_tanh",
+        capabilities=frozenset({Capability("cuda", (8, 0)), Capability("cpu", interpreter=True)}),
+        contract=Contract.CLOSE,
+        replaces="r(gelu_tanh(r(x @ W.T + b))) -> r(gelu_tanh(x @ W.T + b))",
+        summary="bias + tanh-GELU in the GEMM epilogue (torch._addmm_activation, cublasLt GELU_BIAS)",
+    ),
+    _triton(
+        "norm.layernorm_modulate_fp32",
+        "norm.layernorm_modulate_fp32_triton",
+        "layernorm_modulate_fp32",
+        Contract.CLOSE,
+        "r(r(r(LN(x)) * r(1 + scale)) + shift) -> r(LN32(x) * (1 + scale) + shift)",
+        "single-pass fp32 LayerNorm + modulate, one rounding, whole rows in registers",
+    ),
+    _triton(
+        "norm.gate_residual_layernorm_modulate_fp32",
+        "norm.layernorm_modulate_fp32_triton",
+        "gate_residual_layernorm_modulate_fp32",
+        Contract.CLOSE,
+        "h = r(res + r(gate * y)); n = ... -> h = r(res + gate * y); n = r(LN32(h32) * (1 + scale) + shift)",
+        "gated residual + fp32 LayerNorm + modulate in one pass; returns (h, n)",
+    ),
+    _triton(
+        "rope.qk_rmsnorm_rope_fp32",
+        "rope.qk_rmsnorm_rope_fp32_triton",
+        "qk_rmsnorm_rope_fp32",
+        Contract.CLOSE,
+        "r(rope(r(RMSNorm(q|k)))) -> r(rope32(RMSNorm32(q|k))) into the joint [B, S, H, D]",
+        "QK RMSNorm + concat + RoPE without the intermediate rounding",
+    ),
 )
 
 # Public facade: name -> "module:attr". Every spec exports its kernel and its predicate.

@@ -118,6 +118,12 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """diffusers ``GELU(approximate="tanh")`` (FeedForward's first layer, or the single block's
+    ``proj_mlp`` + ``act_mlp``): ``r(gelu_tanh(r(x @ weight.T + bias)))``, two roundings."""
+    return gelu_tanh(F.linear(x, weight, bias))
+
+
 def single_block_mlp_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
     """FluxSingleTransformerBlock: ``cat([attn, gelu_tanh(proj_mlp(n))], dim=2)``; mlp_pre is
     ``proj_mlp(n)``. The cat copies bits, so only the GELU rounds."""
@@ -134,5 +140,6 @@ __all__ = [
     "rope_interleaved",
     "qk_rmsnorm_rope",
     "gelu_tanh",
+    "linear_gelu_tanh",
     "single_block_mlp_cat",
 ]

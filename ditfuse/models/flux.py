@@ -11,6 +11,8 @@ kwargs), that module keeps its own forward and the report says why.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,27 +39,75 @@ def _ada_zero_applies(norm: torch.nn.Module) -> str | None:
     return _plain_layernorm(norm.norm)
 
 
+# -- the ops a fast forward calls ---------------------------------------------------------------
+
+
+def _single_mlp_pre(block, norm_hidden_states: torch.Tensor) -> torch.Tensor:
+    return block.proj_mlp(norm_hidden_states)
+
+
+def _single_attn_mlp_cat(block, attn_output: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+    """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` without the cat: the attention output and the GELU
+    are written into one preallocated [B, S, D + mlp] buffer."""
+    d_attn = attn_output.shape[-1]
+    cat = torch.empty(
+        (*attn_output.shape[:-1], d_attn + mlp.shape[-1]), dtype=attn_output.dtype, device=attn_output.device
+    )
+    cat[..., :d_attn].copy_(attn_output)  # the cat's first half, copied once
+    ops.gelu_tanh(mlp, out=cat[..., d_attn:])
+    return cat
+
+
+@dataclass(frozen=True)
+class FluxOps:
+    """The op callables the fast forwards below call. :data:`LOSSLESS` holds the gated bit-exact
+    ops; ditfuse.models.flux_high builds the quality="high" set by swapping in close kernels.
+
+    ``single_mlp(block, n)`` computes the single block's MLP branch up to what
+    ``single_attn_mlp_cat(block, attn, mlp)`` turns into ``cat([attn, gelu(proj_mlp(n))], dim=2)``.
+    """
+
+    layernorm_modulate: Callable[..., torch.Tensor]
+    gate_residual_layernorm_modulate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    gate_residual: Callable[..., torch.Tensor]
+    qk_rmsnorm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    single_mlp: Callable[..., torch.Tensor]
+    single_attn_mlp_cat: Callable[..., torch.Tensor]
+
+
+LOSSLESS = FluxOps(
+    layernorm_modulate=ops.layernorm_modulate,
+    gate_residual_layernorm_modulate=ops.gate_residual_layernorm_modulate,
+    gate_residual=ops.gate_residual,
+    qk_rmsnorm_rope=ops.qk_rmsnorm_rope,
+    single_mlp=_single_mlp_pre,
+    single_attn_mlp_cat=_single_attn_mlp_cat,
+)
+
+
 # -- AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous --------------------------
 
 
-def _ada_zero(norm, x: torch.Tensor, emb: torch.Tensor):
+def _ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: FluxOps = LOSSLESS):
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps)
+    x = _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps)
     return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
-def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor):
+def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor, _ops: FluxOps = LOSSLESS):
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    return ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps), gate_msa
+    return _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps), gate_msa
 
 
-def norm_out_forward(norm, original, x: torch.Tensor, conditioning_embedding: torch.Tensor) -> torch.Tensor:
+def norm_out_forward(
+    norm, original, x: torch.Tensor, conditioning_embedding: torch.Tensor, *, _ops: FluxOps = LOSSLESS
+) -> torch.Tensor:
     """AdaLayerNormContinuous: ``chunk(2)`` gives scale first, then shift."""
     emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
-    return ops.layernorm_modulate(x, scale, shift, norm.norm.eps)
+    return _ops.layernorm_modulate(x, scale, shift, norm.norm.eps)
 
 
 def _norm_out_applies(norm) -> str | None:
@@ -86,6 +136,8 @@ def attention_forward(
     encoder_hidden_states: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    _ops: FluxOps = LOSSLESS,
     **kwargs: Any,
 ):
     """FluxAttention + FluxAttnProcessor with QK RMSNorm, the text/image concat and RoPE fused into
@@ -111,13 +163,13 @@ def attention_forward(
         encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
         encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
         encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
-        query, key = ops.qk_rmsnorm_rope(
+        query, key = _ops.qk_rmsnorm_rope(
             query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
             encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight,
         )
         value = torch.cat([encoder_value, value], dim=1)
     else:
-        query, key = ops.qk_rmsnorm_rope(
+        query, key = _ops.qk_rmsnorm_rope(
             query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps
         )
 
@@ -158,12 +210,14 @@ def dual_block_forward(
     temb: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
+    *,
+    _ops: FluxOps = LOSSLESS,
 ):
     """FluxTransformerBlock: adaLN-Zero (fused LN+modulate), attention, then the fused
     gate-residual + norm2 + modulate, FeedForward, gated residual — for both streams."""
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_zero(block.norm1, hidden_states, temb)
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_zero(block.norm1, hidden_states, temb, _ops)
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_zero(
-        block.norm1_context, encoder_hidden_states, temb
+        block.norm1_context, encoder_hidden_states, temb, _ops
     )
     joint_attention_kwargs = joint_attention_kwargs or {}
     attention_outputs = block.attn(
@@ -178,19 +232,19 @@ def dual_block_forward(
     else:
         attn_output, context_attn_output, ip_attn_output = attention_outputs
 
-    hidden_states, norm_hidden_states = ops.gate_residual_layernorm_modulate(
+    hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
         hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
     )
     ff_output = block.ff(norm_hidden_states)
-    hidden_states = ops.gate_residual(hidden_states, gate_mlp, ff_output)
+    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, ff_output)
     if ip_attn_output is not None:
         hidden_states = hidden_states + ip_attn_output
 
-    encoder_hidden_states, norm_encoder_hidden_states = ops.gate_residual_layernorm_modulate(
+    encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
     context_ff_output = block.ff_context(norm_encoder_hidden_states)
-    encoder_hidden_states = ops.gate_residual(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, c_gate_mlp, context_ff_output)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
@@ -216,27 +270,24 @@ def single_block_forward(
     temb: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
+    *,
+    _ops: FluxOps = LOSSLESS,
 ):
-    """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` disappears: the
-    attention output and the GELU are written into one preallocated [B, S, D + mlp] buffer."""
+    """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` disappears (lossless):
+    the attention output and the GELU are written into one preallocated [B, S, D + mlp] buffer."""
     text_seq_len = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
     residual = hidden_states
-    norm_hidden_states, gate = _ada_zero_single(block.norm, hidden_states, temb)
-    mlp_pre = block.proj_mlp(norm_hidden_states)
+    norm_hidden_states, gate = _ada_zero_single(block.norm, hidden_states, temb, _ops)
+    mlp = _ops.single_mlp(block, norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = block.attn(
         hidden_states=norm_hidden_states,
         image_rotary_emb=image_rotary_emb,
         **joint_attention_kwargs,
     )
-    d_attn = attn_output.shape[-1]
-    cat = torch.empty(
-        (*attn_output.shape[:-1], d_attn + mlp_pre.shape[-1]), dtype=attn_output.dtype, device=attn_output.device
-    )
-    cat[..., :d_attn].copy_(attn_output)  # the cat's first half, copied once
-    ops.gelu_tanh(mlp_pre, out=cat[..., d_attn:])
-    hidden_states = ops.gate_residual(residual, gate, block.proj_out(cat))
+    cat = _ops.single_attn_mlp_cat(block, attn_output, mlp)
+    hidden_states = _ops.gate_residual(residual, gate, block.proj_out(cat))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
@@ -305,6 +356,12 @@ SITES = (
 )
 
 
+def _mark_high_sites(model: torch.nn.Module) -> Any:
+    from .flux_high import mark_high_sites  # flux_high imports this module: import at call time
+
+    return mark_high_sites(model)
+
+
 class FluxAdapter(Adapter):
     def version_problem(self) -> str | None:
         return super().version_problem() or _signature_problem()
@@ -315,4 +372,5 @@ ADAPTER = FluxAdapter(
     model_classes=("FluxTransformer2DModel",),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
+    mark_high_sites=_mark_high_sites,
 )
