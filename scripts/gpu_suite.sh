@@ -28,17 +28,17 @@ status=0
 summary=()
 for ph in "${phases[@]}"; do
   if [[ $ph == tests || $ph == all ]]; then
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu ${PYTEST_ARGS:-} --junitxml "$OUT/gpu_junit.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+    timeout ${TESTS_TIMEOUT:-400} python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/gpu_tests.log"
     rc=${PIPESTATUS[0]}; [ $rc -ne 0 ] && status=$rc
     summary+=("gpu tests: $(tail -n 1 "$OUT/gpu_tests.log")")
   fi
   if [[ $ph == kernels || $ph == all ]]; then
-    python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" 2>&1 | tee "$OUT/bench_kernels.log"
+    timeout ${KERNELS_TIMEOUT:-200} python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} 2>&1 | tee "$OUT/bench_kernels.log"
     rc=${PIPESTATUS[0]}; [ $rc -ne 0 ] && status=$rc
     summary+=("kernel bench rc=$rc")
   fi
   if [[ $ph == flux || $ph == all ]]; then
-    python3 -m ditfuse.runtime.cli bench flux --out-dir "$OUT" ${FLUX_ARGS:-} 2>&1 | tee "$OUT/bench_flux.log"
+    timeout ${FLUX_TIMEOUT:-400} python3 -m ditfuse.runtime.cli bench flux --out-dir "$OUT" ${FLUX_ARGS:-} 2>&1 | tee "$OUT/bench_flux.log"
     rc=${PIPESTATUS[0]}; [ $rc -ne 0 ] && status=$rc
     summary+=("flux bench rc=$rc")
   fi

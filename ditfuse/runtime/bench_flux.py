@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
 import subprocess
 import time
@@ -46,6 +45,10 @@ def categorize(name: str) -> str:
 
 
 def _commit() -> str:
+    import os
+
+    if os.environ.get("DITFUSE_COMMIT"):
+        return os.environ["DITFUSE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
@@ -225,7 +228,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for b in breakdown:
                 w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()})
     _plot(rows, out_dir / "flux_step_h200.png")
-    (out_dir / "flux_meta.json").write_text(json.dumps(meta, indent=2))
     print("\nprovider          batch  median ms  bitwise  rel diff")
     for r in rows:
         print(f"{r['provider']:<17} {r['batch']:>5}  {r['median_ms']:>9.2f}  {str(r['bitwise_equal']):>7}  {r['rel_diff_vs_eager']}")
