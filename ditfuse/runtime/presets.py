@@ -25,7 +25,7 @@ from typing import Any
 
 TINY_FLUX = "tiny-flux"
 # Bump when the preset's architecture or build recipe changes, so stale caches are not reused.
-_TINY_FLUX_VERSION = 1
+_TINY_FLUX_VERSION = 2
 _TINY_SEED = 0
 
 PRESETS = (TINY_FLUX,)
@@ -117,7 +117,9 @@ def build_tiny_flux():
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    clip_len, t5_len = 16, 32
+    # Both tokenizers are character-level, so a prompt costs about one token per character:
+    # CLIP keeps its usual 77 positions and T5 gets 128 (FLUX.1 uses 512; not needed here).
+    clip_len, t5_len = 77, 128
     tokenizer = _clip_tokenizer(clip_len)
     tokenizer_2 = _t5_tokenizer(t5_len)
 
@@ -264,7 +266,7 @@ def load_model(model: str, device: str | None = None, dtype: str | Any | None = 
             device=device,
             dtype=torch_dtype,
             is_preset=True,
-            call_kwargs={"max_sequence_length": 32},
+            call_kwargs={"max_sequence_length": 128},
             default_size=PRESET_GEOMETRY[TINY_FLUX][0],
             size_multiple=PRESET_GEOMETRY[TINY_FLUX][1],
             note=NOISE_NOTE,

@@ -71,6 +71,10 @@ def server(tiny_cache, one_thread):
             def new_forward(self, module, *args, **kwargs):
                 return self.fn_ref.original_forward(*args, **kwargs)
 
+        # Only the probe: which sites the FLUX adapter marks, and whether their guards pass here
+        # (mounting is all-or-nothing per transformer), is the adapter's business, not the engine's.
+        for _, mod, _ in q.sites(engine.loaded.pipe.transformer):
+            mod.__dict__.pop(q._SITES_ATTR, None)
         q.mark(engine.loaded.pipe.transformer.proj_out, PROBE, [], lambda m: Probe())
         probe = True
     app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024)
