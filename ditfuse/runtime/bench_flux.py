@@ -179,6 +179,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 handle = ditfuse.accelerate(
                     model, quality="high" if prov == "high" else "lossless", cuda_graph=(prov == "lossless_graph")
                 )
+                if prov == "high":
+                    hi = handle.report().components[0].high
+                    if hi is None or not hi.ok:
+                        print(f"[bench] B={batch} high NOT mounted (runs lossless): "
+                              f"{hi.failed if hi is not None else 'no request-gated sites'}", flush=True)
+                    else:
+                        print(f"[bench] B={batch} high mounted on {len(hi.mounted)} sites", flush=True)
             elif prov == "compile":
                 torch._dynamo.reset()
                 cm = torch.compile(model)
@@ -196,7 +203,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     extra = f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)}"
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
-                if args.profile and batch == args.batches[0] and prov == "lossless":
+                if args.profile and batch == args.batches[0] and prov in ("lossless", "high"):
                     with torch.no_grad():
                         breakdown.append({"provider": prov, "batch": batch, **profile_breakdown(fn)})
             finally:
@@ -262,6 +269,17 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def default_providers() -> list[str]:
+    """eager, lossless, lossless + CUDA graph, torch.compile, and high when a close kernel is registered."""
+    from ..kernels import registry
+    from ..kernels.spec import Contract
+
+    provs = ["eager", "lossless", "lossless_graph", "compile"]
+    if any(s.contract is Contract.CLOSE for s in registry.specs()):
+        provs.append("high")
+    return provs
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=10)
@@ -270,7 +288,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--txt-tokens", type=int, default=512)
     p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("DUAL", "SINGLE"),
                    help="override block counts (default FLUX.1-dev: 19 38)")
-    p.add_argument("--providers", nargs="+", default=["eager", "lossless", "lossless_graph", "compile"],
+    p.add_argument("--providers", nargs="+", default=default_providers(),
                    choices=["eager", "lossless", "lossless_graph", "compile", "high"])
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--out-dir", default="bench/results")

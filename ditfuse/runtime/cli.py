@@ -116,8 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _register_drift(sub: argparse._SubParsersAction) -> None:
+    from .drift import register  # light: drift imports torch only when it runs
+
+    register(sub)
+
+
 # Further subcommands register themselves here: callables taking the subparsers object.
-_EXTRA_COMMANDS: list = []
+_EXTRA_COMMANDS: list = [_register_drift]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
