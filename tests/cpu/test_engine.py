@@ -5,10 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from ditfuse.contracts.quality import Quality
