@@ -73,9 +73,16 @@ class _Acc:
 
 
 def _ratio(a: float, b: float) -> float:
+    """a / b; two zero errors are equal (1.0); any error where eager has none is infinitely worse."""
     if b > 0:
         return a / b
     return 1.0 if a == 0 else math.inf
+
+
+def _bias_ratio(mean: float, eager_rms: float) -> float:
+    if eager_rms > 0:
+        return abs(mean) / eager_rms
+    return 0.0 if mean == 0 else math.inf
 
 
 @dataclass
@@ -173,7 +180,7 @@ def evaluate(
         raise ValueError(f"{op}: no input batches")
     rms_r = max(_ratio(k.rms, e.rms) for k, e in zip(k_acc, e_acc))
     max_r = max(_ratio(k.max, e.max) for k, e in zip(k_acc, e_acc))
-    bias_r = max(_ratio(abs(k.mean), e.rms) for k, e in zip(k_acc, e_acc))
+    bias_r = max(_bias_ratio(k.mean, e.rms) for k, e in zip(k_acc, e_acc))
     reasons = []
     if rms_r > RMS_LIMIT:
         reasons.append(f"RMS error {rms_r:.3f}x eager's > {RMS_LIMIT}x")

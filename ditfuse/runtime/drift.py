@@ -390,7 +390,7 @@ def plot(res: DriftResult, path: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("[drift] matplotlib is not installed: no PNG plot (pip install matplotlib)")
+        print("[drift] matplotlib is not installed: no PNG plot (pip install matplotlib)", file=sys.stderr)
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     for mode, m in res.modes.items():
