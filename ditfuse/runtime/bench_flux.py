@@ -27,11 +27,12 @@ FLUX_DEV = dict(
     axes_dims_rope=(16, 56, 56),
 )
 
+# Attention first: cuDNN/flash SDPA kernel names contain "wgmma"/"gemm" too.
 CATEGORIES = (
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "wgmma", "splitk")),
     ("attention", ("flash", "fmha", "attention", "sdpa", "efficient_attention")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul", "wgmma", "splitk")),
     ("copies", ("copy", "cat_", "catarray", "concat", "direct_copy", "memcpy", "memset")),
-    ("norms", ("layer_norm", "layernorm", "rms", "welford", "norm")),
+    ("norms", ("layer_norm", "layernorm", "rms", "welford", "norm", "_ln_")),
     ("elementwise", ("elementwise", "vectorized", "gelu", "rope", "scale_shift", "gate_residual", "triton", "mul", "add")),
 )
 
