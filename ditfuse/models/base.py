@@ -46,12 +46,14 @@ class SiteSpec:
 
 class FastForwardHook:
     """A diffusers ModelHook (duck-typed to avoid importing diffusers at module import) whose
-    ``new_forward`` is the site's fast forward."""
+    ``new_forward`` is ``fast_forward(module, original_forward, *args, **kwargs)``. Used for the
+    lossless sites and, through :func:`hook_factory`, for the request-gated ones."""
 
     _is_stateful = False
 
-    def __init__(self, site: SiteSpec) -> None:
-        self.site = site
+    def __init__(self, name: str, fast_forward: Callable[..., Any]) -> None:
+        self.name = name
+        self.fast_forward = fast_forward
         self.fn_ref = None
 
     def initialize_hook(self, module):
@@ -67,22 +69,28 @@ class FastForwardHook:
         return output
 
     def new_forward(self, module, *args, **kwargs):
-        return self.site.fast_forward(module, self.fn_ref.original_forward, *args, **kwargs)
+        return self.fast_forward(module, self.fn_ref.original_forward, *args, **kwargs)
 
     def reset_state(self, module):
         return module
 
     def __repr__(self) -> str:
-        return f"FastForwardHook({self.site.name})"
+        return f"FastForwardHook({self.name})"
 
 
-def _as_model_hook(site: SiteSpec):
+def make_forward_hook(name: str, fast_forward: Callable[..., Any]):
+    """A real ``diffusers.hooks.ModelHook`` running ``fast_forward``."""
     from diffusers.hooks import ModelHook
 
     class _Hook(FastForwardHook, ModelHook):
         pass
 
-    return _Hook(site)
+    return _Hook(name, fast_forward)
+
+
+def hook_factory(name: str, fast_forward: Callable[..., Any]) -> Callable[[torch.nn.Module], Any]:
+    """``module -> ModelHook`` for :func:`ditfuse.contracts.quality.mark`."""
+    return lambda module: make_forward_hook(name, fast_forward)
 
 
 @dataclass
@@ -150,7 +158,7 @@ class Adapter:
             reg = HookRegistry.check_if_exists_or_initialize(mod)
             hook_name = LOSSLESS_PREFIX + site.name
             if reg.get_hook(hook_name) is None:
-                reg.register_hook(_as_model_hook(site), hook_name)
+                reg.register_hook(make_forward_hook(site.name, site.fast_forward), hook_name)
             result.mounted.append(MountedSite(path, site.name, site.ops))
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
         if self.mark_high_sites is not None:
@@ -158,8 +166,6 @@ class Adapter:
         return result
 
     def unmount(self, model: torch.nn.Module) -> int:
-        from diffusers.hooks import HookRegistry
-
         removed = 0
         names = {LOSSLESS_PREFIX + s.name for s in self.sites}
         for _, mod in model.named_modules():

@@ -35,6 +35,7 @@ import torch
 from ..contracts import admission, close, ops
 from ..contracts.quality import Guard, mark
 from . import flux
+from .base import hook_factory
 
 OP_LINEAR_GELU = "activation.linear_gelu_tanh"
 OP_LN = "norm.layernorm_modulate_fp32"
@@ -61,50 +62,6 @@ HIGH = flux.FluxOps(
 
 
 # ------------------------------------------------------------------------------ hooks
-
-
-class _HighHook:
-    """A diffusers ModelHook whose ``new_forward`` is ``fast_forward`` with the HIGH op set."""
-
-    _is_stateful = False
-
-    def __init__(self, name: str, fast_forward: Callable[..., Any]) -> None:
-        self.name = name
-        self.fast_forward = fast_forward
-        self.fn_ref = None
-
-    def initialize_hook(self, module):
-        return module
-
-    def deinitalize_hook(self, module):  # diffusers' spelling
-        return module
-
-    def pre_forward(self, module, *args, **kwargs):
-        return args, kwargs
-
-    def post_forward(self, module, output):
-        return output
-
-    def new_forward(self, module, *args, **kwargs):
-        return self.fast_forward(module, self.fn_ref.original_forward, *args, **kwargs)
-
-    def reset_state(self, module):
-        return module
-
-    def __repr__(self) -> str:
-        return f"HighHook({self.name})"
-
-
-def _hook_factory(name: str, fast_forward: Callable[..., Any]) -> Callable[[torch.nn.Module], Any]:
-    def factory(module: torch.nn.Module):
-        from diffusers.hooks import ModelHook
-
-        class _Hook(_HighHook, ModelHook):
-            pass
-
-        return _Hook(name, fast_forward)
-
-    return factory
 
 
 def gelu_linear_forward(gelu, original, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -202,7 +159,7 @@ def mark_high_sites(model: torch.nn.Module) -> int:
         if cls == "FluxTransformerBlock":
             mark(mod, "flux.dual_block",
                  _common(flux._dual_applies) + _admitted_and_available((OP_LN, OP_GR_LN)),
-                 _hook_factory("flux.dual_block", _with_high(flux.dual_block_forward, _ops=HIGH)))
+                 hook_factory("flux.dual_block", _with_high(flux.dual_block_forward, _ops=HIGH)))
             n += 1
             for ff_name in ("ff", "ff_context"):
                 ff = getattr(mod, ff_name, None)
@@ -212,22 +169,22 @@ def mark_high_sites(model: torch.nn.Module) -> int:
                 guards = _common(_gelu_structure) + [
                     Guard("linear", lambda m: _plain_linear(getattr(m, "proj", None), "proj")),
                 ] + _admitted_and_available((OP_LINEAR_GELU,))
-                mark(first, "flux.linear_gelu_tanh", guards, _hook_factory("flux.linear_gelu_tanh", gelu_linear_forward))
+                mark(first, "flux.linear_gelu_tanh", guards, hook_factory("flux.linear_gelu_tanh", gelu_linear_forward))
                 n += 1
         elif cls == "FluxSingleTransformerBlock":
             mark(mod, "flux.single_block",
                  _common(_single_structure) + _admitted_and_available((OP_LN, OP_LINEAR_GELU)),
-                 _hook_factory("flux.single_block", _with_high(flux.single_block_forward, _ops=HIGH)))
+                 hook_factory("flux.single_block", _with_high(flux.single_block_forward, _ops=HIGH)))
             n += 1
         elif cls == "FluxAttention":
             mark(mod, "flux.attention",
                  _common(flux._attn_applies) + _admitted_and_available((OP_QK,)),
-                 _hook_factory("flux.attention", _with_high(flux.attention_forward, _ops=HIGH)))
+                 hook_factory("flux.attention", _with_high(flux.attention_forward, _ops=HIGH)))
             n += 1
         elif cls == "AdaLayerNormContinuous":
             mark(mod, "flux.norm_out",
                  _common(flux._norm_out_applies) + _admitted_and_available((OP_LN,)),
-                 _hook_factory("flux.norm_out", _with_high(flux.norm_out_forward, _ops=HIGH)))
+                 hook_factory("flux.norm_out", _with_high(flux.norm_out_forward, _ops=HIGH)))
             n += 1
     return n
 

@@ -220,7 +220,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                      min_ms=round(min(times), 3), steps=len(times), bitwise_equal=bitwise,
                      rel_diff_vs_eager=f"{rel:.3e}", **meta)
             )
-        del inp, ref_out
         torch.cuda.empty_cache()
 
     csv_path = out_dir / "flux_step_h200.csv"
