@@ -144,3 +144,58 @@ def welford_block_fold(mean, m2, n, MEAN_MODE: tl.constexpr = 0, M2_FMA: tl.cons
     mean, m2, n = _fold_half(mean, m2, n, 1, 4, MEAN_MODE, M2_FMA)
     mean, m2, n = _fold_half(mean, m2, n, 1, 2, MEAN_MODE, M2_FMA)
     return mean, m2, n
+
+
+@triton.jit
+def _combine_own_first(mean_b, m2_b, n_b, mean_a, m2_a, n_a):
+    """``tl.reduce`` combine: Triton calls it as ``combine(accumulator, received)``, i.e. the
+    lane's own state first, which is ``cuWelfordCombine(dataB = own, dataA = received)``."""
+    return welford_combine(mean_b, m2_b, n_b, mean_a, m2_a, n_a)
+
+
+@triton.jit
+def _fold_half_rows(mean, m2, n, R: tl.constexpr, W: tl.constexpr):
+    """[R, W] -> [R, W // 2] (interpreter path of :func:`welford_fold_rows`): column i combines with column i + W // 2 (own state first)."""
+    mean_lo, mean_hi = tl.split(tl.permute(tl.reshape(mean, [R, 2, W // 2]), (0, 2, 1)))
+    m2_lo, m2_hi = tl.split(tl.permute(tl.reshape(m2, [R, 2, W // 2]), (0, 2, 1)))
+    n_lo, n_hi = tl.split(tl.permute(tl.reshape(n, [R, 2, W // 2]), (0, 2, 1)))
+    return welford_combine(mean_lo, m2_lo, n_lo, mean_hi, m2_hi, n_hi)
+
+
+@triton.jit
+def welford_fold_rows(mean, m2, n, R: tl.constexpr):
+    """Fold [128, R] per-thread states (thread ``t = lane + 32 * warp`` along axis 0, R
+    independent rows) into per-row [R] (mean, m2, count), in compute_stats' order: shfl-down
+    16, 8, 4, 2, 1 inside each warp, then warps 0+2, 1+3 and 0+1 (own state first each time).
+
+    On the GPU this is one ``tl.reduce`` over axis 0. Triton 3.6 lowers it, for an operand
+    whose axis 0 is one element per thread with ``t = lane + 32 * warp`` (the layout the
+    [128, R, 4] loads get; tests/cpu/test_layernorm_v2_codegen.py asserts it on the sm_90
+    TTGIR), as butterfly shuffles ``shfl.sync.bfly`` at lane offsets 16, 8, 4, 2, 1 calling
+    ``combine(own, received)``, then the 4 per-warp results through shared memory and a
+    butterfly at offsets 2, 1, result read from lane 0 of warp 0. At a butterfly step with
+    offset ``o``, lane ``i < o`` combines its state with lane ``i + o``'s, which is what
+    ``__shfl_down_sync`` hands it; lane 0's inputs come only from lanes ``< o`` at every step,
+    so lane 0 ends with the same value as torch's shfl-down tree (other lanes differ, and are
+    not used). Across warps: ``(w0 + w2) + (w1 + w3)``, torch's order.
+
+    Under the interpreter ``tl.reduce`` is a sequential left fold, so the same tree is spelled
+    out with reshapes there (the CPU tests check it against tests/layernorm_sim.py)."""
+    if INTERPRET:
+        # [128, R] -> [R, 4 warps, 32 lanes] -> [R * 4, 32]: t = lane + 32 * warp stays in order.
+        mean = tl.reshape(tl.permute(mean, (1, 0)), [R * 4, 32])
+        m2 = tl.reshape(tl.permute(m2, (1, 0)), [R * 4, 32])
+        n = tl.reshape(tl.permute(n, (1, 0)), [R * 4, 32])
+        mean, m2, n = _fold_half_rows(mean, m2, n, R * 4, 32)
+        mean, m2, n = _fold_half_rows(mean, m2, n, R * 4, 16)
+        mean, m2, n = _fold_half_rows(mean, m2, n, R * 4, 8)
+        mean, m2, n = _fold_half_rows(mean, m2, n, R * 4, 4)
+        mean, m2, n = _fold_half_rows(mean, m2, n, R * 4, 2)
+        mean = tl.reshape(mean, [R, 4])
+        m2 = tl.reshape(m2, [R, 4])
+        n = tl.reshape(n, [R, 4])
+        mean, m2, n = _fold_half_rows(mean, m2, n, R, 4)
+        mean, m2, n = _fold_half_rows(mean, m2, n, R, 2)
+        return tl.reshape(mean, [R]), tl.reshape(m2, [R]), tl.reshape(n, [R])
+    else:
+        return tl.reduce((mean, m2, n), 0, _combine_own_first)

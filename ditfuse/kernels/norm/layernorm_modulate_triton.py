@@ -39,6 +39,7 @@ from ditfuse.kernels.common.welford import (
     LN_VEC,
     rsqrt_approx,
     welford_block_fold,
+    welford_fold_rows,
     welford_update,
 )
 from ditfuse.kernels.errors import UnsupportedInput
@@ -132,6 +133,100 @@ def _ln_modulate_kernel(
         j += 1
 
 
+@triton.jit
+def _tile_rows(ptr, b, s, sb, ss, sd, vec, k4, valid):
+    """Load one [128, R, 4] tile (thread x row x vector element) as fp32; b, s: [R] indices.
+
+    The thread axis comes first on purpose: Triton's coalescing pass then lays the tile out as
+    32 lanes x 4 warps along axis 0 (thread t = lane + 32 * warp holds all R rows of its 4
+    elements), which is the layout the fold's ``tl.reduce`` needs (see welford_fold_rows)."""
+    base = b * sb + s * ss
+    offs = base[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * sd
+    return tl.load(ptr + offs, mask=valid, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rows_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                 vec, k4, valid, DTYPE: tl.constexpr, GATED: tl.constexpr):
+    x = _tile_rows(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
+    if GATED:
+        g = _tile_rows(g_ptr, b, s, gsb, gss, gsd, vec, k4, valid)
+        u = _tile_rows(u_ptr, b, s, usb, uss, usd, vec, k4, valid)
+        x = rround(x + rround(g * u, DTYPE), DTYPE)
+    return x
+
+
+# v2: R rows per program (R independent rows; per row the arithmetic is v1's, op for op).
+# The per-thread Welford runs on [128, R] states, so each step's four updates are R-wide
+# (independent FMA chains instead of one), the reciprocal ``1 / count'`` stays one scalar per
+# step (count' is the same for every thread that holds data at that step; threads past the last
+# vector keep their state through ``valid``), and the fold over the 128 threads is a single
+# ``tl.reduce`` (see welford_fold_rows) instead of v1's reshape/permute/split tree, whose
+# layout conversions cost shared-memory round trips and ~160 registers per thread.
+@triton.jit(do_not_specialize=["M", "S", "N", "NVEC", "J", "eps"])
+def _ln_modulate_kernel_v2(
+    x_ptr, g_ptr, u_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
+    M, S, N, NVEC, J, eps,
+    xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+    scsb, scss, scsd, shsb, shss, shsd,
+    DTYPE: tl.constexpr, GATED: tl.constexpr, R: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < M
+    rows = tl.where(row_ok, rows, 0)
+    b = rows // S
+    s = rows % S
+    # Output rows start at rows * N with N % 4 == 0 (the predicate guarantees it): telling
+    # Triton lets the stores stay 4-element vectors in the load layout (no layout conversion).
+    out_row = tl.multiple_of(rows * N, 4)
+    t = tl.arange(0, LN_THREADS)
+    k4 = tl.arange(0, LN_VEC)
+
+    mean = tl.zeros([LN_THREADS, R], dtype=tl.float32)
+    m2 = tl.zeros([LN_THREADS, R], dtype=tl.float32)
+    j = 0
+    while j < J:
+        vec = j * LN_THREADS + t
+        valid_t = vec < NVEC
+        valid = valid_t[:, None, None] & row_ok[None, :, None]
+        x = _rows_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                         vec, k4, valid, DTYPE, GATED)
+        if GATED:
+            dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+            tl.store(h_ptr + dst, round_to(x, DTYPE), mask=valid)
+        x02, x13 = tl.split(tl.reshape(x, [LN_THREADS, R, 2, 2]))
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        v = valid_t[:, None]
+        mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, v)
+        mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, v)
+        mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, v)
+        mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, v)
+        j += 1
+    nvecs_t = tl.maximum((NVEC - t + LN_THREADS - 1) // LN_THREADS, 0)
+    count = tl.broadcast_to((nvecs_t * LN_VEC).to(tl.float32)[:, None], [LN_THREADS, R])
+
+    mean_r, m2_r, _ = welford_fold_rows(mean, m2, count, R)
+    var = tl.math.div_rn(m2_r, N.to(tl.float32))
+    rstd = rsqrt_approx(var + eps)
+    mean_r = mean_r[None, :, None]
+    rstd = rstd[None, :, None]
+
+    j = 0
+    while j < J:
+        vec = j * LN_THREADS + t
+        valid = (vec < NVEC)[:, None, None] & row_ok[None, :, None]
+        x = _rows_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                         vec, k4, valid, DTYPE, GATED)
+        sc = _tile_rows(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
+        sh = _tile_rows(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
+        n = rround(rstd * (x - mean_r), DTYPE)
+        y = rround(n * rround(1.0 + sc, DTYPE), DTYPE) + sh
+        dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+        tl.store(out_ptr + dst, round_to(y, DTYPE), mask=valid)
+        j += 1
+
+
 def _check_mod(name: str, t: object, x: torch.Tensor) -> str | None:
     if not isinstance(t, torch.Tensor):
         return f"{name} is not a tensor"
@@ -216,7 +311,27 @@ def _mod_strides(t: torch.Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def _launch(x, gate, update, scale, shift, eps, gated: bool):
+def _impl() -> str:
+    """``DITFUSE_LN_IMPL``: ``v2`` (default, several rows per program) or ``v1`` (one row per
+    program, the first version; kept for A/B runs). Same output bits either way."""
+    impl = os.environ.get("DITFUSE_LN_IMPL", "v2").strip().lower() or "v2"
+    if impl not in ("v1", "v2"):
+        raise ValueError(f"DITFUSE_LN_IMPL={impl!r}: expected 'v1' or 'v2'")
+    return impl
+
+
+def _rows_per_program(M: int) -> int:
+    """Rows per v2 program: 4 when there are enough rows to fill the GPU several times over,
+    fewer for short inputs (more programs). Never changes numerics (rows are independent)."""
+    if M >= 2048:
+        return 4
+    if M >= 512:
+        return 2
+    return 1
+
+
+def _launch(x, gate, update, scale, shift, eps, gated: bool, impl: str | None = None,
+            rows_per_program: int | None = None):
     B, S, D = x.shape
     out = torch.empty((B, S, D), dtype=x.dtype, device=x.device)
     h = torch.empty((B, S, D), dtype=x.dtype, device=x.device) if gated else out
@@ -227,12 +342,20 @@ def _launch(x, gate, update, scale, shift, eps, gated: bool):
     J = triton.cdiv(nvec, 128)
     g = gate if gated else x
     u = update if gated else x
-    _ln_modulate_kernel[(M,)](
+    strides = (*x.stride(), *_mod_strides(g), *u.stride(), *_mod_strides(scale), *_mod_strides(shift))
+    if (impl or _impl()) == "v1":
+        _ln_modulate_kernel[(M,)](
+            x, g, u, scale, shift, h, out,
+            S, D, nvec, J, float(eps), *strides,
+            DTYPE=_DTYPES[x.dtype], GATED=gated,
+            num_warps=4, enable_fp_fusion=False,
+        )
+        return h, out
+    R = rows_per_program or _rows_per_program(M)
+    _ln_modulate_kernel_v2[(triton.cdiv(M, R),)](
         x, g, u, scale, shift, h, out,
-        S, D, nvec, J, float(eps),
-        *x.stride(), *_mod_strides(g), *u.stride(),
-        *_mod_strides(scale), *_mod_strides(shift),
-        DTYPE=_DTYPES[x.dtype], GATED=gated,
+        M, S, D, nvec, J, float(eps), *strides,
+        DTYPE=_DTYPES[x.dtype], GATED=gated, R=R,
         num_warps=4, enable_fp_fusion=False,
     )
     return h, out
