@@ -1,0 +1,55 @@
+"""Static checks of v2's sm_90 code (compiled on the CPU, no GPU): the fold's ``tl.reduce``
+gets the layout its bitwise argument needs (thread t = lane + 32 * warp along the reduced
+axis, one element per thread) and lowers to butterfly shuffles at 16, 8, 4, 2, 1 per row
+then 2, 1 across warps; no spills, vector loads/stores, few layout conversions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def facts():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tests.layernorm_codegen", "v2-R1-plain", "v2-R4-plain",
+                          "v2-R4-gated"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        pytest.fail(out.stderr[-3000:])
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_reduce_layout_is_one_thread_per_column(facts):
+    for f in facts:
+        lay = f["reduce_operand_layout"]
+        assert lay is not None, f
+        if lay.startswith("#ttg.linear"):  # R = 1: the same map written as a linear layout
+            assert "lane = [[1, 0], [2, 0], [4, 0], [8, 0], [16, 0]]" in lay, lay
+            assert "warp = [[32, 0], [64, 0]]" in lay and "register = []" in lay, lay
+        else:
+            assert "sizePerThread = [1, 1]" in lay and "threadsPerWarp = [32, 1]" in lay, lay
+            assert "warpsPerCTA = [4, 1]" in lay and "order = [0, 1]" in lay, lay
+
+
+def test_shuffle_tree_order(facts):
+    for f in facts:
+        R = f["R"]
+        lanes = [o for o in (16, 8, 4, 2, 1) for _ in range(3)]  # mean, m2, count per step
+        assert f["shfl_kinds"] == ["bfly"], f
+        assert f["shfl_offsets"] == lanes * R + [2, 2, 2, 1, 1, 1], f["shfl_offsets"]
+
+
+def test_no_spills_vector_memory(facts):
+    for f in facts:
+        assert f["local_bytes"] == 0, f
+        assert f["convert_layout"] <= 2, f
+        assert f["bar_sync"] <= 2, f
+        assert set(f["ld_global"]) == {"ld.global.v2.b32"}, f["ld_global"]
+        assert set(f["st_global"]) == {"st.global.v2.b32"}, f["st_global"]
+        assert f["rsqrt_approx"] == f["R"], f
