@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..contracts import ops
+from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer, cat_or_view
 from .base import Adapter, SiteSpec
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -47,15 +48,15 @@ def _single_mlp_pre(block, norm_hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _single_attn_mlp_cat(block, attn_output: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
-    """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` without the cat: the attention output and the GELU
-    are written into one preallocated [B, S, D + mlp] buffer."""
-    d_attn = attn_output.shape[-1]
-    cat = torch.empty(
-        (*attn_output.shape[:-1], d_attn + mlp.shape[-1]), dtype=attn_output.dtype, device=attn_output.device
+    """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` without the cat: the attention output is copied
+    into, and the GELU written straight into, one preallocated [B, S, D + mlp] buffer."""
+    buf = SingleBlockBuffer.allocate(
+        attn_output.shape[0], attn_output.shape[1], attn_output.shape[-1], mlp.shape[-1],
+        attn_output.dtype, attn_output.device,
     )
-    cat[..., :d_attn].copy_(attn_output)  # the cat's first half, copied once
-    ops.gelu_tanh(mlp, out=cat[..., d_attn:])
-    return cat
+    buf.write_attention(attn_output)
+    ops.gelu_tanh(mlp, out=buf.mlp)
+    return buf.buf
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,8 @@ def single_block_forward(
     """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` disappears (lossless):
     the attention output and the GELU are written into one preallocated [B, S, D + mlp] buffer."""
     text_seq_len = encoder_hidden_states.shape[1]
-    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    # The previous single block returned two views of one tensor: re-joining them needs no copy.
+    hidden_states = cat_or_view((encoder_hidden_states, hidden_states), dim=1)
     residual = hidden_states
     norm_hidden_states, gate = _ada_zero_single(block.norm, hidden_states, temb, _ops)
     mlp = _ops.single_mlp(block, norm_hidden_states)
