@@ -17,6 +17,7 @@ a kernel that fails to import or to run is skipped with a printed note) at the F
 Writes long-format CSV to --out (default bench/results/kernels_h200.csv) and prints a table.
 
     python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large] [--no-compile]
+                                  [--ln-impl v1,v2]
 """
 
 from __future__ import annotations
@@ -120,6 +121,21 @@ def make_cases(shape_name: str) -> list[Case]:
     return cases
 
 
+def _with_ln_impl(fn: Callable[..., Any], impl: str) -> Callable[..., Any]:
+    """Run ``fn`` with DITFUSE_LN_IMPL=impl (read by the LayerNorm kernels at each launch)."""
+    def run(*a):
+        old = os.environ.get("DITFUSE_LN_IMPL")
+        os.environ["DITFUSE_LN_IMPL"] = impl
+        try:
+            return fn(*a)
+        finally:
+            if old is None:
+                os.environ.pop("DITFUSE_LN_IMPL", None)
+            else:
+                os.environ["DITFUSE_LN_IMPL"] = old
+    return run
+
+
 def copy_bandwidth_gbs() -> float:
     import triton.testing
 
@@ -138,6 +154,9 @@ def main() -> None:
     ap.add_argument("--shapes", default="image,large")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse)")
+    ap.add_argument("--ln-impl", default="v2",
+                    help="LayerNorm kernel versions to time, e.g. v1,v2: v2 (the default) is provider "
+                         "'ours', v1 is 'ours-v1' (DITFUSE_LN_IMPL=v1 around each call)")
     args = ap.parse_args()
 
     import triton
@@ -195,7 +214,12 @@ def main() -> None:
             if not args.no_compile:
                 providers["compile"] = torch.compile(case.eager, dynamic=False)
             if kern is not None:
-                providers["ours"] = case.ours(kern)
+                ln_impls = [i for i in args.ln_impl.split(",") if i]
+                if case.op.startswith("norm.layernorm") or case.op.startswith("norm.gate_residual_layernorm"):
+                    for impl in ln_impls:
+                        providers["ours" if impl == "v2" else f"ours-{impl}"] = _with_ln_impl(case.ours(kern), impl)
+                else:
+                    providers["ours"] = case.ours(kern)
             expected = case.eager(*case.args)
             for pname, fn in providers.items():
                 try:
