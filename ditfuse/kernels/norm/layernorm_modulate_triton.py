@@ -11,8 +11,10 @@
 ``r`` rounds to the input dtype (bf16, fp16 or fp32) round-to-nearest-even, where eager stores.
 ``LN`` is torch 2.11's CUDA ``vectorized_layer_norm_kernel`` reproduced bit for bit: per-thread
 Welford over 4-element vectors in element order, the shfl-down fold tree and the cross-warp tree,
-IEEE ``m2 / N``, ``rsqrt.approx`` (ditfuse/kernels/common/welford.py documents each step). One
-Triton program per row, 4 warps: the [128] per-thread states are exactly torch's 128 threads.
+IEEE ``m2 / N``, ``rsqrt.approx`` (ditfuse/kernels/common/welford.py documents each step). 4 warps
+per program: the 128 per-thread states of a row are exactly torch's 128 threads. v2 (default)
+handles R rows per program and folds with one ``tl.reduce``; v1 (``DITFUSE_LN_IMPL=v1``) is the
+first one-row-per-program kernel; same bits (notes/layernorm.md, "v2 performance design").
 The kernels are launched with ``enable_fp_fusion=False``: eager never contracts ``a * b + c``
 across ops, and the FMAs torch's own Welford code has are written out with ``fma_rn``.
 
