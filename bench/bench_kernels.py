@@ -6,7 +6,10 @@ a kernel that fails to import or to run is skipped with a printed note) at the F
 
 - providers: ``eager`` (the ditfuse.kernels.reference chain), ``compile`` (torch.compile of the same
   chain, dynamic=False), ``ours`` (the registered kernel);
-- ``ms``: median of triton.testing.do_bench (L2 flushed before every call, return_mode="median");
+- ``ms``: median of triton.testing.do_bench (L2 flushed before every call, return_mode="median"),
+  or with ``--timing graph`` of triton.testing.do_bench_cudagraph (the call captured in a CUDA
+  graph and replayed: GPU time without the host's per-call launch cost, which dominates the
+  small image-shape ops in eager timing; column ``timing``);
 - ``GB/s`` from an explicit byte count, the same for all providers: every input read once and
   every output written once (the op's logical traffic; intermediates of the eager chain are not
   counted, that is the point of fusing);
@@ -154,6 +157,8 @@ def main() -> None:
     ap.add_argument("--shapes", default="image,large")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse)")
+    ap.add_argument("--timing", choices=["flush", "graph"], default="flush",
+                    help="flush: do_bench with L2 flushed (default); graph: do_bench_cudagraph")
     ap.add_argument("--ln-impl", default="v2",
                     help="LayerNorm kernel versions to time, e.g. v1,v2: v2 (the default) is provider "
                          "'ours', v1 is 'ours-v1' (DITFUSE_LN_IMPL=v1 around each call)")
@@ -179,8 +184,9 @@ def main() -> None:
           f"copy bandwidth {copy_gbs:.0f} GB/s (read+write)")
     wanted = {k for k in args.kernels.split(",") if k}
     loaded: dict[str, Callable[..., Any] | None] = {}
-    fields = ["kernel", "provider", "shape", "ms", "GB/s", "pct_of_copy", "bitwise_equal", "gpu", "torch",
-              "triton", "commit"]
+    fields = ["kernel", "provider", "shape", "ms", "GB/s", "pct_of_copy", "bitwise_equal", "timing", "gpu",
+              "torch", "triton", "commit"]
+    meta["timing"] = args.timing
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fh = open(args.out, "w", newline="")  # rows are written as they are measured (partial runs keep them)
     writer = csv.DictWriter(fh, fieldnames=fields)
@@ -196,7 +202,7 @@ def main() -> None:
                   f"{row['GB/s']:>7.0f} {row['pct_of_copy']:>6.1f} {row['bitwise_equal']}  "
                   f"[{time.time() - t_start:.0f}s]", flush=True)
 
-    emit(dict(kernel="device_copy", provider="torch.copy_", shape="1GiB", ms=float("nan"),
+    emit(dict(kernel="device_copy", provider="torch.copy_", shape="1GiB", ms=float("nan"),  # timing: do_bench
               **{"GB/s": round(copy_gbs, 1)}, pct_of_copy=100.0, bitwise_equal="", **meta))
     for shape_name in [s for s in args.shapes.split(",") if s]:
         cases = make_cases(shape_name)
@@ -230,7 +236,10 @@ def main() -> None:
                     continue
                 mm = compare_outputs(got, expected, case.kernel)
                 del got
-                ms = triton.testing.do_bench(lambda: fn(*case.args), return_mode="median")
+                if args.timing == "graph":
+                    ms = triton.testing.do_bench_cudagraph(lambda: fn(*case.args), return_mode="median")
+                else:
+                    ms = triton.testing.do_bench(lambda: fn(*case.args), return_mode="median")
                 gbs = case.nbytes / (ms * 1e-3) / 1e9
                 emit(dict(kernel=case.kernel, provider=pname, shape=case.shape_label, ms=round(ms, 4),
                           **{"GB/s": round(gbs, 1)}, pct_of_copy=round(100 * gbs / copy_gbs, 1),
