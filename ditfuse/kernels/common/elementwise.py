@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .rounding import INTERPRET, rround
+from .rounding import INTERPRET
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -153,21 +153,3 @@ def load_f32(ptr, mask):
             return v.to(tl.float32)
     else:
         return v.to(tl.float32)
-
-
-@triton.jit
-def rround_exact(x, dtype: tl.constexpr):
-    """``common.rounding.rround`` (fp32 -> dtype -> fp32, nearest-even), but exact for bf16
-    subnormals under TRITON_INTERPRET=1 too: rround's way back (bf16 -> fp32) goes through the
-    interpreter's conversion, which flushes subnormals; here the rounded value stays in fp32 bits."""
-    if INTERPRET:
-        if dtype == tl.bfloat16:
-            bits = x.to(tl.uint32, bitcast=True)
-            lsb = (bits >> 16) & 1
-            rounded = (bits + 0x7FFF + lsb) & 0xFFFF0000
-            rounded = tl.where(x != x, (bits & 0x80000000) | 0x7FC00000, rounded)
-            return rounded.to(tl.float32, bitcast=True)
-        else:
-            return rround(x, dtype)
-    else:
-        return rround(x, dtype)

@@ -18,15 +18,22 @@ INTERPRET: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") n
 
 
 @triton.jit
-def _rne_bf16_bits(x):
+def _rne_bf16_as_f32(x):
+    """fp32 -> nearest-even bf16 value, kept in fp32 bits (exact: the low 16 bits are zero)."""
     bits = x.to(tl.uint32, bitcast=True)
     lsb = (bits >> 16) & 1
     rounded = (bits + 0x7FFF + lsb) & 0xFFFF0000
     # NaN: keep sign and quiet the payload the way c10::BFloat16 does (0x7FC0 pattern).
     is_nan = x != x
     rounded = tl.where(is_nan, (bits & 0x80000000) | 0x7FC00000, rounded)
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rne_bf16_bits(x):
     # Reinterpret the top half instead of converting: the interpreter's conversion also
     # flushes bf16 subnormals to zero.
+    rounded = _rne_bf16_as_f32(x).to(tl.uint32, bitcast=True)
     return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
@@ -51,8 +58,11 @@ def round_to(x, dtype: tl.constexpr):
 @triton.jit
 def rround(x, dtype: tl.constexpr):
     """Round an fp32 value to ``dtype`` and back to fp32: the value an eager op would store and
-    the next eager op would load. Identity for fp32."""
+    the next eager op would load. Identity for fp32. Under the interpreter a bf16 result stays in
+    fp32 bits (its bf16 -> fp32 conversion would flush subnormals)."""
     if dtype == tl.float32:
         return x
+    elif INTERPRET and dtype == tl.bfloat16:
+        return _rne_bf16_as_f32(x)
     else:
         return round_to(x, dtype).to(tl.float32)

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.elementwise import SUPPORTED_DTYPES, broadcast_3d, device_reason, grad_reason, load_f32, rround_exact, tile, tl_dtype
-from ..common.rounding import round_to
+from ..common.elementwise import SUPPORTED_DTYPES, broadcast_3d, device_reason, grad_reason, load_f32, tile, tl_dtype
+from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
 
@@ -42,7 +42,7 @@ def _gate_residual_kernel(
     res = load_f32(res_ptr + (b * srb + s * srs)[:, None] + c * srd, mask)
     g = load_f32(gate_ptr + (b * sgb + s * sgs)[:, None] + c * sgd, mask)
     u = load_f32(upd_ptr + (b * sub + s * sus)[:, None] + c * sud, mask)
-    prod = rround_exact(g * u, DTYPE)  # eager op 1: gate[:, None] * update
+    prod = rround(g * u, DTYPE)  # eager op 1: gate[:, None] * update
     out = round_to(res + prod, DTYPE)  # eager op 2: residual + product
     tl.store(out_ptr + (b * sob + s * sos)[:, None] + c, out, mask=mask)
 

@@ -21,11 +21,10 @@ from ..common.elementwise import (
     device_reason,
     grad_reason,
     load_f32,
-    rround_exact,
     tile,
     tl_dtype,
 )
-from ..common.rounding import round_to
+from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
 
@@ -52,8 +51,8 @@ def _scale_shift_kernel(
     x = load_f32(x_ptr + (b * sxb + s * sxs)[:, None] + c * sxd, mask)
     sc = load_f32(scale_ptr + (b * scb + s * scs)[:, None] + c * scd, mask)
     sh = load_f32(shift_ptr + (b * shb + s * shs)[:, None] + c * shd, mask)
-    one_plus = rround_exact(1.0 + sc, DTYPE)  # eager op 1: 1 + scale
-    prod = rround_exact(x * one_plus, DTYPE)  # eager op 2: x * (1 + scale)
+    one_plus = rround(1.0 + sc, DTYPE)  # eager op 1: 1 + scale
+    prod = rround(x * one_plus, DTYPE)  # eager op 2: x * (1 + scale)
     out = round_to(prod + sh, DTYPE)  # eager op 3: + shift
     tl.store(out_ptr + (b * sob + s * sos)[:, None] + c, out, mask=mask)
 
