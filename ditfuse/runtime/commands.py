@@ -36,6 +36,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-quality", default="lossless", help="quality for requests that send none/auto/standard")
     p.add_argument("--max-batch-size", type=int, default=4, help="most images per pipeline call")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long the oldest request waits for batch-mates")
+    p.add_argument("--quality-switch-wait-ms", type=float, default=500.0,
+                   help="how long the oldest request of the other quality tier may wait while work of the "
+                        "mounted tier runs first (avoids a mount/unmount before every batch)")
     p.add_argument("--max-queue", type=int, default=256, help="most waiting requests; more get 429")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails with 504")
     p.add_argument("--no-pad-batches", action="store_true", help="run partial batches unpadded (faster at low load; an image may then depend on its batch size)")

@@ -25,7 +25,10 @@ Quality
     quality is part of the signature, so a batch never mixes tiers; ``handle.set_quality`` (mount /
     unmount of the request-gated kernels) runs on the worker thread between batches only. Every
     batch is recorded in :attr:`Engine.batch_log` with the quality it ran at and the request-gated
-    sites that were mounted while it ran.
+    sites that were mounted while it ran. Switching tiers costs a mount/unmount, so the scheduler
+    prefers waiting work of the tier that is mounted now: the oldest request of another tier runs
+    first only once it has waited ``quality_switch_wait_ms`` (its fairness bound), so an
+    alternating stream of lossless/high requests does not switch before every batch.
 
 Shutdown
     :meth:`Engine.shutdown` stops accepting requests, lets the running batch finish and (by
@@ -238,6 +241,7 @@ class Engine:
         pad_batches: bool = True,
         default_quality: "str | Quality" = Quality.LOSSLESS,
         batch_log_limit: int = 10000,
+        quality_switch_wait_ms: float = 500.0,
         runner: Callable[..., list[Any]] = run_batch,
     ) -> None:
         if max_batch_size < 1:
@@ -248,6 +252,7 @@ class Engine:
         self.handle = handle
         self.max_batch_size = int(max_batch_size)
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
+        self.quality_switch_wait_s = max(0.0, float(quality_switch_wait_ms)) / 1000.0
         self.max_queue = int(max_queue)
         self.request_timeout_s = float(request_timeout_s)
         self.pad_batches = bool(pad_batches)
@@ -387,6 +392,18 @@ class Engine:
     def _available(self, sig: tuple) -> int:
         return sum(r.remaining for r in self._pending if r.signature == sig)
 
+    def _next_request(self) -> "_Request":
+        """The request whose signature the next batch takes: the oldest one, unless another tier
+        than the mounted one would force a switch while same-tier work waits and the oldest request
+        has not yet waited ``quality_switch_wait_ms``."""
+        oldest = self._pending[0]
+        current = None if self.handle is None else self.handle.quality
+        if current is None or oldest.params.quality is current:
+            return oldest
+        if time.monotonic() - oldest.enqueued >= self.quality_switch_wait_s:
+            return oldest
+        return next((r for r in self._pending if r.params.quality is current), oldest)
+
     async def _scheduler(self) -> None:
         assert self._wake is not None
         while True:
@@ -397,7 +414,7 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            first = self._pending[0]
+            first = self._next_request()
             sig = first.signature
             fill_deadline = first.enqueued + self.batch_wait_s
             while not self._closing and self._available(sig) < self.max_batch_size:

@@ -343,6 +343,7 @@ def run(args: Any) -> int:
             default_quality=args.default_quality,
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
+            quality_switch_wait_ms=args.quality_switch_wait_ms,
             max_queue=args.max_queue,
             request_timeout_s=args.request_timeout,
             pad_batches=not args.no_pad_batches,

@@ -344,6 +344,35 @@ def test_quality_changes_only_between_batches():
     assert f"ditfuse_quality_unmounts_total {n_unmounts}" in text
 
 
+def _alternating_transitions(switch_wait_ms):
+    ref = [None]
+    handle = FakeHandle(ref)
+    runner = Runner(handle)
+    ref[0] = runner
+
+    async def main():
+        eng = make_engine(runner, max_batch_size=1, batch_wait_ms=0, handle=handle,
+                          quality_switch_wait_ms=switch_wait_ms)
+        await eng.start()
+        qs = ["high", "lossless"] * 4
+        await asyncio.gather(*[eng.submit(P(f"a{i}", quality=q)) for i, q in enumerate(qs)])
+        await eng.shutdown()
+        return eng
+
+    eng = run(main())
+    assert sorted(runner.prompts_run) == sorted(f"a{i}" for i in range(8))  # nothing lost
+    for b in eng.batch_log:
+        assert b["handle_quality"] == b["quality"]
+    return len(handle.transitions)
+
+
+def test_scheduler_prefers_the_mounted_tier_to_avoid_switches():
+    # FIFO (no affinity): lossless is mounted, so the first 'high' switches, then every batch flips.
+    assert _alternating_transitions(0) >= 7
+    # With affinity: all waiting work of the mounted tier runs first, then one switch.
+    assert _alternating_transitions(60_000) <= 2
+
+
 # ---------------------------------------------------------------------------------------------
 # The tiny preset, for real.
 
