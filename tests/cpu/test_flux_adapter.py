@@ -128,3 +128,27 @@ def test_no_cuda_report_says_so_in_one_line():
 def test_accelerate_rejects_non_models():
     with pytest.raises(TypeError, match="diffusers pipeline or a torch.nn.Module"):
         ditfuse.accelerate(42)
+
+
+def test_attention_backend_chosen_through_diffusers_is_respected(monkeypatch):
+    """The fused attention path calls diffusers' dispatch_attention_fn with the backend set on the
+    model (here '_native_math'), never a hard-coded SDPA."""
+    from diffusers.models import attention_dispatch
+
+    m = tiny_flux(dtype=torch.bfloat16)
+    m.set_attention_backend("_native_math")
+    inp = flux_inputs(m, dtype=torch.bfloat16)
+    base = _run(m, inp)
+    seen = []
+    real = attention_dispatch.dispatch_attention_fn
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("backend"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention_dispatch, "dispatch_attention_fn", spy)
+    h = ditfuse.accelerate(m)
+    out = _run(m, inp)
+    h.unmount()
+    assert seen and all(str(getattr(b, "value", b)) == "_native_math" for b in seen), seen
+    assert_bitwise_equal(out, base)
