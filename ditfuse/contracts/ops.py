@@ -105,13 +105,6 @@ class GatedOp:
                     self._loaded[key] = None
         return self._loaded[key]
 
-    def available(self, device: torch.device | str) -> bool:
-        return (
-            self._kernel_for(torch.device(device)) is not None
-            and not gate.is_disabled(self.op)
-            and not registry.is_disabled(self.op)
-        )
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         first = args[0]
         loaded = self._kernel_for(first.device)

@@ -196,10 +196,6 @@ def attention_forward(
     return hidden_states
 
 
-def _attn_kwargs_ok(attn, joint_attention_kwargs: dict | None) -> bool:
-    return not joint_attention_kwargs
-
-
 # -- blocks -----------------------------------------------------------------------------------
 
 
