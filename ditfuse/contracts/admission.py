@@ -219,29 +219,19 @@ def _device_name(device: torch.device | None) -> str:
     return f"{device.type if device is not None else 'cpu'}, torch {torch.__version__}"
 
 
-def candidates() -> dict[str, tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]]:
-    """Every registered close op: ``op -> (close op wrapper, eager chain, fp64 exact)``."""
-    from ..kernels import exact
-    from ..kernels import reference as ref
-    from . import close
+def candidates() -> dict[str, Any]:
+    """Every registered close op, ``op id -> CloseOp`` (kernel, eager reference and fp64 exact
+    math all come from its descriptor)."""
+    from .ops import CLOSE
 
-    return {
-        "activation.linear_gelu_tanh": (close.linear_gelu_tanh, ref.linear_gelu_tanh, exact.linear_gelu_tanh_fp64),
-        "norm.layernorm_modulate_fp32": (close.layernorm_modulate_fp32, ref.layernorm_modulate, exact.layernorm_modulate_fp64),
-        "norm.gate_residual_layernorm_modulate_fp32": (
-            close.gate_residual_layernorm_modulate_fp32,
-            ref.gate_residual_layernorm_modulate,
-            exact.gate_residual_layernorm_modulate_fp64,
-        ),
-        "rope.qk_rmsnorm_rope_fp32": (close.qk_rmsnorm_rope_fp32, ref.qk_rmsnorm_rope, exact.qk_rmsnorm_rope_fp64),
-    }
+    return dict(CLOSE)
 
 
 def admit_op(op: str, batches: Iterable[Batch], device: str | torch.device, measured_on: str | None = None) -> AdmissionResult:
     """Admission of registered close op ``op``: its kernel itself (no eager fallback), the eager
     chain and the fp64 math on ``batches``."""
-    wrapper, eager, exact = candidates()[op]
-    return evaluate(op, wrapper.kernel(device), eager, exact, batches, measured_on)
+    c = candidates()[op]
+    return evaluate(op, c.kernel(device), c.reference, c.exact(), batches, measured_on)
 
 
 # ------------------------------------------------------------------------------ the record
@@ -349,3 +339,20 @@ def format_table(results: Iterable[AdmissionResult]) -> str:
         lines.append(f"{r.op:<45} {r.rms_ratio:>7.3f} {r.max_ratio:>7.3f} {r.bias_ratio:>7.3f} "
                      f"{str(r.nonfinite_same):>6} {str(r.admitted):>8}  {r.reason}")
     return "\n".join(lines)
+
+
+def high_guards(close_ops: Iterable[Any]) -> list[Any]:
+    """For each close op a site would run: ``admitted:<op>`` (a passing record) and
+    ``available:<op>`` (its kernel loads on the module's device and is not disabled)."""
+    from .quality import Guard
+
+    def device(module: Any) -> torch.device:
+        for p in module.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    guards = []
+    for c in close_ops:
+        guards.append(Guard(f"admitted:{c.op}", lambda m, op=c.op: admission_problem(op)))
+        guards.append(Guard(f"available:{c.op}", lambda m, c=c: c.problem(device(m))))
+    return guards

@@ -10,8 +10,9 @@ cuBLAS), so the gate checks, per op and per *input signature*:
   reference's output is returned, and one warning names the op, the signature, the first differing
   index and both values.
 - the kernel raises :class:`~ditfuse.kernels.errors.UnsupportedInput` -> that call runs the
-  reference (the predicate should have said no; it is counted and reported). Any other exception
-  -> fallback to the reference, the op is disabled, and the error is reported.
+  reference (an input the kernel does not reproduce, e.g. a width torch sends down another
+  path; counted, logged once per op and reason, listed in the report). Any other exception ->
+  fallback to the reference, the op is disabled, and the error is reported.
 - while ``torch.compile`` traces or a CUDA graph is being captured no verification runs (a
   reference run inside a capture would be captured too): a verified signature runs the kernel, an
   unverified one runs the reference.
@@ -236,7 +237,7 @@ class BitExactGate:
             with self._lock:
                 self._unsupported_seen.add(key)
             self._fallback(op, signature, f"unsupported input: {e.reason}")
-            logger.warning("ditfuse: %s fell back to eager for %r: %s", op, signature, e.reason)
+            logger.warning("ditfuse: %s runs eager for inputs like %r: %s", op, signature, e.reason)
 
     def _kernel_failed(self, op: str, signature: Hashable, e: BaseException) -> None:
         reason = f"kernel raised {type(e).__name__}: {e}"

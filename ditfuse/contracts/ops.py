@@ -1,133 +1,220 @@
-"""Gated bit-exact ops: what a model's fast forward calls instead of an eager chain.
+"""The op tables models call: derived from the op descriptors, one entry per op.
 
-A :class:`GatedOp` ties together, for one registered op: the kernel (selected through the
-registry, loaded lazily on first call), its ``can_use_<op>`` predicate, the eager reference chain
-(:mod:`ditfuse.kernels.reference`) and the signature the bit-exact gate keys verification on.
-Calling it runs the kernel under :data:`ditfuse.contracts.bitexact.gate`; when the op is not
-available on this device, disabled by the environment, or the predicate says no, it runs the
-reference, which is the very eager chain diffusers would have run, so the model's output is the
-same bits either way.
+``LOSSLESS.<name>`` is a :class:`GatedOp`: the op's bit-exact kernel (selected through the
+registry, loaded lazily on first call) under the bit-exact gate, keyed by the signature the
+descriptor declares; wherever the kernel cannot run (not available on this device, disabled by
+the environment, an input it does not take) the eager reference runs, which is the very chain
+diffusers would have run, so the model's output is the same bits either way.
+
+``HIGH.<name>`` is, for an op with a close variant, a :class:`CloseOp` running that variant (not
+under the gate: it is not bitwise equal by design; whether it may run at all is decided before
+mounting, by the site guards: admission record, availability), and the lossless op otherwise.
+
+A fast forward takes one of these tables (``_ops=LOSSLESS`` or ``HIGH``) and calls
+``_ops.layernorm_modulate(...)``; adding an op is adding a descriptor (kernels/) — the tables,
+the registry, the docs and admission's candidates follow.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Hashable
+from collections import Counter
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import torch
 
-from ..kernels import reference as ref
-from ..kernels import registry
+from ..kernels import DESCRIPTORS, registry
+from ..kernels.errors import UnsupportedInput
+from ..kernels.spec import Contract, KeyArg, OpDescriptor
 from .bitexact import gate, tensor_signature
+from .quality import Quality
 
 logger = logging.getLogger("ditfuse.ops")
 
-_sig = tensor_signature
+
+def _device_key(device: torch.device) -> str:
+    return device.type if device.index is None else f"{device.type}:{device.index}"
 
 
-def _scale_kind(t: torch.Tensor) -> str:
-    return "per-sample" if t.dim() == 2 else "per-token"
+class _KeyBinder:
+    """Computes a descriptor's signature key from a call's (args, kwargs) without binding through
+    ``inspect`` on every call: positions and defaults are resolved once from the reference."""
+
+    def __init__(self, descriptor: OpDescriptor, reference: Callable[..., Any]) -> None:
+        params = list(inspect.signature(reference).parameters.values())
+        index = {p.name: i for i, p in enumerate(params)}
+        self._parts: list[tuple[KeyArg, int, Any]] = []
+        for k in descriptor.key:
+            if k.name not in index:
+                raise ValueError(f"{descriptor.op}: key argument {k.name!r} is not a parameter of its reference")
+            p = params[index[k.name]]
+            self._parts.append((k, index[k.name], None if p.default is inspect.Parameter.empty else p.default))
+
+    def __call__(self, args: tuple, kwargs: dict) -> Hashable:
+        key = []
+        for k, i, default in self._parts:
+            v = args[i] if i < len(args) else kwargs.get(k.name, default)
+            if isinstance(v, torch.Tensor):
+                part: Any = tensor_signature(v)
+                if k.dims:
+                    part = (part, *(v.shape[d] for d in k.dims))
+                if k.rank:
+                    part = (part, v.dim())
+                key.append(part)
+            elif v is None:
+                key.append(None)
+            elif k.value:
+                key.append(float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v)
+        return tuple(key)
 
 
-# Signatures: only what changes the kernel's arithmetic or code path. Batch and sequence length
-# are left out for per-row ops: every row runs the same reduction tree whatever their number.
-def _sig_scale_shift(x, scale, shift) -> Hashable:
-    return (_sig(x), x.shape[-1], _scale_kind(scale), _sig(scale), _sig(shift))
+class _RegisteredOp:
+    """An op's kernel for a device, selected through the registry and imported on first use."""
 
-
-def _sig_gate_residual(residual, gate_, update) -> Hashable:
-    return (_sig(residual), residual.shape[-1], _scale_kind(gate_), _sig(gate_), _sig(update))
-
-
-def _sig_ln_mod(x, scale, shift, eps=1e-6) -> Hashable:
-    # The width D fixes the per-thread vector count and the reduction tree.
-    return (_sig(x), x.shape[-1], _scale_kind(scale), _sig(scale), _sig(shift), float(eps))
-
-
-def _sig_gr_ln_mod(residual, gate_, update, scale, shift, eps=1e-6) -> Hashable:
-    return (
-        _sig(residual), residual.shape[-1], _scale_kind(gate_), _sig(gate_), _sig(update),
-        _scale_kind(scale), _sig(scale), _sig(shift), float(eps),
-    )
-
-
-def _sig_qk(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
-            q_txt_weight=None, k_txt_weight=None) -> Hashable:
-    # head_dim fixes the RMS reduction; heads and sequence lengths only change the grid.
-    return (
-        _sig(q), _sig(k), q.shape[-1], q_weight is not None, cos is not None,
-        _sig(cos) if cos is not None else None, q_txt is not None,
-        _sig(q_txt) if q_txt is not None else None, None if eps is None else float(eps),
-    )
-
-
-def _sig_gelu(x, out=None) -> Hashable:
-    return (_sig(x), None if out is None else _sig(out))
-
-
-def _gelu_reference(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    y = ref.gelu_tanh(x)
-    if out is None:
-        return y
-    out.copy_(y)
-    return out
-
-
-class GatedOp:
-    """Callable running registered op ``op`` under the bit-exact gate, eager otherwise."""
-
-    def __init__(self, op: str, reference: Callable[..., Any], signature: Callable[..., Hashable]) -> None:
-        self.op = op
-        self.reference = reference
-        self.signature = signature
+    def __init__(self, descriptor: OpDescriptor) -> None:
+        self.descriptor = descriptor
+        self.op = descriptor.op
         self._lock = threading.Lock()
-        self._loaded: dict[str, tuple[Callable[..., Any], Callable[..., bool]] | None] = {}
-        self.predicate_rejections = 0
+        self._loaded: dict[str, Callable[..., Any] | str] = {}
+        self._reference: Callable[..., Any] | None = None
 
-    def _kernel_for(self, device: torch.device) -> tuple[Callable[..., Any], Callable[..., bool]] | None:
-        key = device.type if device.index is None else f"{device.type}:{device.index}"
-        if key in self._loaded:
-            return self._loaded[key]
+    @property
+    def reference(self) -> Callable[..., Any]:
+        if self._reference is None:
+            self._reference = self.descriptor.load_reference()
+        return self._reference
+
+    def _load(self, device: torch.device) -> Callable[..., Any] | str:
+        """The kernel for ``device``, or why there is none (a string)."""
+        key = _device_key(device)
+        got = self._loaded.get(key)
+        if got is not None:
+            return got
         with self._lock:
             if key not in self._loaded:
                 try:
-                    spec = registry.select(self.op, device=key)
-                    self._loaded[key] = (spec.load(), spec.load_predicate())
+                    self._loaded[key] = registry.select(self.op, device=key).load()
                 except (registry.KernelDisabledError, registry.CapabilityError) as e:
+                    self._loaded[key] = str(e)
                     logger.info("ditfuse: %s runs eager on %s: %s", self.op, key, e)
-                    self._loaded[key] = None
                 except Exception as e:  # the kernel module failed to import: eager, loudly
-                    logger.warning("ditfuse: %s runs eager on %s: loading its kernel failed: %s: %s",
-                                   self.op, key, type(e).__name__, e)
-                    gate._fallback(self.op, key, f"kernel load failed: {type(e).__name__}: {e}")
-                    self._loaded[key] = None
-        return self._loaded[key]
+                    self._loaded[key] = f"loading its kernel failed: {type(e).__name__}: {e}"
+                    logger.warning("ditfuse: %s runs eager on %s: %s", self.op, key, self._loaded[key])
+                    self._on_load_failure(key, self._loaded[key])
+            return self._loaded[key]
+
+    def _on_load_failure(self, device_key: str, reason: str) -> None:
+        pass
+
+    def problem(self, device: torch.device | str) -> str | None:
+        """None when the kernel can run on ``device``, else why not (for a site guard)."""
+        if registry.is_disabled(self.op):
+            return f"{self.op} is disabled by DITFUSE_DISABLE"
+        got = self._load(torch.device(device))
+        return got if isinstance(got, str) else None
+
+    def kernel(self, device: torch.device | str) -> Callable[..., Any]:
+        """The kernel callable itself (RuntimeError when unavailable): for admission and benchmarks."""
+        got = self._load(torch.device(device))
+        if isinstance(got, str):
+            raise RuntimeError(f"{self.op}: {got}")
+        return got
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.op})"
+
+
+class GatedOp(_RegisteredOp):
+    """Bit-exact op ``descriptor`` under the gate; its eager reference wherever it cannot run."""
+
+    def __init__(self, descriptor: OpDescriptor) -> None:
+        if descriptor.contract is not Contract.BIT_EXACT:
+            raise ValueError(f"{descriptor.op} is not bit-exact")
+        super().__init__(descriptor)
+        self._binder: _KeyBinder | None = None
+
+    def signature(self, *args: Any, **kwargs: Any) -> Hashable:
+        if self._binder is None:
+            self._binder = _KeyBinder(self.descriptor, self.reference)
+        return self._binder(args, kwargs)
+
+    def _on_load_failure(self, device_key: str, reason: str) -> None:
+        gate._fallback(self.op, device_key, reason)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        first = args[0]
-        loaded = self._kernel_for(first.device)
-        if loaded is None or gate.is_disabled(self.op) or registry.is_disabled(self.op):
+        kernel = self._load(args[0].device)
+        if isinstance(kernel, str) or gate.is_disabled(self.op) or registry.is_disabled(self.op):
             return self.reference(*args, **kwargs)
-        kernel, predicate = loaded
-        if not predicate(*args, **kwargs):
-            self.predicate_rejections += 1
-            gate._count(self.op, "predicate_rejected")
-            return self.reference(*args, **kwargs)
+        # The kernel checks its own inputs (UnsupportedInput): no separate predicate call here.
         return gate.call(self.op, self.signature(*args, **kwargs), kernel, self.reference, *args, **kwargs)
 
 
-scale_shift = GatedOp("modulate.scale_shift", ref.scale_shift, _sig_scale_shift)
-gate_residual = GatedOp("modulate.gate_residual", ref.gate_residual, _sig_gate_residual)
-layernorm_modulate = GatedOp("norm.layernorm_modulate", ref.layernorm_modulate, _sig_ln_mod)
-gate_residual_layernorm_modulate = GatedOp(
-    "norm.gate_residual_layernorm_modulate", ref.gate_residual_layernorm_modulate, _sig_gr_ln_mod
-)
-qk_rmsnorm_rope = GatedOp("rope.qk_rmsnorm_rope", ref.qk_rmsnorm_rope, _sig_qk)
-gelu_tanh = GatedOp("activation.gelu_tanh", _gelu_reference, _sig_gelu)
+class CloseOp(_RegisteredOp):
+    """Close op ``descriptor``: its kernel where it takes the input, the eager chain otherwise."""
 
-ALL: dict[str, GatedOp] = {
-    g.op: g
-    for g in (scale_shift, gate_residual, layernorm_modulate, gate_residual_layernorm_modulate, qk_rmsnorm_rope, gelu_tanh)
-}
+    def __init__(self, descriptor: OpDescriptor) -> None:
+        if descriptor.contract is not Contract.CLOSE:
+            raise ValueError(f"{descriptor.op} is not a close op")
+        super().__init__(descriptor)
+        self.calls: Counter[str] = Counter()  # "kernel" / "eager"
+
+    def exact(self) -> Callable[..., Any]:
+        return self.descriptor.load_exact()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        kernel = self._load(args[0].device)
+        if not isinstance(kernel, str) and not registry.is_disabled(self.op):
+            try:
+                out = kernel(*args, **kwargs)
+            except UnsupportedInput:
+                pass
+            else:
+                self.calls["kernel"] += 1
+                return out
+        self.calls["eager"] += 1
+        return self.reference(*args, **kwargs)
+
+
+class OpSet:
+    """The ops of one quality tier, by name: ``LOSSLESS.layernorm_modulate(...)``."""
+
+    def __init__(self, quality: Quality, ops: dict[str, Any]) -> None:
+        self.quality = quality
+        self._ops = dict(ops)
+        self.__dict__.update(self._ops)
+
+    def __getattr__(self, name: str) -> Any:  # only reached for unknown names
+        raise AttributeError(f"no op named {name!r} in the {self.quality.value} op set "
+                             f"(ops: {', '.join(sorted(self._ops))})")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ops)
+
+    def __repr__(self) -> str:
+        return f"OpSet({self.quality.value}: {', '.join(sorted(self._ops))})"
+
+
+GATED: dict[str, GatedOp] = {d.op: GatedOp(d) for d in DESCRIPTORS if d.contract is Contract.BIT_EXACT}
+CLOSE: dict[str, CloseOp] = {d.op: CloseOp(d) for d in DESCRIPTORS if d.contract is Contract.CLOSE}
+_CLOSE_FOR: dict[str, CloseOp] = {c.descriptor.lossless.op: c for c in CLOSE.values()}
+
+LOSSLESS = OpSet(Quality.LOSSLESS, {g.descriptor.name: g for g in GATED.values()})
+HIGH = OpSet(Quality.HIGH, {g.descriptor.name: _CLOSE_FOR.get(g.op, g) for g in GATED.values()})
+TIERS = {Quality.LOSSLESS: LOSSLESS, Quality.HIGH: HIGH}
+
+
+def close_variant(descriptor: OpDescriptor) -> CloseOp | None:
+    """The close op standing in for bit-exact op ``descriptor`` under quality="high", if any."""
+    return _CLOSE_FOR.get(descriptor.op)
+
+
+def reset_counts() -> None:
+    for c in CLOSE.values():
+        c.calls.clear()
+
+
+__all__ = ["GatedOp", "CloseOp", "OpSet", "LOSSLESS", "HIGH", "TIERS", "GATED", "CLOSE", "close_variant",
+           "reset_counts"]

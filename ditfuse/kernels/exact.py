@@ -1,16 +1,15 @@
-"""fp64 "exact math" for the close kernels' admission test (torch only).
+"""fp64 "exact math" of the eager chains, for the close kernels' admission test (torch only).
 
 Each function takes the same arguments as the eager reference chain of the same name in
-:mod:`ditfuse.kernels.reference` (bf16/fp16 inputs as the model holds them), upcasts every input to
-fp64 and evaluates the chain's *mathematics* once, with no intermediate rounding. The admission
-test (:mod:`ditfuse.contracts.admission`) measures both the eager chain and a close kernel against
+:mod:`ditfuse.kernels.reference` (inputs as the model holds them), upcasts every tensor to fp64
+and evaluates the chain's *mathematics* once, with no intermediate rounding. The admission test
+(:mod:`ditfuse.contracts.admission`) measures both the eager chain and a close kernel against
 these values. Outputs are fp64 tensors shaped like the chain's outputs.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .reference import _per_token
 
@@ -19,30 +18,43 @@ def _d(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.to(torch.float64)
 
 
-def linear_gelu_tanh_fp64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``gelu_tanh(x @ weight.T + bias)`` in fp64."""
-    return F.gelu(F.linear(_d(x), _d(weight), _d(bias)), approximate="tanh")
-
-
-def layer_norm_fp64(x: torch.Tensor, eps: float) -> torch.Tensor:
+def layer_norm_fp64(x: torch.Tensor, eps: float, weight: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     x = _d(x)
     mean = x.mean(-1, keepdim=True)
     var = (x - mean).pow(2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps)
+    y = (x - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        y = y * _d(weight)
+    if bias is not None:
+        y = y + _d(bias)
+    return y
 
 
-def layernorm_modulate_fp64(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``LN(x) * (1 + scale) + shift`` in fp64."""
-    return layer_norm_fp64(x, eps) * (1 + _per_token(_d(scale), x.dim())) + _per_token(_d(shift), x.dim())
+def layernorm_modulate_fp64(
+    x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
+    weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``LN(x) * (1 + scale) + shift`` (or the affine LN alone) in fp64."""
+    y = layer_norm_fp64(x, eps, weight, bias)
+    if scale is None:
+        return y
+    return y * (1 + _per_token(_d(scale), x.dim())) + _per_token(_d(shift), x.dim())
+
+
+def _residual_fp64(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor) -> torch.Tensor:
+    u = _d(update)
+    return _d(residual) + (u if gate is None else _per_token(_d(gate), update.dim()) * u)
 
 
 def gate_residual_layernorm_modulate_fp64(
-    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
-    scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
+    residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
+    scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
+    weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = residual + gate * update``; ``n = LN(h) * (1 + scale) + shift``; in fp64."""
-    h = _d(residual) + _per_token(_d(gate), update.dim()) * _d(update)
-    return h, layernorm_modulate_fp64(h, scale, shift, eps)
+    """``h = residual + gate * update``; ``n = LN(h) (* (1 + scale) + shift)``; in fp64."""
+    h = _residual_fp64(residual, gate, update)
+    return h, layernorm_modulate_fp64(h, scale, shift, eps, weight, bias)
 
 
 def _rms_fp64(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -51,7 +63,7 @@ def _rms_fp64(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tens
     return y if w is None else y * _d(w)
 
 
-def _rope_fp64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _rope_interleaved_fp64(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos = _d(cos)[None, :, None, :]
     sin = _d(sin)[None, :, None, :]
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
@@ -65,20 +77,38 @@ def qk_rmsnorm_rope_fp64(
     q_txt: torch.Tensor | None = None, k_txt: torch.Tensor | None = None,
     q_txt_weight: torch.Tensor | None = None, k_txt_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm (``x / sqrt(mean(x^2) + eps) * w``), text-first concat, interleaved RoPE; in fp64."""
+    """Per-head RMSNorm (``x / sqrt(mean(x^2) + eps) * w``), text-first concat, interleaved RoPE; fp64."""
     q64, k64 = _rms_fp64(q, q_weight, eps), _rms_fp64(k, k_weight, eps)
     if q_txt is not None:
         q64 = torch.cat([_rms_fp64(q_txt, q_txt_weight, eps), q64], dim=1)
         k64 = torch.cat([_rms_fp64(k_txt, k_txt_weight, eps), k64], dim=1)
     if cos is not None:
-        q64, k64 = _rope_fp64(q64, cos, sin), _rope_fp64(k64, cos, sin)
+        q64, k64 = _rope_interleaved_fp64(q64, cos, sin), _rope_interleaved_fp64(k64, cos, sin)
+    return q64, k64
+
+
+def _rope_pairs_fp64(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = _d(freqs_cos)[..., 0::2], _d(freqs_sin)[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).flatten(-2)
+
+
+def qk_rmsnorm_across_heads_rope_fp64(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over all heads, head split, Wan's pair RoPE; fp64."""
+    q64 = _rms_fp64(q, q_weight, eps).unflatten(2, (heads, -1))
+    k64 = _rms_fp64(k, k_weight, eps).unflatten(2, (heads, -1))
+    if cos is not None:
+        q64, k64 = _rope_pairs_fp64(q64, cos, sin), _rope_pairs_fp64(k64, cos, sin)
     return q64, k64
 
 
 __all__ = [
-    "linear_gelu_tanh_fp64",
     "layer_norm_fp64",
     "layernorm_modulate_fp64",
     "gate_residual_layernorm_modulate_fp64",
     "qk_rmsnorm_rope_fp64",
+    "qk_rmsnorm_across_heads_rope_fp64",
 ]

@@ -2,10 +2,16 @@
 
 Each function is the contract a bit-exact kernel is held to: same op order, same dtypes, same
 casts, so each intermediate is rounded where eager rounds it. Notation in the docstrings:
-``r(.)`` is a rounding to the input dtype (an eager op stored its result), ``r32(.)`` an fp32
-intermediate. tests/cpu/test_reference.py proves every chain equal (bitwise) to the diffusers
-module it stands for; tests/gpu repeats that on CUDA. Torch only: used by tests, benchmarks and
-the bit-exact gate alike.
+``r(.)`` is a rounding to the dtype the eager op stores (torch's type promotion decides it),
+``r16`` / ``r32`` a rounding to bf16 / fp32. tests/cpu/test_reference.py proves every chain equal
+(bitwise) to the diffusers module it stands for; tests/gpu repeats that on CUDA. Torch only: used
+by tests, benchmarks and the bit-exact gate alike.
+
+The families differ in where they upcast: FLUX.1 runs its chains in the model dtype (bf16:
+``r16`` at every op), Wan upcasts to fp32 (``FP32LayerNorm`` on ``x.float()``, fp32 modulation
+tables) and casts back with ``.type_as``. The chains take that as data (``norm_dtype``, the
+dtypes of ``scale``/``shift``/``gate``) rather than as separate functions, and the kernels derive
+their rounding points from the same dtypes with torch's promotion rules.
 """
 
 from __future__ import annotations
@@ -15,63 +21,96 @@ import torch.nn.functional as F
 
 
 def _per_token(t: torch.Tensor, ndim: int) -> torch.Tensor:
-    """[B, D] -> [B, 1, D] (diffusers' ``t[:, None]``); [B, S, D] passes through."""
+    """[B, D] -> [B, 1, D] (diffusers' ``t[:, None]``); [B, 1, D] / [B, S, D] pass through."""
     return t[:, None] if t.dim() == 2 and ndim == 3 else t
 
 
-def scale_shift(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``out = r(r(x * r(1 + scale)) + shift)`` — the adaLN modulate in AdaLayerNormZero(Single).
+def gate_residual(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor) -> torch.Tensor:
+    """``h = r_res(residual + r(gate * update))`` (``gate=None``: ``r(residual + update)``).
 
-    x: [B, S, D]; scale, shift: [B, D] (per sample) or [B, S, D] (per token).
+    FLUX: ``residual + gate.unsqueeze(1) * attn`` in bf16 (two r16). Wan:
+    ``(x.float() + attn * gate_fp32).type_as(x)``: the product and the sum in fp32, one r16 at the
+    end (``x.float() + p`` has the value of ``x + p`` for fp32 ``p``, so the upcast is implicit
+    here). The result always has the residual's dtype.
     """
-    return x * (1 + _per_token(scale, x.dim())) + _per_token(shift, x.dim())
+    y = update if gate is None else _per_token(gate, update.dim()) * update
+    return (residual + y).to(residual.dtype)
 
 
-def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    """``out = r(residual + r(gate * update))`` — FLUX's gated residuals.
+def layer_norm(
+    x: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    norm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``nn.LayerNorm(D, eps)`` over the last dim: one rounding, to x's dtype. With
+    ``norm_dtype`` (diffusers ``FP32LayerNorm(x.float())``): input and affine parameters cast to
+    ``norm_dtype`` first, the result stays in ``norm_dtype``."""
+    if norm_dtype is not None:
+        x = x.to(norm_dtype)
+        weight = None if weight is None else weight.to(norm_dtype)
+        bias = None if bias is None else bias.to(norm_dtype)
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
-    diffusers writes ``gate.unsqueeze(1) * update`` then ``residual + that``; gate is [B, D] or
-    [B, S, D].
-    """
-    return residual + _per_token(gate, update.dim()) * update
 
-
-def layer_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Affine-free ``nn.LayerNorm(D, elementwise_affine=False, eps)``: one rounding."""
-    return F.layer_norm(x, (x.shape[-1],), None, None, eps)
+def modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """adaLN modulate ``r(r(n * r(1 + scale)) + shift)``; ``1 + scale`` keeps scale's dtype, the
+    product and the sum are promoted (bf16 * fp32 -> fp32)."""
+    return n * (1 + _per_token(scale, n.dim())) + _per_token(shift, n.dim())
 
 
 def layernorm_modulate(
-    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
+    eps: float = 1e-6,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``: AdaLayerNormZero / AdaLayerNormZeroSingle /
-    the dual block's norm2 + modulate / AdaLayerNormContinuous (there ``chunk`` yields scale first:
-    pass the chunks in the right order, the arithmetic is the same)."""
-    return scale_shift(layer_norm(x, eps), scale, shift)
+    """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``.
+
+    FLUX.1 (AdaLayerNormZero / ...Single / norm2 + modulate / AdaLayerNormContinuous, whose
+    ``chunk`` yields scale first: pass the chunks by name): all bf16, ``norm_dtype=None``.
+    Wan (``(norm(x.float()) * (1 + scale) + shift).type_as(x)``): ``norm_dtype=torch.float32``;
+    the result is cast back to x's dtype. ``scale=shift=None``: the LayerNorm alone (Wan's affine
+    ``norm2``: ``weight``/``bias``).
+    """
+    if (scale is None) != (shift is None):
+        raise ValueError("scale and shift are given together")
+    n = layer_norm(x, eps, weight, bias, norm_dtype)
+    if scale is not None:
+        n = modulate(n, scale, shift)
+    return n if norm_dtype is None else n.to(x.dtype)
 
 
 def gate_residual_layernorm_modulate(
     residual: torch.Tensor,
-    gate: torch.Tensor,
+    gate: torch.Tensor | None,
     update: torch.Tensor,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
     eps: float = 1e-6,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    norm_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLUX dual block middle: ``h = r(residual + r(gate * update))``,
-    ``n = r(r(r(LN(h)) * r(1 + scale)) + shift)``; returns ``(h, n)``."""
+    """A residual add then the next LayerNorm (+ modulate): ``h = gate_residual(...)``,
+    ``n = layernorm_modulate(h, ...)``; returns ``(h, n)``. FLUX's dual block middle; Wan's
+    self-attention residual + affine ``norm2`` and cross-attention residual + ``norm3`` modulate."""
     h = gate_residual(residual, gate, update)
-    return h, layernorm_modulate(h, scale, shift, eps)
+    return h, layernorm_modulate(h, scale, shift, eps, weight, bias, norm_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """``torch.nn.RMSNorm(D, eps)`` as FluxAttention's norm_q/norm_k/norm_added_q/norm_added_k run it."""
+    """``torch.nn.RMSNorm(D, eps)`` over the last dim (``_fused_rms_norm`` on CUDA: one rounding)."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """diffusers ``apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1,
-    sequence_dim=1)`` for x [B, S, H, D] and fp32 cos/sin [S, D]:
+    sequence_dim=1)`` for x [B, S, H, D] and fp32 cos/sin [S, D] (FLUX):
     ``o[2i] = r(r32(r32(x[2i]·c) + r32(-x[2i+1]·s)))``, ``o[2i+1] = r(r32(r32(x[2i+1]·c) + r32(x[2i]·s)))``.
     """
     cos = cos[None, :, None, :].to(x.device)
@@ -97,7 +136,7 @@ def qk_rmsnorm_rope(
     """FluxAttnProcessor from the unflattened projections to the tensors attention consumes.
 
     q, k: image (or, in single blocks, joint) tokens [B, S_img, H, D]; q_txt, k_txt: text tokens
-    [B, S_txt, H, D] or None (single blocks). Each is RMS-normalised with its own weight
+    [B, S_txt, H, D] or None (single blocks). Each is RMS-normalised per head with its own weight
     (``torch.nn.RMSNorm``, one rounding), text and image are concatenated along the sequence (text
     first), then RoPE (if cos/sin given) is applied to the joint tensors. Returns (q_joint, k_joint),
     each [B, S_txt + S_img, H, D].
@@ -113,15 +152,54 @@ def qk_rmsnorm_rope(
     return q, k
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    """``F.gelu(x, approximate="tanh")`` (nn.GELU(approximate="tanh") / diffusers GELU): one rounding."""
-    return F.gelu(x, approximate="tanh")
+def rope_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
+    """Wan's ``apply_rotary_emb`` (WanAttnProcessor, diffusers 0.42.1) for x [B, S, H, D] and
+    repeat-interleaved freqs [1, S, 1, D] (fp32, or bf16 after a plain ``.to(bf16)``)::
+
+        o[2i]   = r(r_p(r_p(x[2i] * cos[2i]) - r_p(x[2i+1] * sin[2i+1])))
+        o[2i+1] = r(r_p(r_p(x[2i] * sin[2i+1]) + r_p(x[2i+1] * cos[2i])))
+
+    with ``r_p`` the promoted dtype of x and the freqs (fp32 freqs: fp32), ``r`` x's dtype."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
 
 
-def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """diffusers ``GELU(approximate="tanh")`` (FeedForward's first layer, or the single block's
-    ``proj_mlp`` + ``act_mlp``): ``r(gelu_tanh(r(x @ weight.T + bias)))``, two roundings."""
-    return gelu_tanh(F.linear(x, weight, bias))
+def qk_rmsnorm_across_heads_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    heads: int,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """WanAttnProcessor from the projections to attention's q/k: ``norm_q``/``norm_k``
+    (``torch.nn.RMSNorm(H * Dh)`` over all heads at once, one rounding), ``unflatten(2, (H, -1))``,
+    then Wan's RoPE (:func:`rope_pairs`) when ``cos``/``sin`` are given. q, k: [B, S, H * Dh];
+    returns [B, S, H, Dh] each."""
+    q = rms_norm(q, q_weight, eps).unflatten(2, (heads, -1))
+    k = rms_norm(k, k_weight, eps).unflatten(2, (heads, -1))
+    if cos is not None:
+        q = rope_pairs(q, cos, sin)
+        k = rope_pairs(k, cos, sin)
+    return q, k
+
+
+def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.gelu(x, approximate="tanh")`` (nn.GELU(approximate="tanh") / diffusers GELU): one
+    rounding. With ``out`` the result is copied there (the copy a ``cat`` would make) and ``out``
+    is returned."""
+    y = F.gelu(x, approximate="tanh")
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
 
 
 def single_block_mlp_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
@@ -131,15 +209,16 @@ def single_block_mlp_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Ten
 
 
 __all__ = [
-    "scale_shift",
     "gate_residual",
     "layer_norm",
+    "modulate",
     "layernorm_modulate",
     "gate_residual_layernorm_modulate",
     "rms_norm",
     "rope_interleaved",
     "qk_rmsnorm_rope",
+    "rope_pairs",
+    "qk_rmsnorm_across_heads_rope",
     "gelu_tanh",
-    "linear_gelu_tanh",
     "single_block_mlp_cat",
 ]

@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 
-from ..contracts import quality as _quality
 from ..contracts.bitexact import gate
 from ..contracts.quality import MountResult, Quality
-from .base import Adapter, AdapterMount, AdapterVersionError
+from .base import Adapter, AdapterMount, AdapterVersionError, capture_admission_batches, mounted_high
 
 logger = logging.getLogger("ditfuse.models")
 
@@ -44,7 +43,8 @@ def coverage() -> list[dict[str, Any]]:
                     "family": a.family,
                     "cls": s.cls_name,
                     "site": s.description or s.name,
-                    "ops": list(s.ops),
+                    "ops": [d.op for d in s.ops],
+                    "high_ops": [c.op for c in s.close_ops()],
                     "versions": ", ".join(a.diffusers_versions),
                 }
             )
@@ -178,9 +178,11 @@ class Acceleration:
         """
         q = Quality.parse(quality)
         results = {}
-        for name, (_, model) in self._mounted.items():
-            res = _quality.mount(model, q)
+        for name, (adapter, model) in self._mounted.items():
+            res = adapter.set_quality(model, q)
             results[name] = res
+            if name in self._graphs and (res.mounted or res.unmounted):
+                self._graphs[name].invalidate()  # graphs captured under the other tier
             self._reports[name].high = res if q is Quality.HIGH else None
             if not res.ok:
                 logger.warning("ditfuse: %s stays lossless: %s", name, res.failed)
@@ -203,7 +205,6 @@ class Acceleration:
         for name, (adapter, model) in list(self._mounted.items()):
             if name in self._graphs:
                 remove_graph_runner(model)
-            _quality.unmount(model)
             adapter.unmount(model)
             self._reports[name].status = "untouched"
             self._reports[name].reason = "unmounted"
@@ -242,4 +243,10 @@ def accelerate(pipe_or_model: Any, quality: "str | Quality" = "lossless", cuda_g
     return handle
 
 
-__all__ = ["accelerate", "Acceleration", "AccelerationReport", "adapters", "coverage"]
+def mounted_sites(model: torch.nn.Module) -> list[str]:
+    """The sites of ``model`` running their quality="high" forward now ("path:site")."""
+    return mounted_high(model)
+
+
+__all__ = ["accelerate", "Acceleration", "AccelerationReport", "adapters", "coverage", "capture_admission_batches",
+           "mounted_sites"]

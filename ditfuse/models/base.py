@@ -1,59 +1,153 @@
-"""What every model adapter declares, and how its fast forwards are mounted.
+"""The shared machinery every model adapter is declared on: sites, mounting (both tiers), guards,
+admission capture.
 
-An adapter is small and declarative: the diffusers model classes it handles, the exact diffusers
-versions whose forward code its fast forwards mirror, and its sites — for each diffusers module
-class, the fast forward that replaces its ``forward`` and the ops that forward uses (this is the
-coverage table of the docs page). Fast forwards are installed as diffusers ``ModelHook``s with a
-``new_forward`` under the name ``ditfuse.lossless.<site>``, so they are named, removable, and
-compose with diffusers' own hooks.
+An adapter is a table: the diffusers model classes it handles, the diffusers versions whose
+forward code its fast forwards mirror, and its :class:`Site` s — for each diffusers module class,
+the fast forward replacing its ``forward``, the ops that forward calls (the coverage table of the
+docs page, the quality="high" guards and admission's captured inputs all derive from it), and
+when the fast forward applies to an instance. Nothing else is per family.
+
+Mounting: one diffusers ``ModelHook`` per module (``ditfuse.<site>``, through
+``diffusers.hooks.HookRegistry``: named, removable, composes with diffusers' own hooks) whose
+``new_forward`` calls the site's fast forward with an op table (:mod:`ditfuse.contracts.ops`):
+``LOSSLESS`` when mounted, ``HIGH`` after :meth:`Adapter.set_quality` checked every guard of every
+site of the model (all or nothing, contracts/quality.py), back to ``LOSSLESS`` on the way down.
+Swapping the table is the only difference between the tiers: there is one fast forward per site.
+
+Admission capture (:func:`capture_admission_batches`): one forward with a recording table, which
+clones the arguments of every op that has a close variant and runs the lossless op. The inputs are
+whatever the fast forwards pass, so no per-family code re-derives them.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..contracts import admission
+from ..contracts.ops import HIGH, LOSSLESS, TIERS, OpSet, close_variant
+from ..contracts.quality import Guard, MountResult, Quality, check_all
+from ..kernels.spec import OpDescriptor
+
 logger = logging.getLogger("ditfuse.models")
 
-LOSSLESS_PREFIX = "ditfuse.lossless."
+HOOK_PREFIX = "ditfuse."
+_tier_lock = threading.Lock()
 
 
 class AdapterVersionError(RuntimeError):
     """The installed diffusers is not a version the adapter's fast forwards mirror."""
 
 
-@dataclass(frozen=True)
-class SiteSpec:
-    """One module class whose forward an adapter replaces.
+def _always(module: torch.nn.Module) -> str | None:
+    return None
 
-    ``fast_forward(module, original_forward, *args, **kwargs)`` mirrors the diffusers forward of
-    ``cls_name`` (``original_forward`` is the forward it replaces, for inputs it does not cover);
-    ``applies(module)`` returns None when the fast forward reproduces this instance's
-    configuration, else the reason it does not (the module then keeps its own forward).
+
+@dataclass(frozen=True)
+class Site:
+    """One diffusers module class whose forward an adapter replaces.
+
+    ``cls``: ``"module.path:ClassName"`` of the diffusers class. ``params``: the parameter names
+    of ``cls.forward`` the fast forward was written against (checked at mount: a changed forward
+    refuses the adapter). ``forward(module, original_forward, *args, _ops, **kwargs)`` mirrors
+    the diffusers forward with the eager chains replaced by ``_ops.<op>(...)`` calls
+    (``original_forward`` serves inputs it does not cover). ``ops``: the descriptors of the ops it
+    calls. ``applies(module)``: None when the fast forward reproduces this instance's
+    configuration, else why not (the module then keeps its own forward; the report says why).
+    ``high=False``: no quality="high" tier for this site even if its ops have close variants.
     """
 
     name: str
-    cls_name: str
-    ops: tuple[str, ...]
-    fast_forward: Callable[..., Any]
-    applies: Callable[[torch.nn.Module], "str | None"] = lambda m: None
+    cls: str
+    params: tuple[str, ...]
+    forward: Callable[..., Any]
+    ops: tuple[OpDescriptor, ...]
+    applies: Callable[[torch.nn.Module], "str | None"] = _always
+    high: bool = True
     description: str = ""
 
+    @property
+    def cls_name(self) -> str:
+        return self.cls.partition(":")[2]
 
-class FastForwardHook:
-    """A diffusers ModelHook (duck-typed to avoid importing diffusers at module import) whose
-    ``new_forward`` is ``fast_forward(module, original_forward, *args, **kwargs)``. Used for the
-    lossless sites and, through :func:`hook_factory`, for the request-gated ones."""
+    @property
+    def hook_name(self) -> str:
+        return HOOK_PREFIX + self.name
+
+    def load_cls(self) -> type:
+        mod, _, name = self.cls.partition(":")
+        return getattr(importlib.import_module(mod), name)
+
+    def close_ops(self) -> list[Any]:
+        """The close ops this site runs under quality="high" (empty: the site has no high tier)."""
+        if not self.high:
+            return []
+        return [c for c in (close_variant(d) for d in self.ops) if c is not None]
+
+    def high_guards(self) -> list[Guard]:
+        """What must hold before this site runs its close ops (see the module docstring)."""
+        return [
+            Guard("dtype", half_precision),
+            Guard("structure", self.applies),
+            Guard("no offload", no_foreign_hooks),
+            *admission.high_guards(self.close_ops()),
+        ]
+
+
+# ------------------------------------------------------------------------------ guards
+
+
+def half_precision(module: torch.nn.Module) -> str | None:
+    """The module computes in bf16/fp16: its GEMM weights (nn.Linear) share one of those dtypes.
+    Admission was measured on half-precision activations; an fp32 model gains nothing."""
+    linears = [m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)]
+    params = linears or list(module.parameters())
+    if not params:
+        return "module has no parameters"
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1 or not dtypes <= {torch.bfloat16, torch.float16}:
+        return f"weight dtypes {sorted(str(d) for d in dtypes)}: close kernels need one of bf16/fp16"
+    return None
+
+
+def no_foreign_hooks(module: torch.nn.Module) -> str | None:
+    """No offloading / casting / caching hook (accelerate's or diffusers') and no meta weight on
+    the module: a close forward is not composed with them."""
+    for name, sub in module.named_modules():
+        if hasattr(sub, "_hf_hook"):
+            return f"{name or 'module'} has an accelerate hook (offloaded or dispatched weights)"
+        reg = getattr(sub, "_diffusers_hook", None)
+        if reg is not None:
+            foreign = [h for h in reg.hooks if not h.startswith(HOOK_PREFIX)]
+            if foreign:
+                return (f"{name or 'module'} has diffusers hook(s) {foreign} "
+                        "(offloading/casting/caching is not composed with quality=high)")
+    for name, p in module.named_parameters():
+        if p.device.type == "meta":
+            return f"parameter {name} is on the meta device (offloaded)"
+    return None
+
+
+# ------------------------------------------------------------------------------ the hook
+
+
+class SiteHook:
+    """A diffusers ModelHook (duck-typed here, subclassed from ModelHook in :func:`_make_hook` so
+    that importing this module needs no diffusers) running ``site.forward`` with op table ``ops``."""
 
     _is_stateful = False
 
-    def __init__(self, name: str, fast_forward: Callable[..., Any]) -> None:
-        self.name = name
-        self.fast_forward = fast_forward
+    def __init__(self, site: Site, ops: OpSet = LOSSLESS) -> None:
+        self.site = site
+        self.ops = ops
         self.fn_ref = None
 
     def initialize_hook(self, module):
@@ -69,28 +163,41 @@ class FastForwardHook:
         return output
 
     def new_forward(self, module, *args, **kwargs):
-        return self.fast_forward(module, self.fn_ref.original_forward, *args, **kwargs)
+        return self.site.forward(module, self.fn_ref.original_forward, *args, _ops=self.ops, **kwargs)
 
     def reset_state(self, module):
         return module
 
     def __repr__(self) -> str:
-        return f"FastForwardHook({self.name})"
+        return f"SiteHook({self.site.name}, {self.ops.quality.value})"
 
 
-def make_forward_hook(name: str, fast_forward: Callable[..., Any]):
-    """A real ``diffusers.hooks.ModelHook`` running ``fast_forward``."""
+def _make_hook(site: Site) -> SiteHook:
     from diffusers.hooks import ModelHook
 
-    class _Hook(FastForwardHook, ModelHook):
+    class _Hook(SiteHook, ModelHook):
         pass
 
-    return _Hook(name, fast_forward)
+    return _Hook(site)
 
 
-def hook_factory(name: str, fast_forward: Callable[..., Any]) -> Callable[[torch.nn.Module], Any]:
-    """``module -> ModelHook`` for :func:`ditfuse.contracts.quality.mark`."""
-    return lambda module: make_forward_hook(name, fast_forward)
+def site_hooks(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, SiteHook]]:
+    """Every ditfuse site hook under ``model``: (module path, module, hook)."""
+    for path, mod in model.named_modules():
+        reg = getattr(mod, "_diffusers_hook", None)
+        if reg is None:
+            continue
+        for name, hook in list(reg.hooks.items()):
+            if name.startswith(HOOK_PREFIX) and isinstance(hook, SiteHook):
+                yield path or "<root>", mod, hook
+
+
+def mounted_high(model: torch.nn.Module) -> list[str]:
+    """The sites of ``model`` currently running their quality="high" forward ("path:site")."""
+    return [f"{p}:{h.site.name}" for p, _, h in site_hooks(model) if h.ops is HIGH and h.site.close_ops()]
+
+
+# ------------------------------------------------------------------------------ the adapter
 
 
 @dataclass
@@ -111,16 +218,20 @@ class AdapterMount:
 
 @dataclass
 class Adapter:
+    """A model family: which diffusers models it takes, which diffusers versions its fast
+    forwards mirror, and its sites."""
+
     family: str
     model_classes: tuple[str, ...]
     diffusers_versions: tuple[str, ...]
-    sites: tuple[SiteSpec, ...]
-    mark_high_sites: Callable[[torch.nn.Module], Any] | None = None
+    sites: tuple[Site, ...]
 
     def handles(self, model: torch.nn.Module) -> bool:
         return type(model).__name__ in self.model_classes
 
     def version_problem(self) -> str | None:
+        """Why this adapter must not mount in this process (None when it may): another diffusers
+        version, or a replaced forward whose parameters changed."""
         import diffusers
 
         if diffusers.__version__ not in self.diffusers_versions:
@@ -129,16 +240,22 @@ class Adapter:
                 f"forward code, but diffusers {diffusers.__version__} is installed; refusing to mount "
                 f"(its fast forwards could silently diverge from this version's forwards)"
             )
+        for s in self.sites:
+            got = tuple(inspect.signature(s.load_cls().forward).parameters)
+            if got != s.params:
+                return f"{s.cls_name}.forward has parameters {list(got)}, expected {list(s.params)}"
         return None
 
     def ops(self) -> tuple[str, ...]:
         seen: dict[str, None] = {}
         for s in self.sites:
-            for op in s.ops:
-                seen.setdefault(op, None)
+            for d in s.ops:
+                seen.setdefault(d.op, None)
         return tuple(seen)
 
     def mount(self, model: torch.nn.Module) -> AdapterMount:
+        """Install the lossless fast forward on every module of a site class whose instance it
+        applies to; the others keep their forward and are listed as skipped."""
         problem = self.version_problem()
         if problem is not None:
             raise AdapterVersionError(problem)
@@ -156,18 +273,45 @@ class Adapter:
                 result.skipped.append((path, f"{site.name}: {reason}"))
                 continue
             reg = HookRegistry.check_if_exists_or_initialize(mod)
-            hook_name = LOSSLESS_PREFIX + site.name
-            if reg.get_hook(hook_name) is None:
-                reg.register_hook(make_forward_hook(site.name, site.fast_forward), hook_name)
-            result.mounted.append(MountedSite(path, site.name, site.ops))
+            if reg.get_hook(site.hook_name) is None:
+                reg.register_hook(_make_hook(site), site.hook_name)
+            result.mounted.append(MountedSite(path, site.name, tuple(d.op for d in site.ops)))
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
-        if self.mark_high_sites is not None:
-            self.mark_high_sites(model)
         return result
+
+    def set_quality(self, model: torch.nn.Module, quality: "str | Quality") -> MountResult:
+        """Run every site of ``model`` at ``quality``: all of its high-capable sites move to
+        their close ops, or none does (the first failing guard is returned). Lossless always
+        succeeds. Call between batches only."""
+        q = Quality.parse(quality)
+        hooks = list(site_hooks(model))
+        capable = [(p, m, h) for p, m, h in hooks if h.site.close_ops()]
+        with _tier_lock:
+            if q is Quality.LOSSLESS:
+                res = MountResult(q)
+                for p, _, h in capable:
+                    if h.ops is HIGH:
+                        res.unmounted.append(f"{p}:{h.site.name}")
+                for _, _, h in hooks:
+                    h.ops = LOSSLESS
+                return res
+            failure = check_all((p, h.site.name, m, h.site.high_guards()) for p, m, h in capable)
+            if failure is not None:
+                res = MountResult(q, failed=failure)
+                for p, _, h in hooks:
+                    if h.ops is HIGH and h.site.close_ops():
+                        res.unmounted.append(f"{p}:{h.site.name}")
+                    h.ops = LOSSLESS
+                return res
+            res = MountResult(q)
+            for p, _, h in capable:
+                h.ops = HIGH
+                res.mounted.append(f"{p}:{h.site.name}")
+            return res
 
     def unmount(self, model: torch.nn.Module) -> int:
         removed = 0
-        names = {LOSSLESS_PREFIX + s.name for s in self.sites}
+        names = {s.hook_name for s in self.sites}
         for _, mod in model.named_modules():
             reg = getattr(mod, "_diffusers_hook", None)
             if reg is None:
@@ -179,3 +323,64 @@ class Adapter:
         if hasattr(model, "_diffusers_hook"):
             model._diffusers_hook.invalidate_child_registries_cache()
         return removed
+
+
+# ------------------------------------------------------------------------------ admission capture
+
+
+class _Recorder:
+    """An op table that records the arguments of every op with a close variant, then runs the
+    lossless op (so the forward computes exactly what it computes when mounted lossless)."""
+
+    def __init__(self, out: dict[str, list[admission.Batch]], max_per_op: int | None) -> None:
+        self.quality = Quality.LOSSLESS
+        self._out = out
+        self._max = max_per_op
+
+    def __getattr__(self, name: str) -> Any:
+        gated = getattr(LOSSLESS, name)
+        close = close_variant(gated.descriptor)
+        if close is None:
+            return gated
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            batches = self._out.setdefault(close.op, [])
+            if self._max is None or len(batches) < self._max:
+                clone = lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v  # noqa: E731
+                batches.append((tuple(clone(a) for a in args), {k: clone(v) for k, v in kwargs.items()}))
+            return gated(*args, **kwargs)
+
+        return record
+
+
+@contextmanager
+def _tables(model: torch.nn.Module, ops: Any) -> Iterator[None]:
+    hooks = [h for _, _, h in site_hooks(model)]
+    saved = [h.ops for h in hooks]
+    try:
+        for h in hooks:
+            h.ops = ops
+        yield
+    finally:
+        for h, s in zip(hooks, saved):
+            h.ops = s
+
+
+def capture_admission_batches(
+    model: torch.nn.Module, inputs: dict[str, Any], max_per_op: int | None = None
+) -> dict[str, list[admission.Batch]]:
+    """Run one forward of ``model`` (mounted by its adapter, lossless) with ``inputs`` and record,
+    for each close op, the arguments its lossless sibling gets at every site:
+    ``close op id -> [(args, kwargs), ...]``."""
+    if not any(True for _ in site_hooks(model)):
+        raise ValueError("capture_admission_batches needs a model mounted by ditfuse.accelerate()")
+    out: dict[str, list[admission.Batch]] = {}
+    with _tables(model, _Recorder(out, max_per_op)), torch.no_grad():
+        model(**inputs)
+    return out
+
+
+__all__ = [
+    "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
+    "capture_admission_batches", "half_precision", "mounted_high", "no_foreign_hooks", "site_hooks", "TIERS",
+]

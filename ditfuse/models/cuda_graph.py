@@ -68,6 +68,10 @@ class GraphRunner:
         self.replays = 0
         self.captures = 0
 
+    def invalidate(self) -> None:
+        """Drop every captured graph (the forward changed: another quality tier was mounted)."""
+        self.entries.clear()
+
     def initialize_hook(self, module):
         return module
 

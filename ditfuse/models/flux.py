@@ -1,27 +1,32 @@
 """FLUX.1 adapter: fast forwards for diffusers 0.42.1's FluxTransformer2DModel blocks.
 
 Each fast forward is diffusers' forward, line for line, with the eager elementwise chains replaced
-by gated bit-exact ops (:mod:`ditfuse.contracts.ops`); every step that is not fused stays
-diffusers' own module or function (Linear layers, FeedForward, ``dispatch_attention_fn`` with the
-attention backend chosen through diffusers). Where an instance is configured differently from
-what a fast forward reproduces (IP-adapter processors, fp32 LayerNorm variants, unknown attention
-kwargs), that module keeps its own forward and the report says why.
+by calls into an op table (``_ops``: :data:`ditfuse.contracts.ops.LOSSLESS` — gated bit-exact
+kernels — or ``HIGH`` — their close variants where admitted; the shared machinery in
+:mod:`ditfuse.models.base` swaps the table, there is one fast forward per site). Every step that
+is not fused stays diffusers' own module or function (Linear layers, FeedForward,
+``dispatch_attention_fn`` with the attention backend chosen through diffusers). Where an instance
+is configured differently from what a fast forward reproduces (IP-adapter processors, fp32
+LayerNorm variants, unknown attention kwargs), that module keeps its own forward and the report
+says why.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..contracts import ops
+from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.activation import GELU_TANH
 from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer, cat_or_view
-from .base import Adapter, SiteSpec
+from ..kernels.modulate import GATE_RESIDUAL
+from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
+from ..kernels.rope import QK_RMSNORM_ROPE
+from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
+_TF = "diffusers.models.transformers.transformer_flux"
 
 
 def _plain_layernorm(norm: torch.nn.Module) -> str | None:
@@ -40,14 +45,7 @@ def _ada_zero_applies(norm: torch.nn.Module) -> str | None:
     return _plain_layernorm(norm.norm)
 
 
-# -- the ops a fast forward calls ---------------------------------------------------------------
-
-
-def _single_mlp_pre(block, norm_hidden_states: torch.Tensor) -> torch.Tensor:
-    return block.proj_mlp(norm_hidden_states)
-
-
-def _single_attn_mlp_cat(block, attn_output: torch.Tensor, mlp: torch.Tensor) -> torch.Tensor:
+def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSet) -> torch.Tensor:
     """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` without the cat: the attention output is copied
     into, and the GELU written straight into, one preallocated [B, S, D + mlp] buffer."""
     buf = SingleBlockBuffer.allocate(
@@ -55,60 +53,33 @@ def _single_attn_mlp_cat(block, attn_output: torch.Tensor, mlp: torch.Tensor) ->
         attn_output.dtype, attn_output.device,
     )
     buf.write_attention(attn_output)
-    ops.gelu_tanh(mlp, out=buf.mlp)
+    _ops.gelu_tanh(mlp, out=buf.mlp)
     return buf.buf
-
-
-@dataclass(frozen=True)
-class FluxOps:
-    """The op callables the fast forwards below call. :data:`LOSSLESS` holds the gated bit-exact
-    ops; ditfuse.models.flux_high builds the quality="high" set by swapping in close kernels.
-
-    ``single_mlp(block, n)`` computes the single block's MLP branch up to what
-    ``single_attn_mlp_cat(block, attn, mlp)`` turns into ``cat([attn, gelu(proj_mlp(n))], dim=2)``.
-    """
-
-    layernorm_modulate: Callable[..., torch.Tensor]
-    gate_residual_layernorm_modulate: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    gate_residual: Callable[..., torch.Tensor]
-    qk_rmsnorm_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]]
-    single_mlp: Callable[..., torch.Tensor]
-    single_attn_mlp_cat: Callable[..., torch.Tensor]
-
-
-LOSSLESS = FluxOps(
-    layernorm_modulate=ops.layernorm_modulate,
-    gate_residual_layernorm_modulate=ops.gate_residual_layernorm_modulate,
-    gate_residual=ops.gate_residual,
-    qk_rmsnorm_rope=ops.qk_rmsnorm_rope,
-    single_mlp=_single_mlp_pre,
-    single_attn_mlp_cat=_single_attn_mlp_cat,
-)
 
 
 # -- AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous --------------------------
 
 
-def _ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: FluxOps = LOSSLESS):
+def _ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
     x = _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps)
     return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
-def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor, _ops: FluxOps = LOSSLESS):
+def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
     return _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps), gate_msa
 
 
 def norm_out_forward(
-    norm, original, x: torch.Tensor, conditioning_embedding: torch.Tensor, *, _ops: FluxOps = LOSSLESS
+    norm, original, x: torch.Tensor, conditioning_embedding: torch.Tensor, *, _ops: OpSet = LOSSLESS
 ) -> torch.Tensor:
     """AdaLayerNormContinuous: ``chunk(2)`` gives scale first, then shift."""
     emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
-    return _ops.layernorm_modulate(x, scale, shift, norm.norm.eps)
+    return _ops.layernorm_modulate(x, scale=scale, shift=shift, eps=norm.norm.eps)
 
 
 def _norm_out_applies(norm) -> str | None:
@@ -138,7 +109,7 @@ def attention_forward(
     attention_mask: torch.Tensor | None = None,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
-    _ops: FluxOps = LOSSLESS,
+    _ops: OpSet = LOSSLESS,
     **kwargs: Any,
 ):
     """FluxAttention + FluxAttnProcessor with QK RMSNorm, the text/image concat and RoPE fused into
@@ -208,7 +179,7 @@ def dual_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
     *,
-    _ops: FluxOps = LOSSLESS,
+    _ops: OpSet = LOSSLESS,
 ):
     """FluxTransformerBlock: adaLN-Zero (fused LN+modulate), attention, then the fused
     gate-residual + norm2 + modulate, FeedForward, gated residual — for both streams."""
@@ -268,7 +239,7 @@ def single_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
     *,
-    _ops: FluxOps = LOSSLESS,
+    _ops: OpSet = LOSSLESS,
 ):
     """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` disappears (lossless):
     the attention output and the GELU are written into one preallocated [B, S, D + mlp] buffer."""
@@ -277,14 +248,14 @@ def single_block_forward(
     hidden_states = cat_or_view((encoder_hidden_states, hidden_states), dim=1)
     residual = hidden_states
     norm_hidden_states, gate = _ada_zero_single(block.norm, hidden_states, temb, _ops)
-    mlp = _ops.single_mlp(block, norm_hidden_states)
+    mlp = block.proj_mlp(norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = block.attn(
         hidden_states=norm_hidden_states,
         image_rotary_emb=image_rotary_emb,
         **joint_attention_kwargs,
     )
-    cat = _ops.single_attn_mlp_cat(block, attn_output, mlp)
+    cat = _single_attn_mlp_cat(attn_output, mlp, _ops)
     hidden_states = _ops.gate_residual(residual, gate, block.proj_out(cat))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
@@ -302,73 +273,50 @@ def _single_applies(block) -> str | None:
     return None
 
 
-# The signatures of the forwards we replace must not have changed under us.
-def _signature_problem() -> str | None:
-    from diffusers.models.transformers import transformer_flux as tf
-
-    want = {
-        tf.FluxTransformerBlock: ["self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs"],
-        tf.FluxSingleTransformerBlock: ["self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs"],
-        tf.FluxAttention: ["self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs"],
-    }
-    for cls, params in want.items():
-        got = list(inspect.signature(cls.forward).parameters)
-        if got != params:
-            return f"{cls.__name__}.forward has parameters {got}, expected {params}"
-    return None
-
+_BLOCK_PARAMS = ("self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 
 SITES = (
-    SiteSpec(
+    Site(
         name="flux.dual_block",
-        cls_name="FluxTransformerBlock",
-        ops=("norm.layernorm_modulate", "norm.gate_residual_layernorm_modulate", "modulate.gate_residual"),
-        fast_forward=dual_block_forward,
+        cls=f"{_TF}:FluxTransformerBlock",
+        params=_BLOCK_PARAMS,
+        forward=dual_block_forward,
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_dual_applies,
         description="dual block: adaLN-Zero, gate+residual+norm2+modulate, FF gate residual",
     ),
-    SiteSpec(
+    Site(
         name="flux.single_block",
-        cls_name="FluxSingleTransformerBlock",
-        ops=("norm.layernorm_modulate", "activation.gelu_tanh", "modulate.gate_residual"),
-        fast_forward=single_block_forward,
+        cls=f"{_TF}:FluxSingleTransformerBlock",
+        params=_BLOCK_PARAMS,
+        forward=single_block_forward,
+        ops=(LAYERNORM_MODULATE, GELU_TANH, GATE_RESIDUAL),
         applies=_single_applies,
         description="single block: adaLN-Zero-Single, GELU into the joint buffer (no cat), gate residual",
     ),
-    SiteSpec(
+    Site(
         name="flux.attention",
-        cls_name="FluxAttention",
-        ops=("rope.qk_rmsnorm_rope",),
-        fast_forward=attention_forward,
+        cls=f"{_TF}:FluxAttention",
+        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs"),
+        forward=attention_forward,
+        ops=(QK_RMSNORM_ROPE,),
         applies=_attn_applies,
         description="attention: QK RMSNorm + text/image concat + RoPE in one pass",
     ),
-    SiteSpec(
+    Site(
         name="flux.norm_out",
-        cls_name="AdaLayerNormContinuous",
-        ops=("norm.layernorm_modulate",),
-        fast_forward=norm_out_forward,
+        cls="diffusers.models.normalization:AdaLayerNormContinuous",
+        params=("self", "x", "conditioning_embedding"),
+        forward=norm_out_forward,
+        ops=(LAYERNORM_MODULATE,),
         applies=_norm_out_applies,
         description="norm_out (AdaLayerNormContinuous, scale first)",
     ),
 )
 
-
-def _mark_high_sites(model: torch.nn.Module) -> Any:
-    from .flux_high import mark_high_sites  # flux_high imports this module: import at call time
-
-    return mark_high_sites(model)
-
-
-class FluxAdapter(Adapter):
-    def version_problem(self) -> str | None:
-        return super().version_problem() or _signature_problem()
-
-
-ADAPTER = FluxAdapter(
+ADAPTER = Adapter(
     family="flux",
     model_classes=("FluxTransformer2DModel",),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
-    mark_high_sites=_mark_high_sites,
 )

@@ -33,16 +33,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..common.elementwise import (
-    SUPPORTED_DTYPES,
-    as_3d,
-    device_reason,
-    grad_reason,
-    load_f32,
-    overlap_reason,
-    tile,
-    tl_dtype,
-)
+from ..common.elementwise import as_3d, load_f32, overlap_reason, tile
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
 
@@ -237,7 +229,10 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         raise UnsupportedInput(reason)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    torch.ops.ditfuse.gelu_tanh(x, out)
+    if use_custom_op():
+        torch.ops.ditfuse.gelu_tanh(x, out)
+    else:
+        _launch(x, out)
     return out
 
 

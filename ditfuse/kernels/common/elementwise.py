@@ -9,46 +9,11 @@ specialises strides equal to 1, so the contiguous case still gets 16-byte vector
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from .rounding import INTERPRET
-
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-def tl_dtype(dtype: torch.dtype) -> tl.dtype:
-    return _TL_DTYPE[dtype]
-
-
-def interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def device_reason(*tensors: torch.Tensor) -> str | None:
-    """Why these tensors cannot be launched on (None when they can): one device, CUDA, or the CPU
-    only under ``TRITON_INTERPRET=1``."""
-    dev = tensors[0].device
-    for t in tensors[1:]:
-        if t.device != dev:
-            return f"tensors on different devices ({dev} and {t.device})"
-    if dev.type == "cuda":
-        return None
-    if dev.type == "cpu" and interpreter_on():
-        return None
-    return f"device {dev} is not CUDA (the CPU runs Triton only under TRITON_INTERPRET=1)"
-
-
-def grad_reason(*tensors: torch.Tensor) -> str | None:
-    """The kernels have no backward: reject inputs that would need one."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "an input requires grad and grad mode is on (the kernel has no backward)"
-    return None
 
 
 def as_3d(*tensors: torch.Tensor) -> tuple[tuple[int, int, int], list[tuple[int, int, int]]] | None:
@@ -153,3 +118,18 @@ def load_f32(ptr, mask):
             return v.to(tl.float32)
     else:
         return v.to(tl.float32)
+
+
+@triton.jit
+def load_row_tile(ptr, b, s, sb, ss, sd, vec, k4, valid):
+    """Load one [128, R, 4] tile (thread x row x vector element) of R rows as fp32: thread t's
+    4-element vector ``vec[t]`` of row (b[r], s[r]). This is the layout of torch's LayerNorm /
+    RMSNorm kernels (128 threads, 4-element vectors), shared by the norm kernels.
+
+    The thread axis comes first on purpose: Triton's coalescing pass then lays the tile out as
+    32 lanes x 4 warps along axis 0 (thread t = lane + 32 * warp holds all R rows of its 4
+    elements), which is the layout the folds' ``tl.reduce`` needs (common/welford.py
+    ``welford_fold_rows``, common/rms.py ``rms_fold_rows``)."""
+    base = b * sb + s * ss
+    offs = base[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * sd
+    return load_f32(ptr + offs, valid)

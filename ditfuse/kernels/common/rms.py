@@ -18,8 +18,10 @@ For bf16 and fp16 inputs ``v * v`` is exact in fp32, so the FMA only matters for
 Threads with no vector hold 0, and adding 0 to a sum of squares (never -0) changes nothing, so
 a row padded with zeros to a power-of-two width folds exactly like the unpadded row in torch.
 
-:func:`rms_sumsq_torch_order` reproduces steps 1-2 for N <= 512 (one vector per thread, the
-only case the kernels here accept); :func:`rms_rstd` step 3's scalar part.
+:func:`rms_sumsq_torch_order` reproduces steps 1-2 for N <= 512 (one vector per thread, rows
+in an [R, N] tile: the FLUX per-head norm); :func:`rms_fold_rows` step 2 for per-thread sums laid
+out [128, R] (any N: the kernel accumulates several vectors per thread first, the Wan norm over
+all heads); :func:`rms_rstd` step 3's scalar part.
 
 Under ``TRITON_INTERPRET=1`` inline PTX does not run and ``tl.fma`` rounds twice: :func:`fma_rn`
 computes through fp64 there (exact for bf16/fp16 squares; for fp32 one fp64 rounding then one
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from .rounding import INTERPRET
+from .welford import fma_rn, rsqrt_approx
 
 # torch's launch: 32 lanes x 4 warps per row, 4-element vectors.
 RMS_LANES: tl.constexpr = tl.constexpr(32)
@@ -41,27 +44,6 @@ RMS_VEC: tl.constexpr = tl.constexpr(4)
 # the vector width rows must be a multiple of.
 RMS_MAX_WIDTH = 512
 RMS_VEC_WIDTH = 4
-
-
-@triton.jit
-def fma_rn(a, b, c):
-    """``fma.rn.f32(a, b, c)``: the FFMA nvcc emits for ``c + a * b``."""
-    if INTERPRET:
-        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
-    else:
-        return tl.fma(a, b, c)
-
-
-@triton.jit
-def rsqrt_approx(x):
-    """``rsqrtf`` as nvcc compiles it without fast-math: ``rsqrt.approx.f32`` without ftz
-    (``tl.math.rsqrt`` goes through libdevice, which may flush subnormals)."""
-    if INTERPRET:
-        return tl.math.rsqrt(x)
-    else:
-        return tl.inline_asm_elementwise(
-            "rsqrt.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1
-        )
 
 
 @triton.jit
@@ -112,3 +94,30 @@ def rms_sumsq_torch_order(x, R: tl.constexpr, DP: tl.constexpr):
 def rms_rstd(sumsq, N: tl.constexpr, eps):
     """``rsqrtf(sum / float(N) + eps)`` with torch's IEEE division."""
     return rsqrt_approx(tl.math.div_rn(sumsq, tl.full(sumsq.shape, N, tl.float32)) + eps)
+
+
+@triton.jit
+def rms_fold_rows(acc, R: tl.constexpr):
+    """Fold [128, R] per-thread sums of squares (thread ``t = lane + 32 * warp`` along axis 0)
+    into per-row [R] sums in torch's order: shfl-down 16, 8, 4, 2, 1 inside each warp, then warps
+    0+2, 1+3, 0+1.
+
+    On the GPU one ``tl.sum`` over axis 0: for an operand with one element per thread along
+    axis 0 (the [128, R, 4] tile layout of ditfuse/kernels/norm's loads), Triton lowers it to
+    butterfly shuffles at 16, 8, 4, 2, 1 and a butterfly over the 4 warps' results at 2, 1; lane
+    0's result is the shfl-down tree's (see welford_fold_rows; addition is commutative, so only
+    the tree's shape matters). Under the interpreter ``tl.sum`` is a sequential fold, so the tree
+    is spelled out with reshapes there."""
+    if INTERPRET:
+        s = tl.reshape(tl.permute(acc, (1, 0)), [R * 4, 32])
+        s = _fold_half(s, R * 4, 32)
+        s = _fold_half(s, R * 4, 16)
+        s = _fold_half(s, R * 4, 8)
+        s = _fold_half(s, R * 4, 4)
+        s = _fold_half(s, R * 4, 2)
+        s = tl.reshape(s, [R, 4])
+        s = _fold_half(s, R, 4)
+        s = _fold_half(s, R, 2)
+        return tl.reshape(s, [R])
+    else:
+        return tl.sum(acc, axis=0)

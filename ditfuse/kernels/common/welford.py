@@ -114,39 +114,6 @@ def welford_combine(mean_b, m2_b, n_b, mean_a, m2_a, n_a, MEAN_MODE: tl.constexp
 
 
 @triton.jit
-def _fold_half(mean, m2, n, G: tl.constexpr, W: tl.constexpr, MEAN_MODE: tl.constexpr, M2_FMA: tl.constexpr):
-    """[G, W] states -> [G, W // 2]: column i combines with column i + W // 2 (shfl-down by
-    W // 2: own state first)."""
-    mean_lo, mean_hi = tl.split(tl.permute(tl.reshape(mean, [G, 2, W // 2]), (0, 2, 1)))
-    m2_lo, m2_hi = tl.split(tl.permute(tl.reshape(m2, [G, 2, W // 2]), (0, 2, 1)))
-    n_lo, n_hi = tl.split(tl.permute(tl.reshape(n, [G, 2, W // 2]), (0, 2, 1)))
-    return welford_combine(mean_lo, m2_lo, n_lo, mean_hi, m2_hi, n_hi, MEAN_MODE, M2_FMA)
-
-
-@triton.jit
-def welford_block_fold(mean, m2, n, MEAN_MODE: tl.constexpr = 0, M2_FMA: tl.constexpr = True):
-    """Fold the [128] per-thread states (index ``lane + 32 * warp``) the way compute_stats does:
-    shfl-down 16, 8, 4, 2, 1 inside each warp, then warps w += w + 2 and w += w + 1 through
-    shared memory. Returns the block's (mean, m2, count) as [1, 1] tensors (they broadcast
-    against [128, 4] tiles; no reduction, so -0.0 survives)."""
-    mean = tl.reshape(mean, [4, 32])
-    m2 = tl.reshape(m2, [4, 32])
-    n = tl.reshape(n, [4, 32])
-    mean, m2, n = _fold_half(mean, m2, n, 4, 32, MEAN_MODE, M2_FMA)
-    mean, m2, n = _fold_half(mean, m2, n, 4, 16, MEAN_MODE, M2_FMA)
-    mean, m2, n = _fold_half(mean, m2, n, 4, 8, MEAN_MODE, M2_FMA)
-    mean, m2, n = _fold_half(mean, m2, n, 4, 4, MEAN_MODE, M2_FMA)
-    mean, m2, n = _fold_half(mean, m2, n, 4, 2, MEAN_MODE, M2_FMA)
-    # [4, 1] -> one state per warp; warps fold as a [1, 4] row: 0+2, 1+3, then 0+1.
-    mean = tl.reshape(mean, [1, 4])
-    m2 = tl.reshape(m2, [1, 4])
-    n = tl.reshape(n, [1, 4])
-    mean, m2, n = _fold_half(mean, m2, n, 1, 4, MEAN_MODE, M2_FMA)
-    mean, m2, n = _fold_half(mean, m2, n, 1, 2, MEAN_MODE, M2_FMA)
-    return mean, m2, n
-
-
-@triton.jit
 def _combine_own_first(mean_b, m2_b, n_b, mean_a, m2_a, n_a):
     """``tl.reduce`` combine: Triton calls it as ``combine(accumulator, received)``, i.e. the
     lane's own state first, which is ``cuWelfordCombine(dataB = own, dataA = received)``."""

@@ -1,11 +1,13 @@
-"""Gated residual: ``out = r(residual + r(gate * update))``, bit-exact vs torch 2.11 CUDA eager.
+"""Gated residual: ``out = r_res(residual + r_p(gate * update))``, bit-exact vs torch 2.11 CUDA eager.
 
-diffusers writes ``gate.unsqueeze(1) * update`` and then ``residual + that``: two eager kernels,
-each computing in fp32 and rounding once to the dtype when it stores. This kernel computes the
-same two fp32 operations, rounds the product before the add (``common.rounding.rround``) and the
-sum once at the store. Launched with ``enable_fp_fusion=False`` so the product is never fused into
-the add (an FMA would skip the intermediate rounding; in fp32 the rounding is the fp32 product
-itself).
+FLUX.1 writes ``gate.unsqueeze(1) * update`` and then ``residual + that`` in bf16: two eager
+kernels, each computing in fp32 and rounding once to bf16 when it stores. Wan writes
+``(x.float() + ff.float() * gate_fp32).type_as(x)``: the product and the sum in fp32 (r32 each),
+one rounding to bf16 at the end. Both are this kernel: the product is rounded to ``r_p`` =
+promote(gate, update) (an identity for fp32), the sum is computed in fp32 (which is eager's r32,
+or the fp32 opmath of a bf16 add) and stored once in the residual's dtype. Launched with
+``enable_fp_fusion=False`` so the product is never fused into the add (an FMA would skip the
+product's rounding, which in fp32 is the fp32 product itself).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.elementwise import SUPPORTED_DTYPES, broadcast_3d, device_reason, grad_reason, load_f32, tile, tl_dtype
+from ..common.elementwise import broadcast_3d, load_f32, tile
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
@@ -28,6 +31,7 @@ def _gate_residual_kernel(
     sub, sus, sud,
     sob, sos,
     DTYPE: tl.constexpr,
+    P_DT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -42,8 +46,8 @@ def _gate_residual_kernel(
     res = load_f32(res_ptr + (b * srb + s * srs)[:, None] + c * srd, mask)
     g = load_f32(gate_ptr + (b * sgb + s * sgs)[:, None] + c * sgd, mask)
     u = load_f32(upd_ptr + (b * sub + s * sus)[:, None] + c * sud, mask)
-    prod = rround(g * u, DTYPE)  # eager op 1: gate[:, None] * update
-    out = round_to(res + prod, DTYPE)  # eager op 2: residual + product
+    prod = rround(g * u, P_DT)  # eager op 1: gate[:, None] * update
+    out = round_to(res + prod, DTYPE)  # eager op 2: residual + product (fp32 opmath), stored
     tl.store(out_ptr + (b * sob + s * sos)[:, None] + c, out, mask=mask)
 
 
@@ -55,10 +59,8 @@ def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torc
     if tuple(update.shape) != tuple(residual.shape):
         # Eager would broadcast; FLUX never does, and the output shape would no longer be residual's.
         return f"update shape {tuple(update.shape)} differs from residual {tuple(residual.shape)}"
-    if residual.dtype not in SUPPORTED_DTYPES:
-        return f"dtype {residual.dtype} is not bf16, fp16 or fp32"
-    if gate.dtype != residual.dtype or update.dtype != residual.dtype:
-        return f"dtypes differ (residual {residual.dtype}, gate {gate.dtype}, update {update.dtype}); eager would promote"
+    if any(t.dtype not in SUPPORTED_DTYPES for t in (residual, gate, update)):
+        return f"dtypes (residual {residual.dtype}, gate {gate.dtype}, update {update.dtype}) not all bf16, fp16 or fp32"
     reason = device_reason(residual, gate, update) or grad_reason(residual, gate, update)
     if reason:
         return reason
@@ -72,15 +74,16 @@ def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torc
 
 def can_use_gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> bool:
     """True when :func:`gate_residual` reproduces eager for these inputs. Rejected (False):
-    non-tensors; residual not 3-D; update shape != residual shape; dtypes other than
-    bf16/fp16/fp32 or not all equal (eager would type-promote); different devices, or the CPU
-    without TRITON_INTERPRET=1; an input requiring grad with grad mode on (no backward); gate not
-    [B, D], [B, 1, D] or [B, S, D] broadcastable to residual. Any strides are handled."""
+    non-tensors (``gate=None`` too: a plain add is one eager op, nothing to fuse); residual not
+    3-D; update shape != residual shape; dtypes other than bf16/fp16/fp32; different devices, or
+    the CPU without TRITON_INTERPRET=1; an input requiring grad with grad mode on (no backward);
+    gate not [B, D], [B, 1, D] or [B, S, D] broadcastable to residual. Mixed dtypes follow torch's
+    promotion (the product in promote(gate, update), the result in the residual's dtype). Any
+    strides are handled."""
     return _unsupported_reason(residual, gate, update) is None
 
 
-@torch.library.custom_op("ditfuse::gate_residual", mutates_args=())
-def _gate_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     B, S, D = residual.shape
     out = torch.empty((B, S, D), dtype=residual.dtype, device=residual.device)
     if out.numel() == 0:
@@ -98,10 +101,16 @@ def _gate_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.
         sg[0], sg[1], sg[2],
         su[0], su[1], su[2],
         out.stride(0), out.stride(1),
-        DTYPE=tl_dtype(residual.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
+        DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
+        BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=warps, enable_fp_fusion=False,
     )
     return out
+
+
+@torch.library.custom_op("ditfuse::gate_residual", mutates_args=())
+def _gate_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    return _launch(residual, gate, update)
 
 
 @_gate_residual_op.register_fake
@@ -122,7 +131,9 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     reason = _unsupported_reason(residual, gate, update)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.gate_residual(residual, gate, update)
+    if use_custom_op():
+        return torch.ops.ditfuse.gate_residual(residual, gate, update)
+    return _launch(residual, gate, update)
 
 
 __all__ = ["gate_residual", "can_use_gate_residual"]

@@ -1,1 +1,63 @@
-"""norm kernels (one file per op family, backend as filename suffix)."""
+"""norm: LayerNorm (+ the residual before it, + adaLN modulate) — the op descriptors.
+
+Data only (importing this imports neither torch nor triton). Kernels:
+layernorm_modulate_triton.py, one kernel body for both contracts (a constexpr rounding switch).
+"""
+
+from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
+
+_KERNEL = "norm.layernorm_modulate_triton"
+_REF = "ditfuse.kernels.reference"
+_EXACT = "ditfuse.kernels.exact"
+# Row statistics follow torch's per-row reduction tree, which is fixed by the width D; batch and
+# sequence length only change the grid, so they are left out of the key.
+_ROWS_NOTE = "batch and sequence length only change the grid: every row runs the same reduction tree"
+
+_LN_KEY = (K("scale", rank=True), K("shift", rank=True), K("eps", value=True), K("weight"), K("bias"),
+           K("norm_dtype", value=True))
+
+LAYERNORM_MODULATE = OpDescriptor(
+    op="norm.layernorm_modulate",
+    contract=Contract.BIT_EXACT,
+    replaces="r(r(r(LN(x)) * r(1 + scale)) + shift)",
+    summary="LayerNorm (torch's vectorized Welford order; affine or not; in the model dtype or fp32) "
+            "+ adaLN modulate in one pass",
+    reference=f"{_REF}:layernorm_modulate",
+    exact=f"{_EXACT}:layernorm_modulate_fp64",
+    impls=(triton_impl(_KERNEL, "layernorm_modulate"),),
+    key=(K("x", dims=(-1,)), *_LN_KEY),
+    key_note=_ROWS_NOTE,
+)
+
+GATE_RESIDUAL_LAYERNORM_MODULATE = OpDescriptor(
+    op="norm.gate_residual_layernorm_modulate",
+    contract=Contract.BIT_EXACT,
+    replaces="h = r(residual + r(gate * update)); n = layernorm_modulate(h)",
+    summary="residual add (gated or plain) then LayerNorm (+ modulate) in one pass; returns (h, n)",
+    reference=f"{_REF}:gate_residual_layernorm_modulate",
+    exact=f"{_EXACT}:gate_residual_layernorm_modulate_fp64",
+    impls=(triton_impl(_KERNEL, "gate_residual_layernorm_modulate"),),
+    key=(K("residual", dims=(-1,)), K("gate", rank=True), K("update"), *_LN_KEY),
+    key_note=_ROWS_NOTE,
+)
+
+LAYERNORM_MODULATE_FP32 = OpDescriptor(
+    op="norm.layernorm_modulate_fp32",
+    contract=Contract.CLOSE,
+    replaces="r(r(r(LN(x)) * r(1 + scale)) + shift) -> r(LN32(x) * (1 + scale) + shift)",
+    summary="the same kernel with the rounding switch off: fp32 epilogue, one rounding",
+    impls=(triton_impl(_KERNEL, "layernorm_modulate_fp32"),),
+    lossless=LAYERNORM_MODULATE,
+)
+
+GATE_RESIDUAL_LAYERNORM_MODULATE_FP32 = OpDescriptor(
+    op="norm.gate_residual_layernorm_modulate_fp32",
+    contract=Contract.CLOSE,
+    replaces="h = r(res + r(gate * y)); n = ... -> h = r(res + gate * y); n = r(LN32(h32) * (1 + scale) + shift)",
+    summary="residual + LayerNorm + modulate in fp32, the norm of the unrounded sum; returns (h, n)",
+    impls=(triton_impl(_KERNEL, "gate_residual_layernorm_modulate_fp32"),),
+    lossless=GATE_RESIDUAL_LAYERNORM_MODULATE,
+)
+
+DESCRIPTORS = (LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE_FP32,
+               GATE_RESIDUAL_LAYERNORM_MODULATE_FP32)

@@ -1,177 +1,111 @@
-"""Affine-free LayerNorm + adaLN modulate (and the gated residual before it), bit-exact vs eager.
+"""LayerNorm (+ the residual add before it, + adaLN modulate after it), both contracts, one kernel.
 
-``layernorm_modulate(x, scale, shift, eps)``::
+``layernorm_modulate(x, scale, shift, eps, weight=None, bias=None, norm_dtype=None)``::
 
-    out = r(r(r(LN(x)) * r(1 + scale)) + shift)
+    n   = r_ln(LN(x) [* w + b])                       LN in torch's order, one rounding
+    out = r_out(r_s(r_m(n * r_sc(1 + scale)) + shift))     (when scale/shift are given)
 
-``gate_residual_layernorm_modulate(residual, gate, update, scale, shift, eps)``::
+``gate_residual_layernorm_modulate(residual, gate, update, scale, shift, eps, ...)``::
 
-    h = r(residual + r(gate * update));  n = r(r(r(LN(h)) * r(1 + scale)) + shift);  returns (h, n)
+    h = r_res(residual + r_p(gate * update))          (gate None: r_res(residual + update))
+    n, out as above on h;  returns (h, out)
 
-``r`` rounds to the input dtype (bf16, fp16 or fp32) round-to-nearest-even, where eager stores.
+Each ``r_*`` is a rounding to the dtype the eager op stores, derived with torch's promotion
+rules from the inputs' dtypes: ``r_p`` promote(gate, update), ``r_res`` the residual's dtype,
+``r_ln`` the LayerNorm's input dtype (x's, or ``norm_dtype`` for diffusers' ``FP32LayerNorm`` on
+``x.float()``), ``r_sc`` scale's dtype (``1 + scale`` keeps it), ``r_m`` promote(ln, scale),
+``r_s`` promote(m, shift), ``r_out`` x's dtype when ``norm_dtype`` is given (diffusers'
+``.type_as(x)``), else ``r_s``. FLUX.1 runs it all in bf16 (every ``r`` is r16); Wan in fp32
+with one r16 at the end. The affine form is ``fma(w, rstd * (x - mean), b)``, as nvcc contracts
+torch's ``gamma * (rstd * (x - mean)) + beta``.
+
 ``LN`` is torch 2.11's CUDA ``vectorized_layer_norm_kernel`` reproduced bit for bit: per-thread
 Welford over 4-element vectors in element order, the shfl-down fold tree and the cross-warp tree,
-IEEE ``m2 / N``, ``rsqrt.approx`` (ditfuse/kernels/common/welford.py documents each step). 4 warps
-per program: the 128 per-thread states of a row are exactly torch's 128 threads. v2 (default)
-handles R rows per program and folds with one ``tl.reduce``; v1 (``DITFUSE_LN_IMPL=v1``) is the
-first one-row-per-program kernel; same bits (notes/layernorm.md, "v2 performance design").
-The kernels are launched with ``enable_fp_fusion=False``: eager never contracts ``a * b + c``
-across ops, and the FMAs torch's own Welford code has are written out with ``fma_rn``.
+IEEE ``m2 / N``, ``rsqrt.approx`` (common/welford.py documents each step). The 128 per-thread
+states of a row are torch's 128 threads; each program handles R rows and folds them with one
+``tl.reduce`` whose result at lane 0 is torch's tree (notes/layernorm.md, "v2 performance
+design"). Launched with ``enable_fp_fusion=False``: eager never contracts ``a * b + c`` across
+ops, and the FMAs torch's own code has are written out with ``fma_rn``.
 
-AdaLayerNormContinuous (``norm_out``) chunks its embedding as ``scale, shift`` (scale first);
-it is the same kernel: pass ``scale=`` and ``shift=`` by name in the order diffusers unpacks them.
+Contracts: ``EXACT=True`` (the functions above) is bit-exact vs torch 2.11 CUDA eager.
+``EXACT=False`` (``*_fp32``, contract close, quality="high" only) keeps torch's statistics but
+drops every intermediate rounding: ``out = r_out(LN32(h32) * (1 + scale) + shift)`` with
+``h32 = residual + gate * update`` unrounded (``h`` itself is still stored rounded, as the
+residual stream is) — fewer roundings, admitted by the fp64 test (contracts/admission.py).
 
-Shapes: x / residual / update [B, S, D]; scale, shift, gate [B, D] (per sample) or [B, S, D]
-(per token). Any strides (the statistics do not depend on the layout: for a non-contiguous
-input ``F.layer_norm`` first makes a fresh, aligned contiguous copy and then takes the same
-vectorized path). Outputs are new contiguous tensors.
+Shapes: x / residual / update [B, S, D] (any strides); scale, shift, gate [B, D], [B, 1, D] or
+[B, S, D]; weight, bias [D]. Outputs are new contiguous tensors.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from ditfuse.kernels.common.elementwise import load_f32, load_row_tile
+from ditfuse.kernels.common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford import (
     LN_THREADS,
     LN_VEC,
+    fma_rn,
     rsqrt_approx,
-    welford_block_fold,
     welford_fold_rows,
     welford_update,
 )
 from ditfuse.kernels.errors import UnsupportedInput
 
-_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@triton.jit
-def _tile(ptr, b, s, sb, ss, sd, vec, k4, valid):
-    """Load one [128, 4] tile (thread x vector element) of a row, as fp32."""
-    offs = b * sb + s * ss + (vec[:, None] * 4 + k4[None, :]).to(tl.int64) * sd
-    return tl.load(ptr + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+# RES modes
+_NO_RES, _ADD, _GATED = 0, 1, 2
 
 
 @triton.jit
-def _row_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                vec, k4, valid, DTYPE: tl.constexpr, GATED: tl.constexpr):
-    """The LayerNorm input tile: x, or h = r(residual + r(gate * update)) when GATED."""
-    x = _tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
-    if GATED:
-        g = _tile(g_ptr, b, s, gsb, gss, gsd, vec, k4, valid)
-        u = _tile(u_ptr, b, s, usb, uss, usd, vec, k4, valid)
-        x = rround(x + rround(g * u, DTYPE), DTYPE)
+def _vec_tile(ptr, sd, vec, k4, valid_t):
+    """A [D] parameter (LayerNorm weight or bias) as a [128, 1, 4] tile."""
+    offs = (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * sd
+    return load_f32(ptr + offs, valid_t[:, None, None])
+
+
+@triton.jit
+def _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+              vec, k4, valid, RES: tl.constexpr, EXACT: tl.constexpr,
+              P_DT: tl.constexpr, H_DT: tl.constexpr):
+    """The LayerNorm input tile: x, or the residual sum h (rounded as eager stores it when EXACT,
+    the fp32 sum otherwise)."""
+    x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
+    if RES != 0:
+        u = load_row_tile(u_ptr, b, s, usb, uss, usd, vec, k4, valid)
+        if RES == 2:
+            g = load_row_tile(g_ptr, b, s, gsb, gss, gsd, vec, k4, valid)
+            u = g * u
+            if EXACT:
+                u = rround(u, P_DT)
+        x = x + u
+        if EXACT:
+            x = rround(x, H_DT)
     return x
 
 
-# ``while`` rather than ``range(J)``: Triton 3.6's interpreter cannot index with a scalar
-# argument under numpy 2. S, J and NVEC are not specialised (one compile serves every token count and width); strides
-# are, so contiguous rows get vector loads.
-@triton.jit(do_not_specialize=["S", "N", "NVEC", "J", "eps"])
-def _ln_modulate_kernel(
-    x_ptr, g_ptr, u_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
-    S, N, NVEC, J, eps,
-    xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-    scsb, scss, scsd, shsb, shss, shsd,
-    DTYPE: tl.constexpr, GATED: tl.constexpr,
-    MEAN_MODE: tl.constexpr = 0, M2_FMA: tl.constexpr = True,
-):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // S
-    s = row % S
-    t = tl.arange(0, LN_THREADS)
-    k4 = tl.arange(0, LN_VEC)
-
-    # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order (cuWelfordOnlineSum).
-    mean = tl.zeros([LN_THREADS], dtype=tl.float32)
-    m2 = tl.zeros([LN_THREADS], dtype=tl.float32)
-    j = 0
-    while j < J:
-        vec = j * LN_THREADS + t
-        valid = vec < NVEC
-        x = _row_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                        vec, k4, valid, DTYPE, GATED)
-        if GATED:
-            dst = row * N + vec[:, None] * 4 + k4[None, :]
-            tl.store(h_ptr + dst, round_to(x, DTYPE), mask=valid[:, None])
-        x02, x13 = tl.split(tl.reshape(x, [LN_THREADS, 2, 2]))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, valid)
-        mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, valid)
-        mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, valid)
-        mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, valid)
-        j += 1
-    nvecs_t = tl.maximum((NVEC - t + LN_THREADS - 1) // LN_THREADS, 0)
-    count = (nvecs_t * LN_VEC).to(tl.float32)
-
-    # Shfl-down fold inside warps, then the shared-memory tree across the 4 warps.
-    mean_r, m2_r, _ = welford_block_fold(mean, m2, count, MEAN_MODE, M2_FMA)
-    var = tl.math.div_rn(m2_r, N.to(tl.float32))
-    rstd = rsqrt_approx(var + eps)
-
-    # Pass 2: normalise (one rounding, torch's store), then eager's modulate roundings.
-    j = 0
-    while j < J:
-        vec = j * LN_THREADS + t
-        valid = vec < NVEC
-        x = _row_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                        vec, k4, valid, DTYPE, GATED)
-        sc = _tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
-        sh = _tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
-        n = rround(rstd * (x - mean_r), DTYPE)
-        y = rround(n * rround(1.0 + sc, DTYPE), DTYPE) + sh
-        dst = row * N + vec[:, None] * 4 + k4[None, :]
-        tl.store(out_ptr + dst, round_to(y, DTYPE), mask=valid[:, None])
-        j += 1
-
-
-@triton.jit
-def _tile_rows(ptr, b, s, sb, ss, sd, vec, k4, valid):
-    """Load one [128, R, 4] tile (thread x row x vector element) as fp32; b, s: [R] indices.
-
-    The thread axis comes first on purpose: Triton's coalescing pass then lays the tile out as
-    32 lanes x 4 warps along axis 0 (thread t = lane + 32 * warp holds all R rows of its 4
-    elements), which is the layout the fold's ``tl.reduce`` needs (see welford_fold_rows)."""
-    base = b * sb + s * ss
-    offs = base[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * sd
-    return tl.load(ptr + offs, mask=valid, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _rows_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                 vec, k4, valid, DTYPE: tl.constexpr, GATED: tl.constexpr):
-    x = _tile_rows(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
-    if GATED:
-        g = _tile_rows(g_ptr, b, s, gsb, gss, gsd, vec, k4, valid)
-        u = _tile_rows(u_ptr, b, s, usb, uss, usd, vec, k4, valid)
-        x = rround(x + rround(g * u, DTYPE), DTYPE)
-    return x
-
-
-# v2: R rows per program (R independent rows; per row the arithmetic is v1's, op for op).
-# The per-thread Welford runs on [128, R] states, so each step's four updates are R-wide
-# (independent FMA chains instead of one), the reciprocal ``1 / count'`` stays one scalar per
-# step (count' is the same for every thread that holds data at that step; threads past the last
-# vector keep their state through ``valid``), and the fold over the 128 threads is a single
-# ``tl.reduce`` (see welford_fold_rows) instead of v1's reshape/permute/split tree, whose
-# layout conversions cost shared-memory round trips and ~160 registers per thread.
+# R independent rows per program; per row the arithmetic is torch's, op for op. The per-thread
+# Welford runs on [128, R] states, the reciprocal ``1 / count'`` is one scalar per step (count' is
+# the same for every thread that holds data at that step; threads past the last vector keep
+# their state through ``valid``), and the fold over the 128 threads is one ``tl.reduce``.
+# ``while`` rather than ``range(J)``: Triton 3.6's interpreter cannot index with a scalar argument
+# under numpy 2. S, N, NVEC, J are not specialised (one compile serves every token count and
+# width); strides are, so contiguous rows get vector loads.
 @triton.jit(do_not_specialize=["M", "S", "N", "NVEC", "J", "eps"])
-def _ln_modulate_kernel_v2(
-    x_ptr, g_ptr, u_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
+def _ln_kernel(
+    x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
     M, S, N, NVEC, J, eps,
-    xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+    xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd, wsd, bsd,
     scsb, scss, scsd, shsb, shss, shsd,
-    DTYPE: tl.constexpr, GATED: tl.constexpr, R: tl.constexpr,
+    RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr,
+    EXACT: tl.constexpr,
+    P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
+    M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
+    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -184,6 +118,7 @@ def _ln_modulate_kernel_v2(
     t = tl.arange(0, LN_THREADS)
     k4 = tl.arange(0, LN_VEC)
 
+    # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order (cuWelfordOnlineSum).
     mean = tl.zeros([LN_THREADS, R], dtype=tl.float32)
     m2 = tl.zeros([LN_THREADS, R], dtype=tl.float32)
     j = 0
@@ -191,11 +126,11 @@ def _ln_modulate_kernel_v2(
         vec = j * LN_THREADS + t
         valid_t = vec < NVEC
         valid = valid_t[:, None, None] & row_ok[None, :, None]
-        x = _rows_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                         vec, k4, valid, DTYPE, GATED)
-        if GATED:
+        x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                      vec, k4, valid, RES, EXACT, P_DT, H_DT)
+        if RES != 0:
             dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-            tl.store(h_ptr + dst, round_to(x, DTYPE), mask=valid)
+            tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
         x02, x13 = tl.split(tl.reshape(x, [LN_THREADS, R, 2, 2]))
         x0, x2 = tl.split(x02)
         x1, x3 = tl.split(x13)
@@ -208,98 +143,152 @@ def _ln_modulate_kernel_v2(
     nvecs_t = tl.maximum((NVEC - t + LN_THREADS - 1) // LN_THREADS, 0)
     count = tl.broadcast_to((nvecs_t * LN_VEC).to(tl.float32)[:, None], [LN_THREADS, R])
 
+    # Shfl-down fold inside warps, then the shared-memory tree across the 4 warps.
     mean_r, m2_r, _ = welford_fold_rows(mean, m2, count, R)
     var = tl.math.div_rn(m2_r, N.to(tl.float32))
     rstd = rsqrt_approx(var + eps)
     mean_r = mean_r[None, :, None]
     rstd = rstd[None, :, None]
 
+    # Pass 2: normalise (torch's one rounding), the affine, then eager's modulate roundings.
     j = 0
     while j < J:
         vec = j * LN_THREADS + t
-        valid = (vec < NVEC)[:, None, None] & row_ok[None, :, None]
-        x = _rows_values(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                         vec, k4, valid, DTYPE, GATED)
-        sc = _tile_rows(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
-        sh = _tile_rows(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
-        n = rround(rstd * (x - mean_r), DTYPE)
-        y = rround(n * rround(1.0 + sc, DTYPE), DTYPE) + sh
+        valid_t = vec < NVEC
+        valid = valid_t[:, None, None] & row_ok[None, :, None]
+        x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                      vec, k4, valid, RES, EXACT, P_DT, H_DT)
+        n = rstd * (x - mean_r)
+        if HAS_W:
+            w = _vec_tile(w_ptr, wsd, vec, k4, valid_t)
+            if HAS_B and AFFINE_FMA:
+                n = fma_rn(w, n, _vec_tile(bias_ptr, bsd, vec, k4, valid_t))
+            elif HAS_B:
+                n = w * n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
+            else:
+                n = w * n
+        elif HAS_B:
+            n = n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
+        if EXACT:
+            n = rround(n, LN_DT)
+        if MODULATE:
+            sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
+            sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
+            if EXACT:
+                n = rround(rround(n * rround(1.0 + sc, SC_DT), M_DT) + sh, S_DT)
+            else:
+                n = n * (1.0 + sc) + sh
         dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-        tl.store(out_ptr + dst, round_to(y, DTYPE), mask=valid)
+        tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=valid)
         j += 1
+
+
+# ----------------------------------------------------------------------------- predicate
 
 
 def _check_mod(name: str, t: object, x: torch.Tensor) -> str | None:
     if not isinstance(t, torch.Tensor):
         return f"{name} is not a tensor"
-    if t.dtype != x.dtype:
-        return f"{name} dtype {t.dtype} != input dtype {x.dtype} (eager would promote; not reproduced)"
+    if t.dtype not in SUPPORTED_DTYPES:
+        return f"{name} dtype {t.dtype} not supported (bf16, fp16, fp32)"
     if t.device != x.device:
         return f"{name} is on {t.device}, input on {x.device}"
     B, S, D = x.shape
-    if tuple(t.shape) not in ((B, D), (B, S, D)):
-        return f"{name} shape {tuple(t.shape)} is neither [B, D]={[B, D]} nor [B, S, D]={[B, S, D]}"
+    if tuple(t.shape) not in ((B, D), (B, 1, D), (B, S, D)):
+        return f"{name} shape {tuple(t.shape)} is none of [B, D], [B, 1, D], [B, S, D] for x {[B, S, D]}"
+    return None
+
+
+def _check_param(name: str, t: object, D: int, x: torch.Tensor, norm_dtype: torch.dtype | None) -> str | None:
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        return f"{name} is not a tensor"
+    if t.dim() != 1 or t.shape[0] != D:
+        return f"{name} shape {tuple(t.shape)} is not [{D}]"
+    if t.device != x.device:
+        return f"{name} is on {t.device}, input on {x.device}"
+    if t.dtype not in SUPPORTED_DTYPES:
+        return f"{name} dtype {t.dtype} not supported"
+    if norm_dtype is None and t.dtype != x.dtype:
+        return f"{name} dtype {t.dtype} != input dtype {x.dtype} (F.layer_norm's mixed-dtype path is not reproduced)"
     return None
 
 
 def _unsupported_reason(
     x: torch.Tensor,
-    scale: torch.Tensor,
-    shift: torch.Tensor,
+    scale: torch.Tensor | None,
+    shift: torch.Tensor | None,
     eps: float,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    norm_dtype: torch.dtype | None = None,
     gate: torch.Tensor | None = None,
     update: torch.Tensor | None = None,
 ) -> str | None:
     """Why the kernel does not reproduce eager for these inputs, or None when it does.
 
-    Rejected (each is a case where torch takes a path the kernel does not reproduce, or an
-    input outside the contract):
-    - not a 3-D [B, S, D] tensor, or a dtype other than bf16 / fp16 / fp32;
-    - scale / shift / gate / update of another dtype (eager would promote), device or shape;
+    Rejected (each a case where torch takes a path the kernel does not reproduce, or an input
+    outside the contract):
+    - x (the residual) not a 3-D [B, S, D] tensor of bf16 / fp16 / fp32; ``norm_dtype`` other
+      than None / fp32 / x's dtype;
+    - scale / shift / gate not [B, D], [B, 1, D] or [B, S, D], not bf16/fp16/fp32, on another
+      device; scale without shift or the reverse; update not x's shape and device;
+    - weight / bias not [D], or (without ``norm_dtype``) of another dtype than x: F.layer_norm's
+      mixed-dtype path;
     - not on CUDA (on CPU only under TRITON_INTERPRET=1, for tests): the contract is CUDA eager;
-    - D == 0, D % 4 != 0 or D > 2**24: torch's dispatcher falls back to RowwiseMomentsCUDAKernel
+    - D == 0, D % 4 != 0 or D > 2**24: torch's dispatcher uses RowwiseMomentsCUDAKernel
       (512-thread WelfordOps block reduce, a different order);
-    - x contiguous but its data pointer not aligned to 4 elements (4 * itemsize bytes): torch
-      passes contiguous inputs through unchanged and the misaligned pointer sends it to
-      RowwiseMomentsCUDAKernel too. (A non-contiguous x is copied by F.layer_norm into a fresh,
-      aligned buffer first and is therefore handled. In the gated op the LayerNorm input h is a
-      fresh eager output, always aligned, so only D is checked.)
-    - eps not a real number.
+    - the LayerNorm's input is x itself (no residual, no upcast copy), x is contiguous and its
+      data pointer is not aligned to 4 elements: torch passes it through unchanged and the
+      misaligned pointer sends it to RowwiseMomentsCUDAKernel too. (A non-contiguous x is copied
+      by F.layer_norm into a fresh, aligned buffer first, and so is ``x.float()``; the residual
+      sum h is a fresh eager output: all handled.)
+    - eps not a real number; an input requiring grad in grad mode (no backward).
     """
     if not isinstance(x, torch.Tensor):
         return "input is not a tensor"
     if x.dim() != 3:
         return f"input must be [B, S, D], got shape {tuple(x.shape)}"
-    if x.dtype not in _DTYPES:
+    if x.dtype not in SUPPORTED_DTYPES:
         return f"dtype {x.dtype} not supported (bf16, fp16, fp32)"
-    if x.device.type == "cuda":
-        pass
-    elif x.device.type == "cpu" and _interpreting():
-        pass
-    else:
-        return f"device {x.device} not supported (CUDA; CPU only under TRITON_INTERPRET=1)"
-    for name, t in (("scale", scale), ("shift", shift), ("gate", gate)):
-        if name == "gate" and update is None:
-            continue
+    if norm_dtype not in (None, torch.float32, x.dtype):
+        return f"norm_dtype {norm_dtype} is neither None, float32 nor the input dtype"
+    if (scale is None) != (shift is None):
+        return "scale and shift must be given together"
+    mods = [("scale", scale), ("shift", shift)] if scale is not None else []
+    if update is not None and gate is not None:
+        mods.append(("gate", gate))
+    for name, t in mods:
         reason = _check_mod(name, t, x)
         if reason:
             return reason
+    D = x.shape[-1]
+    for name, t in (("weight", weight), ("bias", bias)):
+        reason = _check_param(name, t, D, x, norm_dtype)
+        if reason:
+            return reason
+    tensors = [x] + [t for _, t in mods] + [t for t in (weight, bias) if t is not None]
     if update is not None:
         if not isinstance(update, torch.Tensor):
             return "update is not a tensor"
-        if update.dtype != x.dtype or update.device != x.device or update.shape != x.shape:
-            return (
-                f"update {tuple(update.shape)}/{update.dtype}/{update.device} does not match "
-                f"residual {tuple(x.shape)}/{x.dtype}/{x.device}"
-            )
+        if update.dtype not in SUPPORTED_DTYPES or update.device != x.device or update.shape != x.shape:
+            return (f"update {tuple(update.shape)}/{update.dtype}/{update.device} does not match "
+                    f"residual {tuple(x.shape)}/{x.dtype}/{x.device}")
+        tensors.append(update)
+    elif gate is not None:
+        return "gate given without update"
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
         return f"eps must be a float, got {type(eps).__name__}"
-    D = x.shape[-1]
     if D == 0 or D % 4 != 0:
         return f"width D={D} is not a positive multiple of 4: torch uses RowwiseMomentsCUDAKernel (not reproduced)"
     if D > _MAX_N:
         return f"width D={D} > 2**24: torch uses RowwiseMomentsCUDAKernel (not reproduced)"
-    if update is None and x.is_contiguous() and x.data_ptr() % (4 * x.element_size()) != 0:
+    ln_input_is_x = update is None and norm_dtype in (None, x.dtype)
+    if ln_input_is_x and x.is_contiguous() and x.data_ptr() % (4 * x.element_size()) != 0:
         return (
             "contiguous input whose data pointer is not aligned to 4 elements: torch uses "
             "RowwiseMomentsCUDAKernel (not reproduced)"
@@ -307,24 +296,20 @@ def _unsupported_reason(
     return None
 
 
-def _mod_strides(t: torch.Tensor) -> tuple[int, int, int]:
+# ----------------------------------------------------------------------------- launch
+
+
+def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
+    if t is None:
+        return 0, 0, 0
     if t.dim() == 2:
         return t.stride(0), 0, t.stride(1)
-    return t.stride(0), t.stride(1), t.stride(2)
-
-
-def _impl() -> str:
-    """``DITFUSE_LN_IMPL``: ``v2`` (default, several rows per program) or ``v1`` (one row per
-    program, the first version; kept for A/B runs). Same output bits either way."""
-    impl = os.environ.get("DITFUSE_LN_IMPL", "v2").strip().lower() or "v2"
-    if impl not in ("v1", "v2"):
-        raise ValueError(f"DITFUSE_LN_IMPL={impl!r}: expected 'v1' or 'v2'")
-    return impl
+    return t.stride(0), (0 if t.shape[1] == 1 else t.stride(1)), t.stride(2)
 
 
 def _rows_per_program(M: int) -> int:
-    """Rows per v2 program: 4 when there are enough rows to fill the GPU several times over,
-    fewer for short inputs (more programs). Never changes numerics (rows are independent)."""
+    """Rows per program: 4 when there are enough rows to fill the GPU several times over, fewer
+    for short inputs (more programs). Never changes numerics (rows are independent)."""
     if M >= 2048:
         return 4
     if M >= 512:
@@ -332,33 +317,46 @@ def _rows_per_program(M: int) -> int:
     return 1
 
 
-def _launch(x, gate, update, scale, shift, eps, gated: bool, impl: str | None = None,
-            rows_per_program: int | None = None):
+def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
+            rows_per_program: int | None = None, affine_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
+    only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
+    computes the affine without the contraction (for the order probe only). The launch never
+    contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
+    then stay torch's, bit for bit, and only the epilogue's roundings go."""
     B, S, D = x.shape
-    out = torch.empty((B, S, D), dtype=x.dtype, device=x.device)
-    h = torch.empty((B, S, D), dtype=x.dtype, device=x.device) if gated else out
+    res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
+    h_dt = x.dtype
+    p_dt = promote(gate.dtype, update.dtype) if res == _GATED else x.dtype
+    ln_dt = norm_dtype or h_dt
+    if scale is not None:
+        sc_dt = scale.dtype
+        m_dt = promote(ln_dt, sc_dt)
+        s_dt = promote(m_dt, shift.dtype)
+    else:
+        sc_dt = m_dt = s_dt = ln_dt
+    out_dt = h_dt if norm_dtype is not None else s_dt
+    out = torch.empty((B, S, D), dtype=out_dt, device=x.device)
+    h = torch.empty((B, S, D), dtype=h_dt, device=x.device) if res != _NO_RES else out
     M = B * S
     if M == 0:
         return h, out
     nvec = D // 4
-    J = triton.cdiv(nvec, 128)
-    g = gate if gated else x
-    u = update if gated else x
-    strides = (*x.stride(), *_mod_strides(g), *u.stride(), *_mod_strides(scale), *_mod_strides(shift))
-    if (impl or _impl()) == "v1":
-        _ln_modulate_kernel[(M,)](
-            x, g, u, scale, shift, h, out,
-            S, D, nvec, J, float(eps), *strides,
-            DTYPE=_DTYPES[x.dtype], GATED=gated,
-            num_warps=4, enable_fp_fusion=False,
-        )
-        return h, out
     R = rows_per_program or _rows_per_program(M)
-    _ln_modulate_kernel_v2[(triton.cdiv(M, R),)](
-        x, g, u, scale, shift, h, out,
-        M, S, D, nvec, J, float(eps), *strides,
-        DTYPE=_DTYPES[x.dtype], GATED=gated, R=R,
-        num_warps=4, enable_fp_fusion=False,
+    u = update if update is not None else x
+    g = gate if gate is not None else u
+    strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
+               weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
+               *_mod_strides(scale), *_mod_strides(shift))
+    _ln_kernel[(triton.cdiv(M, R),)](
+        x, g, u, weight if weight is not None else x, bias if bias is not None else x,
+        scale if scale is not None else x, shift if shift is not None else x, h, out,
+        M, S, D, nvec, triton.cdiv(nvec, 128), float(eps), *strides,
+        RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
+        EXACT=exact,
+        P_DT=tl_dtype(p_dt), H_DT=tl_dtype(h_dt), LN_DT=tl_dtype(ln_dt), SC_DT=tl_dtype(sc_dt),
+        M_DT=tl_dtype(m_dt), S_DT=tl_dtype(s_dt), OUT_DT=tl_dtype(out_dt),
+        R=R, AFFINE_FMA=affine_fma, num_warps=4, enable_fp_fusion=False,
     )
     return h, out
 
@@ -367,79 +365,139 @@ def _launch(x, gate, update, scale, shift, eps, gated: bool, impl: str | None = 
 
 
 @torch.library.custom_op("ditfuse::layernorm_modulate", mutates_args=())
-def _layernorm_modulate_op(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float) -> torch.Tensor:
-    return _launch(x, None, None, scale, shift, eps, gated=False)[1]
+def _layernorm_modulate_op(
+    x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, norm_dtype: torch.dtype | None, exact: bool,
+) -> torch.Tensor:
+    return _launch(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact)[1]
+
+
+def _out_dtype(x, scale, shift, norm_dtype):
+    if norm_dtype is not None:
+        return x.dtype
+    return x.dtype if scale is None else promote(x.dtype, scale.dtype, shift.dtype)
 
 
 @_layernorm_modulate_op.register_fake
-def _(x, scale, shift, eps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _(x, scale, shift, eps, weight, bias, norm_dtype, exact):
+    return torch.empty(x.shape, dtype=_out_dtype(x, scale, shift, norm_dtype), device=x.device)
 
 
 @torch.library.custom_op("ditfuse::gate_residual_layernorm_modulate", mutates_args=())
 def _gate_residual_layernorm_modulate_op(
-    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
-    scale: torch.Tensor, shift: torch.Tensor, eps: float,
+    residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
+    scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, norm_dtype: torch.dtype | None, exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(residual, gate, update, scale, shift, eps, gated=True)
+    return _launch(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact)
 
 
 @_gate_residual_layernorm_modulate_op.register_fake
-def _(residual, gate, update, scale, shift, eps):
-    mk = lambda: torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)  # noqa: E731
-    return mk(), mk()
+def _(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact):
+    return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
+            torch.empty(residual.shape, dtype=_out_dtype(residual, scale, shift, norm_dtype), device=residual.device))
 
 
 # ----------------------------------------------------------------------------- public API
 
 
-def can_use_layernorm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> bool:
-    """True when :func:`layernorm_modulate` reproduces eager bit for bit for these inputs
-    (see ``_unsupported_reason`` for every rejection)."""
-    return _unsupported_reason(x, scale, shift, eps) is None
-
-
-def layernorm_modulate(x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``, bit-exact vs torch 2.11 CUDA eager
-    (``F.layer_norm(x, (D,), None, None, eps)`` then ``* (1 + scale[:, None]) + shift[:, None]``).
-
-    x: [B, S, D]; scale, shift: [B, D] or [B, S, D], same dtype (bf16, fp16, fp32). For
-    AdaLayerNormContinuous pass its first chunk as ``scale``. Raises UnsupportedInput where
-    :func:`can_use_layernorm_modulate` is False.
-    """
-    reason = _unsupported_reason(x, scale, shift, eps)
+def _ln(x, scale, shift, eps, weight, bias, norm_dtype, exact: bool) -> torch.Tensor:
+    reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.layernorm_modulate(x, scale, shift, float(eps))
+    if use_custom_op():
+        return torch.ops.ditfuse.layernorm_modulate(x, scale, shift, float(eps), weight, bias, norm_dtype, exact)
+    return _launch(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact)[1]
+
+
+def _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool):
+    reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.gate_residual_layernorm_modulate(
+            residual, gate, update, scale, shift, float(eps), weight, bias, norm_dtype, exact)
+    return _launch(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact)
+
+
+def can_use_layernorm_modulate(
+    x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
+    weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+) -> bool:
+    """True when :func:`layernorm_modulate` reproduces eager bit for bit for these inputs
+    (``_unsupported_reason`` lists every rejection)."""
+    return _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype) is None
+
+
+def layernorm_modulate(
+    x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
+    weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)`` (module docstring for the rounding dtypes),
+    bit-exact vs torch 2.11 CUDA eager ``ditfuse.kernels.reference.layernorm_modulate``.
+
+    x: [B, S, D]; scale, shift: [B, D], [B, 1, D] or [B, S, D] (or both None: LayerNorm alone);
+    weight, bias: [D] or None; ``norm_dtype=torch.float32`` for FP32LayerNorm + ``.type_as``.
+    For AdaLayerNormContinuous pass its first chunk as ``scale``. Raises UnsupportedInput where
+    :func:`can_use_layernorm_modulate` is False.
+    """
+    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True)
+
+
+def can_use_layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None) -> bool:
+    """True when :func:`layernorm_modulate_fp32` takes these inputs (the bit-exact predicate)."""
+    return _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype) is None
+
+
+def layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None) -> torch.Tensor:
+    """Close (quality="high"): ``out = r_out(LN(x) * (1 + scale) + shift)``, torch's statistics,
+    fp32 epilogue, one rounding. Same arguments and rejections as :func:`layernorm_modulate`."""
+    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, False)
 
 
 def can_use_gate_residual_layernorm_modulate(
-    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
-    scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
+    residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
+    scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
+    weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
 ) -> bool:
     """True when :func:`gate_residual_layernorm_modulate` is bit-exact for these inputs."""
-    return _unsupported_reason(residual, scale, shift, eps, gate, update) is None
+    return _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update) is None
 
 
 def gate_residual_layernorm_modulate(
-    residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
-    scale: torch.Tensor, shift: torch.Tensor, eps: float = 1e-6,
+    residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
+    scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
+    weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """FLUX dual-block middle in one pass: ``h = r(residual + r(gate * update))``,
-    ``n = r(r(r(LN(h)) * r(1 + scale)) + shift)``; returns ``(h, n)``, both bit-exact vs eager.
-
-    residual, update: [B, S, D]; gate, scale, shift: [B, D] or [B, S, D]; one dtype.
-    Raises UnsupportedInput where :func:`can_use_gate_residual_layernorm_modulate` is False.
+    """Residual add + LayerNorm (+ modulate) in one pass: ``h = r(residual + r(gate * update))``
+    (``gate=None``: ``r(residual + update)``), ``n = layernorm_modulate(h, ...)``; returns ``(h, n)``,
+    both bit-exact vs eager. residual, update: [B, S, D]; gate, scale, shift: [B, D], [B, 1, D] or
+    [B, S, D]. Raises UnsupportedInput where :func:`can_use_gate_residual_layernorm_modulate` is
+    False.
     """
-    reason = _unsupported_reason(residual, scale, shift, eps, gate, update)
-    if reason is not None:
-        raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.gate_residual_layernorm_modulate(residual, gate, update, scale, shift, float(eps))
+    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True)
+
+
+def can_use_gate_residual_layernorm_modulate_fp32(residual, gate, update, scale, shift, eps=1e-6, weight=None,
+                                                  bias=None, norm_dtype=None) -> bool:
+    """True when :func:`gate_residual_layernorm_modulate_fp32` takes these inputs."""
+    return _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update) is None
+
+
+def gate_residual_layernorm_modulate_fp32(residual, gate, update, scale, shift, eps=1e-6, weight=None, bias=None,
+                                          norm_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Close (quality="high"): ``h = r(residual + gate * update)``, ``n`` the fp32 LayerNorm (+
+    modulate) of the unrounded sum, one rounding each; returns ``(h, n)``."""
+    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, False)
 
 
 __all__ = [
     "layernorm_modulate",
     "can_use_layernorm_modulate",
+    "layernorm_modulate_fp32",
+    "can_use_layernorm_modulate_fp32",
     "gate_residual_layernorm_modulate",
     "can_use_gate_residual_layernorm_modulate",
+    "gate_residual_layernorm_modulate_fp32",
+    "can_use_gate_residual_layernorm_modulate_fp32",
 ]

@@ -1,1 +1,62 @@
-"""rope kernels (one file per op family, backend as filename suffix)."""
+"""rope: QK RMSNorm + rotary embeddings — the op descriptors. Data only.
+
+Kernels: qk_rmsnorm_rope_triton.py (FLUX: per-head norm, text/image concat, interleaved RoPE) and
+qk_rmsnorm_across_heads_rope_triton.py (Wan: one norm over all heads, pair RoPE), each with both
+contracts in one kernel body.
+"""
+
+from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
+
+_REF = "ditfuse.kernels.reference"
+_EXACT = "ditfuse.kernels.exact"
+
+QK_RMSNORM_ROPE = OpDescriptor(
+    op="rope.qk_rmsnorm_rope",
+    contract=Contract.BIT_EXACT,
+    replaces="r(rope(r(RMSNorm(q|k)))) for text+image, written into the joint [B, S_txt+S_img, H, D]",
+    summary="per-head RMSNorm + FLUX interleaved RoPE (fp32 cos/sin), writes the concatenated q/k",
+    reference=f"{_REF}:qk_rmsnorm_rope",
+    exact=f"{_EXACT}:qk_rmsnorm_rope_fp64",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_rope"),),
+    key=(K("q", dims=(-1,)), K("k"), K("q_weight"), K("k_weight"), K("cos"), K("sin"), K("eps", value=True),
+         K("q_txt"), K("k_txt"), K("q_txt_weight"), K("k_txt_weight")),
+    key_note="head_dim fixes the RMS reduction; heads and sequence lengths only change the grid",
+)
+
+QK_RMSNORM_ROPE_FP32 = OpDescriptor(
+    op="rope.qk_rmsnorm_rope_fp32",
+    contract=Contract.CLOSE,
+    replaces="r(rope(r(RMSNorm(q|k)))) -> r(rope32(RMSNorm32(q|k))) into the joint [B, S, H, D]",
+    summary="the same kernel with the rounding switch off: no rounding between norm and RoPE",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_rope_fp32"),),
+    lossless=QK_RMSNORM_ROPE,
+)
+
+_WAN = "rope.qk_rmsnorm_across_heads_rope_triton"
+
+QK_RMSNORM_ACROSS_HEADS_ROPE = OpDescriptor(
+    op="rope.qk_rmsnorm_across_heads_rope",
+    contract=Contract.BIT_EXACT,
+    replaces="r(rope_pairs(unflatten(r(RMSNorm_{H*Dh}(q|k)))))",
+    summary="RMSNorm over all heads (torch's vectorized order, several vectors per thread) + Wan's "
+            "pair RoPE (fp32 or bf16 freqs) in one pass per tensor",
+    reference=f"{_REF}:qk_rmsnorm_across_heads_rope",
+    exact=f"{_EXACT}:qk_rmsnorm_across_heads_rope_fp64",
+    impls=(triton_impl(_WAN, "qk_rmsnorm_across_heads_rope"),),
+    key=(K("q", dims=(-1,)), K("k", dims=(-1,)), K("q_weight"), K("k_weight"), K("cos", dims=(-1,)),
+         K("sin"), K("heads", value=True), K("eps", value=True)),
+    key_note="the row width H*Dh fixes the reduction tree and head_dim the RoPE pairing; batch and "
+             "sequence length only change the grid",
+)
+
+QK_RMSNORM_ACROSS_HEADS_ROPE_FP32 = OpDescriptor(
+    op="rope.qk_rmsnorm_across_heads_rope_fp32",
+    contract=Contract.CLOSE,
+    replaces="r(rope_pairs(r(RMSNorm(q|k)))) -> r(rope32(RMSNorm32(q|k)))",
+    summary="the same kernel with the rounding switch off: no rounding between norm and RoPE",
+    impls=(triton_impl(_WAN, "qk_rmsnorm_across_heads_rope_fp32"),),
+    lossless=QK_RMSNORM_ACROSS_HEADS_ROPE,
+)
+
+DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_RMSNORM_ACROSS_HEADS_ROPE,
+               QK_RMSNORM_ACROSS_HEADS_ROPE_FP32)

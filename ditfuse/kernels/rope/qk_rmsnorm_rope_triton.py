@@ -1,5 +1,7 @@
-"""QK RMSNorm + FLUX interleaved RoPE, written into the joint tensors; bit-exact vs torch 2.11
-CUDA eager (diffusers 0.42.1 ``FluxAttnProcessor``).
+"""QK RMSNorm + FLUX interleaved RoPE, written into the joint tensors; both contracts in one
+kernel (``EXACT``): bit-exact vs torch 2.11 CUDA eager (diffusers 0.42.1 ``FluxAttnProcessor``),
+or close (``qk_rmsnorm_rope_fp32``, quality="high": the same arithmetic without the rounding of
+the normalised value to the input dtype before RoPE, so each output is rounded once).
 
 For q and k alike, with ``x`` each text / image input and ``w`` its RMSNorm weight::
 
@@ -24,18 +26,15 @@ input (any strides), and loads cos/sin once for q and k.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_rstd, rms_sumsq_torch_order
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
-_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_TL_DTYPE = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 _ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -81,10 +80,13 @@ def _row_weight(wt_ptr, wi_ptr, s, d, d_ok, S_TXT,
 @triton.jit
 def _norm_rope_store(x, w, cos_e, cos_o, sin_e, sin_o, out_ptr, out_off, mask, eps,
                      D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
-                     HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr):
+                     HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr):
     rstd = rms_rstd(rms_sumsq_torch_order(x, R, DP), D, eps)
-    # torch: gamma * (rstd * x), one rounding to the dtype (the eager op's store).
-    n = rround(w * (rstd[:, None] * x), DTYPE)
+    # torch: gamma * (rstd * x), one rounding to the dtype (the eager op's store); the close
+    # variant keeps the fp32 value for RoPE.
+    n = w * (rstd[:, None] * x)
+    if EXACT:
+        n = rround(n, DTYPE)
     if HAS_ROPE:
         ye, yo = tl.split(tl.reshape(n, [R, DP // 2, 2]))
         # x.float() * cos, x_rotated.float() * sin, then their sum: three eager ops, three fp32
@@ -110,7 +112,7 @@ def _qk_rmsnorm_rope_kernel(
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
     HAS_TXT: tl.constexpr, HAS_ROPE: tl.constexpr,
     HAS_WQI: tl.constexpr, HAS_WKI: tl.constexpr, HAS_WQT: tl.constexpr, HAS_WKT: tl.constexpr,
-    DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr, EXACT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
@@ -144,21 +146,17 @@ def _qk_rmsnorm_rope_kernel(
                     qt_sb, qt_ss, qt_sh, qt_sd, qi_sb, qi_ss, qi_sh, qi_sd, S_TXT, HAS_TXT)
     wq = _row_weight(wq_txt, wq_img, s, d, d_ok, S_TXT, HAS_TXT, HAS_WQT, HAS_WQI)
     _norm_rope_store(xq, wq, cos_e, cos_o, sin_e, sin_o, q_out, out_off, mask, eps,
-                     D, DP, R, HAS_ROPE, DTYPE)
+                     D, DP, R, HAS_ROPE, DTYPE, EXACT)
 
     xk = _load_rows(k_txt, k_img, b, s, h, row_ok, d, d_ok,
                     kt_sb, kt_ss, kt_sh, kt_sd, ki_sb, ki_ss, ki_sh, ki_sd, S_TXT, HAS_TXT)
     wk = _row_weight(wk_txt, wk_img, s, d, d_ok, S_TXT, HAS_TXT, HAS_WKT, HAS_WKI)
     _norm_rope_store(xk, wk, cos_e, cos_o, sin_e, sin_o, k_out, out_off, mask, eps,
-                     D, DP, R, HAS_ROPE, DTYPE)
+                     D, DP, R, HAS_ROPE, DTYPE, EXACT)
 
 
 # ---------------------------------------------------------------------------------------------
 # Predicate
-
-
-def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _suggests_channels_last(t: torch.Tensor) -> bool:
@@ -208,13 +206,9 @@ def _unsupported_reason(
     weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
     rope = [t for t in (cos, sin) if t is not None]
     tensors = inputs + weights + rope
-    dev = q.device
-    if any(t.device != dev for t in tensors):
-        return "tensors on different devices"
-    if dev.type != "cuda" and not (dev.type == "cpu" and _interpreter_on()):
-        return f"device {dev} is not CUDA (the CPU runs Triton only under TRITON_INTERPRET=1)"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "an input requires grad and grad mode is on (the kernel has no backward)"
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
     if q.dim() != 4 or q.shape != k.shape:
         return f"q and k must be [B, S, H, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
     B, S_img, H, D = q.shape
@@ -224,7 +218,7 @@ def _unsupported_reason(
         if (q_txt.shape[0], q_txt.shape[2], q_txt.shape[3]) != (B, H, D):
             return "text and image inputs differ in B, H or D"
     dtype = q.dtype
-    if dtype not in _SUPPORTED_DTYPES:
+    if dtype not in SUPPORTED_DTYPES:
         return f"dtype {dtype} is not bf16, fp16 or fp32"
     if any(t.dtype != dtype for t in inputs):
         return "q, k, q_txt, k_txt have different dtypes (torch.cat would type-promote)"
@@ -305,7 +299,7 @@ def _block_rows(D: int) -> int:
 
 
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-            rows_per_program: int | None = None, num_warps: int = 2):
+            exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2):
     """Allocate the joint outputs and launch. ``rows_per_program`` / ``num_warps`` only tile the
     work (each row's arithmetic is fixed by the kernel body), so any choice gives the same bits;
     the perf probe (bench/probe_qk_rmsnorm_rope.py) sweeps them."""
@@ -339,7 +333,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         HAS_TXT=has_txt, HAS_ROPE=has_rope,
         HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
         HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
-        DTYPE=_TL_DTYPE[q.dtype],
+        DTYPE=tl_dtype(q.dtype), EXACT=exact,
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return q_out, k_out
@@ -358,12 +352,13 @@ def _qk_rmsnorm_rope_op(
     k_txt: torch.Tensor | None,
     q_txt_weight: torch.Tensor | None,
     k_txt_weight: torch.Tensor | None,
+    exact: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+    return _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact)
 
 
 @_qk_rmsnorm_rope_op.register_fake
-def _(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight):
+def _(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact):
     B, S_img, H, D = q.shape
     S_tot = S_img + (q_txt.shape[1] if q_txt is not None else 0)
     return (
@@ -395,11 +390,28 @@ def qk_rmsnorm_rope(
     Formula: see the module docstring. Raises :class:`UnsupportedInput` exactly where
     :func:`can_use_qk_rmsnorm_rope` is False.
     """
-    reason = _unsupported_reason(
-        q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight
-    )
+    return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, True)
+
+
+def _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact: bool):
+    reason = _unsupported_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.qk_rmsnorm_rope(
-        q, k, q_weight, k_weight, cos, sin, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight
-    )
+    if use_custom_op():
+        return torch.ops.ditfuse.qk_rmsnorm_rope(
+            q, k, q_weight, k_weight, cos, sin, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight, exact)
+    return _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact)
+
+
+def can_use_qk_rmsnorm_rope_fp32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
+                                 q_txt_weight=None, k_txt_weight=None) -> bool:
+    """True when :func:`qk_rmsnorm_rope_fp32` takes these inputs (the bit-exact predicate)."""
+    return _unsupported_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
+                               k_txt_weight) is None
+
+
+def qk_rmsnorm_rope_fp32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
+                         q_txt_weight=None, k_txt_weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Close (quality="high"): :func:`qk_rmsnorm_rope` without rounding the normalised q/k to the
+    input dtype before RoPE; each output element is rounded once. Same arguments and rejections."""
+    return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, False)

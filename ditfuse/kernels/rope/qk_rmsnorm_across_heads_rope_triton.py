@@ -1,0 +1,277 @@
+"""Wan's QK RMSNorm over all heads + pair RoPE, both contracts in one kernel body.
+
+diffusers 0.42.1 ``WanAttnProcessor`` (self-attention): ``norm_q`` / ``norm_k`` are
+``torch.nn.RMSNorm(H * Dh)`` over the whole projection (``_fused_rms_norm`` on CUDA: one
+rounding), then ``unflatten(2, (H, -1))`` and Wan's ``apply_rotary_emb`` with the
+repeat-interleaved freqs ``[1, S, 1, Dh]``. For each row x of q (and of k), with ``w`` its weight::
+
+    n          = r(w * (rstd * x))          rstd = rsqrtf(sum(x*x) / D + eps), torch's order
+    out[2i]    = r(r_p(r_p(n[2i] * cos[2i]) - r_p(n[2i+1] * sin[2i+1])))
+    out[2i+1]  = r(r_p(r_p(n[2i] * sin[2i+1]) + r_p(n[2i+1] * cos[2i])))
+
+``r`` rounds to the input dtype, ``r_p`` to promote(input, freqs) — fp32 for the fp32 freqs a
+``from_pretrained`` load keeps (``rope`` is in ``_keep_in_fp32_modules``), bf16 after a plain
+``.to(bf16)`` — round-to-nearest-even, where the eager ops store (the RoPE's products, its
+sum/difference, and the copy into ``out[..., 0::2]``). Pair index i counts within a head.
+
+torch's order for the sum of squares (D = H * Dh, several 4-element vectors per thread when
+D > 512): thread t (of 128) accumulates its vectors t, t + 128, ... in element order with FMAs
+(common/rms.py), then the shfl-down tree and the cross-warp tree (``rms_fold_rows``). Each
+program handles R rows as [128, R, 4] tiles (the LayerNorm kernel's layout), two passes over the
+row (sum, then normalise + RoPE + store). Launched with ``enable_fp_fusion=False``.
+
+``EXACT=False`` (``*_fp32``, contract close, quality="high"): the normalised value is not rounded
+before RoPE and the RoPE's products and sums stay fp32; one rounding per output element.
+
+q, k: [B, S, H * Dh] (any strides); weights [H * Dh] or None; cos, sin: [1, S, 1, Dh]. Returns
+contiguous [B, S, H, Dh] each. Rows are independent: q and k are two launches of one kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.elementwise import load_f32, load_row_tile
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
+from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_rows, rsqrt_approx
+from ..common.rounding import round_to, rround
+from ..errors import UnsupportedInput
+
+_THREADS: tl.constexpr = tl.constexpr(128)
+_VEC: tl.constexpr = tl.constexpr(4)
+
+
+@triton.jit(do_not_specialize=["M", "S", "N", "NVEC", "J", "eps"])
+def _rms_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    M, S, N, NVEC, J, eps,
+    xsb, xss, xsd, wsd, css, csd, sss, ssd,
+    DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, EXACT: tl.constexpr,
+    DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < M
+    rows = tl.where(row_ok, rows, 0)
+    b = rows // S
+    s = rows % S
+    out_row = tl.multiple_of(rows * N, 4)
+    t = tl.arange(0, _THREADS)
+    k4 = tl.arange(0, _VEC)
+
+    # Pass 1: per-thread sums of squares over the thread's vectors, in element order.
+    acc = tl.zeros([_THREADS, R], dtype=tl.float32)
+    j = 0
+    while j < J:
+        vec = j * _THREADS + t
+        valid_t = vec < NVEC
+        valid = valid_t[:, None, None] & row_ok[None, :, None]
+        x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
+        x02, x13 = tl.split(tl.reshape(x, [_THREADS, R, 2, 2]))
+        x0, x2 = tl.split(x02)
+        x1, x3 = tl.split(x13)
+        acc = fma_rn(x0, x0, acc)  # fma(v, v, 0) == v * v for the first element: no special case
+        acc = fma_rn(x1, x1, acc)
+        acc = fma_rn(x2, x2, acc)
+        acc = fma_rn(x3, x3, acc)
+        j += 1
+    rstd = rsqrt_approx(tl.math.div_rn(rms_fold_rows(acc, R), N.to(tl.float32)) + eps)
+    rstd = rstd[None, :, None]
+
+    # Pass 2: normalise, RoPE within each head, store [B, S, H, Dh] contiguous.
+    j = 0
+    while j < J:
+        vec = j * _THREADS + t
+        valid_t = vec < NVEC
+        valid = valid_t[:, None, None] & row_ok[None, :, None]
+        x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
+        n = rstd * x
+        if HAS_W:
+            w_off = (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * wsd
+            n = load_f32(w_ptr + w_off, valid_t[:, None, None]) * n
+        if EXACT:
+            n = rround(n, DTYPE)
+        if HAS_ROPE:
+            col = vec[:, None, None] * 4 + k4[None, None, :]
+            pos = col % DH
+            c_off = s[None, :, None] * css + (pos - pos % 2).to(tl.int64) * csd  # cos[..., 0::2]
+            s_off = s[None, :, None] * sss + (pos | 1).to(tl.int64) * ssd  # sin[..., 1::2]
+            c = load_f32(cos_ptr + c_off, valid)
+            sn = load_f32(sin_ptr + s_off, valid)
+            ne, no = tl.split(tl.reshape(n, [_THREADS, R, 2, 2]))
+            ce, _co = tl.split(tl.reshape(c, [_THREADS, R, 2, 2]))
+            _se, so = tl.split(tl.reshape(sn, [_THREADS, R, 2, 2]))
+            if EXACT:
+                oe = rround(rround(ne * ce, P_DT) - rround(no * so, P_DT), P_DT)
+                oo = rround(rround(ne * so, P_DT) + rround(no * ce, P_DT), P_DT)
+            else:
+                oe = ne * ce - no * so
+                oo = ne * so + no * ce
+            n = tl.reshape(tl.join(oe, oo), [_THREADS, R, 4])
+        dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+        tl.store(out_ptr + dst, round_to(n, DTYPE), mask=valid)
+        j += 1
+
+
+# ----------------------------------------------------------------------------- predicate
+
+
+def _freqs_reason(t: object, S: int, Dh: int) -> str | None:
+    if not isinstance(t, torch.Tensor):
+        return "cos/sin must be tensors"
+    if t.dim() != 4 or t.shape[0] != 1 or t.shape[1] != S or t.shape[2] != 1 or t.shape[3] != Dh:
+        return f"cos/sin must be [1, S, 1, Dh] = [1, {S}, 1, {Dh}], got {tuple(t.shape)}"
+    if t.dtype not in SUPPORTED_DTYPES:
+        return f"cos/sin dtype {t.dtype} is not fp32, bf16 or fp16"
+    return None
+
+
+def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str | None:
+    """Why the kernel does not reproduce eager for these inputs, or None.
+
+    Rejected: q/k not 3-D [B, S, D] tensors of one shape and dtype (bf16/fp16/fp32); ``heads``
+    not a positive int dividing D into an even head_dim; D % 4 != 0 (torch's non-vectorized RMS
+    kernel, another order); a weight not [D] or of another dtype than the input (F.rms_norm's
+    composite path, several roundings); a contiguous input or weight not 4-element aligned
+    (torch's non-vectorized path); cos/sin given one without the other, not [1, S, 1, Dh] or of
+    different dtypes; tensors on different devices or a device other than CUDA (CPU only under
+    TRITON_INTERPRET=1); eps not a number; an input requiring grad in grad mode (no backward).
+    """
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return "q and k must be tensors"
+    if q.dim() != 3 or q.shape != k.shape:
+        return f"q and k must be [B, S, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype:
+        return f"q/k dtypes {q.dtype}/{k.dtype}: need one of bf16, fp16, fp32"
+    if (cos is None) != (sin is None):
+        return "cos and sin must be given together"
+    B, S, D = q.shape
+    if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0 or D % heads:
+        return f"heads={heads!r} does not divide the width {D}"
+    Dh = D // heads
+    if Dh % 2:
+        return f"head_dim {Dh} is odd (RoPE pairs)"
+    if D == 0 or D % RMS_VEC_WIDTH:
+        return f"width {D} is not a positive multiple of 4 (torch's non-vectorized RMSNorm path)"
+    weights = [w for w in (q_weight, k_weight) if w is not None]
+    for w in weights:
+        if not isinstance(w, torch.Tensor) or w.dim() != 1 or w.shape[0] != D:
+            return f"a weight is not a [{D}] tensor"
+        if w.dtype != q.dtype:
+            return "a weight dtype differs from the input dtype (F.rms_norm then runs its composite path)"
+    rope = []
+    if cos is not None:
+        for t in (cos, sin):
+            reason = _freqs_reason(t, S, Dh)
+            if reason:
+                return reason
+        if cos.dtype != sin.dtype:
+            return "cos and sin dtypes differ"
+        rope = [cos, sin]
+    tensors = [q, k, *weights, *rope]
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
+    for t in (q, k, *weights):
+        if t.is_contiguous() and t.data_ptr() % (RMS_VEC_WIDTH * t.element_size()):
+            return "a contiguous input or weight is not 4-element aligned (torch's non-vectorized path)"
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        return "eps must be a Python number"
+    return None
+
+
+# ----------------------------------------------------------------------------- launch
+
+
+def _rows_per_program(M: int) -> int:
+    return 4 if M >= 2048 else (2 if M >= 512 else 1)
+
+
+def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None) -> torch.Tensor:
+    B, S, D = x.shape
+    out = torch.empty((B, S, heads, D // heads), dtype=x.dtype, device=x.device)
+    M = B * S
+    if M == 0:
+        return out
+    nvec = D // 4
+    R = rows_per_program or _rows_per_program(M)
+    has_rope = cos is not None
+    p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
+    _rms_rope_kernel[(triton.cdiv(M, R),)](
+        x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
+        M, S, D, nvec, triton.cdiv(nvec, 128), float(eps),
+        *x.stride(), w.stride(0) if w is not None else 0,
+        cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
+        sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
+        DH=D // heads, HAS_W=w is not None, HAS_ROPE=has_rope, EXACT=exact,
+        DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(p_dt), R=R, num_warps=4, enable_fp_fusion=False,
+    )
+    return out
+
+
+def _launch(q, k, q_weight, k_weight, cos, sin, heads, eps, exact: bool):
+    return (_launch_one(q, q_weight, cos, sin, heads, eps, exact),
+            _launch_one(k, k_weight, cos, sin, heads, eps, exact))
+
+
+@torch.library.custom_op("ditfuse::qk_rmsnorm_across_heads_rope", mutates_args=())
+def _op(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+        cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int, eps: float,
+        exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch(q, k, q_weight, k_weight, cos, sin, heads, eps, exact)
+
+
+@_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, heads, eps, exact):
+    B, S, D = q.shape
+    return q.new_empty((B, S, heads, D // heads)), k.new_empty((B, S, heads, D // heads))
+
+
+def _call(q, k, q_weight, k_weight, cos, sin, heads, eps, exact: bool):
+    reason = _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.qk_rmsnorm_across_heads_rope(q, k, q_weight, k_weight, cos, sin, heads,
+                                                               float(eps), exact)
+    return _launch(q, k, q_weight, k_weight, cos, sin, heads, eps, exact)
+
+
+def can_use_qk_rmsnorm_across_heads_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int, eps: float = 1e-6,
+) -> bool:
+    """True when :func:`qk_rmsnorm_across_heads_rope` is bitwise equal to the reference for these
+    inputs (``_unsupported_reason`` lists every rejection)."""
+    return _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) is None
+
+
+def qk_rmsnorm_across_heads_rope(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, heads: int, eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's ``norm_q``/``norm_k`` + head split + RoPE, bitwise equal to torch 2.11 CUDA eager
+    ``ditfuse.kernels.reference.qk_rmsnorm_across_heads_rope`` (module docstring). q, k:
+    [B, S, H * Dh]; returns contiguous [B, S, H, Dh] each. Raises UnsupportedInput exactly where
+    :func:`can_use_qk_rmsnorm_across_heads_rope` is False."""
+    return _call(q, k, q_weight, k_weight, cos, sin, heads, eps, True)
+
+
+def can_use_qk_rmsnorm_across_heads_rope_fp32(q, k, q_weight, k_weight, cos, sin, heads, eps=1e-6) -> bool:
+    """True when :func:`qk_rmsnorm_across_heads_rope_fp32` takes these inputs (the bit-exact predicate)."""
+    return _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) is None
+
+
+def qk_rmsnorm_across_heads_rope_fp32(q, k, q_weight, k_weight, cos, sin, heads, eps=1e-6):
+    """Close (quality="high"): the same chain with no rounding between the norm and the RoPE and
+    fp32 RoPE arithmetic; one rounding per output element."""
+    return _call(q, k, q_weight, k_weight, cos, sin, heads, eps, False)
+
+
+__all__ = [
+    "qk_rmsnorm_across_heads_rope",
+    "can_use_qk_rmsnorm_across_heads_rope",
+    "qk_rmsnorm_across_heads_rope_fp32",
+    "can_use_qk_rmsnorm_across_heads_rope_fp32",
+]
