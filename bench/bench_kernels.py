@@ -2,14 +2,17 @@
 
 For every registered bit-exact kernel (loaded through ``ditfuse.kernels.registry.select(op).load()``;
 a kernel that fails to import or to run is skipped with a printed note) at the FLUX image shape
-[1, 4608, 3072] and the large shape [2, 32760, 5120] (bf16):
+[1, 4608, 3072] and the large shape [2, 32760, 5120] (bf16), and Wan's chains (fp32 modulation,
+FP32LayerNorm, RMSNorm over all heads + RoPE) at the Wan2.1-1.3B video shape [1, 32760, 1536]
+(480x832, 81 frames; ``wan2`` is its CFG batch of 2):
 
 - providers: ``eager`` (the ditfuse.kernels.reference chain), ``compile`` (torch.compile of the same
   chain, dynamic=False), ``ours`` (the registered kernel);
-- ``ms``: median of triton.testing.do_bench (L2 flushed before every call, return_mode="median"),
-  or with ``--timing graph`` of triton.testing.do_bench_cudagraph (the call captured in a CUDA
-  graph and replayed: GPU time without the host's per-call launch cost, which dominates the
-  small image-shape ops in eager timing; column ``timing``);
+- ``ms``: median of triton.testing.do_bench (``flush``: L2 flushed before every call, host launch
+  cost included) and of triton.testing.do_bench_cudagraph (``graph``: the call captured in a CUDA
+  graph and replayed: GPU time without the host's per-call cost, which dominates the small
+  image-shape ops in eager timing); ``--timing flush,graph`` (default) writes both, column
+  ``timing``;
 - ``GB/s`` from an explicit byte count, the same for all providers: every input read once and
   every output written once (the op's logical traffic; intermediates of the eager chain are not
   counted, that is the point of fusing);
@@ -19,8 +22,8 @@ a kernel that fails to import or to run is skipped with a printed note) at the F
 
 Writes long-format CSV to --out (default bench/results/kernels_h200.csv) and prints a table.
 
-    python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large] [--no-compile]
-                                  [--ln-impl v1,v2]
+    python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large,wan,wan2]
+                                  [--no-compile] [--timing flush,graph]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ditfuse.kernels import reference as ref  # noqa: E402
 from ditfuse.kernels.compare import compare_outputs  # noqa: E402
 
-SHAPES = {"image": (1, 4608, 3072), "large": (2, 32760, 5120)}
+SHAPES = {"image": (1, 4608, 3072), "large": (2, 32760, 5120), "wan": (1, 32760, 1536), "wan2": (2, 32760, 1536)}
 HEADS = {3072: 24, 5120: 40}
 S_TXT = 512
 DT = torch.bfloat16
@@ -72,16 +75,51 @@ def _rand(shape, scale=1.0):
     return (torch.randn(shape, device="cuda", dtype=torch.float32) * scale).to(DT)
 
 
+def make_wan_cases(B: int, S: int, D: int) -> list[Case]:
+    """Wan2.1-1.3B's chains as WanTransformerBlock writes them (fp32 [B, 1, D] modulation chunks,
+    FP32LayerNorm, norm2 affine in fp32, RMSNorm over all 12 heads + RoPE with fp32 tables)."""
+    label = f"{B}x{S}x{D}"
+    F32 = torch.float32
+    x, attn = _rand((B, S, D), 2.0), _rand((B, S, D), 2.0)
+    mods = (torch.randn(1, 6, D, device="cuda") * 0.5 + _rand((B, 6, D), 0.5).float()).chunk(6, dim=1)
+    shift, scale, gate = mods[:3]
+    w2, b2 = torch.randn(D, device="cuda") * 0.2 + 1, torch.randn(D, device="cuda") * 0.2
+    n = _nbytes(x)
+    cases = [
+        Case("wan norm1+modulate", "norm.layernorm_modulate", label, (x, scale, shift),
+             lambda a, b, c: ref.layernorm_modulate(a, b, c, 1e-6, norm_dtype=F32),
+             lambda k: (lambda a, b, c: k(a, b, c, 1e-6, norm_dtype=F32)), 2 * n),
+        Case("wan gate+residual+norm2", "norm.gate_residual_layernorm_modulate", label, (x, gate, attn),
+             lambda a, g, u: ref.gate_residual_layernorm_modulate(a, g, u, None, None, 1e-6, w2, b2, F32),
+             lambda k: (lambda a, g, u: k(a, g, u, None, None, 1e-6, w2, b2, F32)), 4 * n),
+        Case("wan residual+norm3+modulate", "norm.gate_residual_layernorm_modulate", label, (x, attn, scale, shift),
+             lambda a, u, c, d: ref.gate_residual_layernorm_modulate(a, None, u, c, d, 1e-6, norm_dtype=F32),
+             lambda k: (lambda a, u, c, d: k(a, None, u, c, d, 1e-6, norm_dtype=F32)), 4 * n),
+        Case("wan ff gate residual", "modulate.gate_residual", label, (x, gate, attn), ref.gate_residual,
+             lambda k: k, 3 * n),
+    ]
+    H, Dh = D // 128, 128
+    q, k_ = _rand((B, S, D)), _rand((B, S, D))
+    wq, wk = _rand((D,), 0.2) + 1, _rand((D,), 0.2) + 1
+    ang = torch.rand(S, Dh // 2, device="cuda") * 6.28
+    cos = ang.cos().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
+    sin = ang.sin().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
+    cases.append(Case("wan qk rmsnorm(all heads)+rope", "rope.qk_rmsnorm_across_heads_rope", f"{label} ({H} heads)",
+                      (q, k_, wq, wk, cos, sin, H, 1e-6), ref.qk_rmsnorm_across_heads_rope, lambda kk: kk,
+                      4 * n + _nbytes(cos, sin, wq, wk)))
+    return cases
+
+
 def make_cases(shape_name: str) -> list[Case]:
     B, S, D = SHAPES[shape_name]
+    if shape_name.startswith("wan"):
+        return make_wan_cases(B, S, D)
     label = "x".join(map(str, (B, S, D)))
     cases: list[Case] = []
     x = _rand((B, S, D), 2.0)
     y = _rand((B, S, D), 2.0)
     sc, sh, g = (_rand((B, D), 0.5) for _ in range(3))
 
-    cases.append(Case("modulate.scale_shift", "modulate.scale_shift", label, (x, sc, sh), ref.scale_shift,
-                      lambda k: k, _nbytes(x, sc, sh) + _nbytes(x)))
     cases.append(Case("modulate.gate_residual", "modulate.gate_residual", label, (x, g, y), ref.gate_residual,
                       lambda k: k, _nbytes(x, g, y) + _nbytes(x)))
     cases.append(Case("norm.layernorm_modulate", "norm.layernorm_modulate", label, (x, sc, sh),
@@ -124,18 +162,16 @@ def make_cases(shape_name: str) -> list[Case]:
     return cases
 
 
-def _with_ln_impl(fn: Callable[..., Any], impl: str) -> Callable[..., Any]:
-    """Run ``fn`` with DITFUSE_LN_IMPL=impl (read by the LayerNorm kernels at each launch)."""
+def _with_prefetch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The LayerNorm kernel with pass 1 loading one tile ahead (same bits; scheduling only)."""
+    from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
+
     def run(*a):
-        old = os.environ.get("DITFUSE_LN_IMPL")
-        os.environ["DITFUSE_LN_IMPL"] = impl
+        old, lnm.PREFETCH = lnm.PREFETCH, True
         try:
             return fn(*a)
         finally:
-            if old is None:
-                os.environ.pop("DITFUSE_LN_IMPL", None)
-            else:
-                os.environ["DITFUSE_LN_IMPL"] = old
+            lnm.PREFETCH = old
     return run
 
 
@@ -154,14 +190,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="bench/results/kernels_h200.csv")
     ap.add_argument("--kernels", default="", help="comma-separated kernel labels (default: all)")
-    ap.add_argument("--shapes", default="image,large")
+    ap.add_argument("--shapes", default="image,large,wan,wan2")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile provider")
     ap.add_argument("--commit", default=None, help="git commit to record (default: git rev-parse)")
-    ap.add_argument("--timing", choices=["flush", "graph"], default="flush",
-                    help="flush: do_bench with L2 flushed (default); graph: do_bench_cudagraph")
-    ap.add_argument("--ln-impl", default="v2",
-                    help="LayerNorm kernel versions to time, e.g. v1,v2: v2 (the default) is provider "
-                         "'ours', v1 is 'ours-v1' (DITFUSE_LN_IMPL=v1 around each call)")
+    ap.add_argument("--timing", default="flush,graph",
+                    help="comma-separated: flush (do_bench, L2 flushed, host cost included), "
+                         "graph (do_bench_cudagraph: GPU time only)")
     args = ap.parse_args()
 
     import triton
@@ -186,7 +220,9 @@ def main() -> None:
     loaded: dict[str, Callable[..., Any] | None] = {}
     fields = ["kernel", "provider", "shape", "ms", "GB/s", "pct_of_copy", "bitwise_equal", "timing", "gpu",
               "torch", "triton", "commit"]
-    meta["timing"] = args.timing
+    timings = [t for t in args.timing.split(",") if t]
+    if not set(timings) <= {"flush", "graph"}:
+        raise SystemExit(f"--timing takes flush and/or graph, got {args.timing!r}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     fh = open(args.out, "w", newline="")  # rows are written as they are measured (partial runs keep them)
     writer = csv.DictWriter(fh, fieldnames=fields)
@@ -198,12 +234,12 @@ def main() -> None:
         writer.writerow(row)
         fh.flush()
         if row["provider"] != "torch.copy_":
-            print(f"{row['kernel']:<40} {row['shape']:<26} {row['provider']:<8} {row['ms']:>8.4f} "
+            print(f"{row['kernel']:<36} {row['shape']:<26} {row['provider']:<8} {row['timing']:<5} {row['ms']:>8.4f} "
                   f"{row['GB/s']:>7.0f} {row['pct_of_copy']:>6.1f} {row['bitwise_equal']}  "
                   f"[{time.time() - t_start:.0f}s]", flush=True)
 
-    emit(dict(kernel="device_copy", provider="torch.copy_", shape="1GiB", ms=float("nan"),  # timing: do_bench
-              **{"GB/s": round(copy_gbs, 1)}, pct_of_copy=100.0, bitwise_equal="", **meta))
+    emit(dict(kernel="device_copy", provider="torch.copy_", shape="1GiB", ms=float("nan"),
+              **{"GB/s": round(copy_gbs, 1)}, pct_of_copy=100.0, bitwise_equal="", timing="flush", **meta))
     for shape_name in [s for s in args.shapes.split(",") if s]:
         cases = make_cases(shape_name)
         for case in cases:
@@ -220,12 +256,9 @@ def main() -> None:
             if not args.no_compile:
                 providers["compile"] = torch.compile(case.eager, dynamic=False)
             if kern is not None:
-                ln_impls = [i for i in args.ln_impl.split(",") if i]
-                if case.op.startswith("norm.layernorm") or case.op.startswith("norm.gate_residual_layernorm"):
-                    for impl in ln_impls:
-                        providers["ours" if impl == "v2" else f"ours-{impl}"] = _with_ln_impl(case.ours(kern), impl)
-                else:
-                    providers["ours"] = case.ours(kern)
+                providers["ours"] = case.ours(kern)
+                if case.op.startswith("norm."):
+                    providers["ours-prefetch"] = _with_prefetch(case.ours(kern))
             expected = case.eager(*case.args)
             for pname, fn in providers.items():
                 try:
@@ -236,23 +269,28 @@ def main() -> None:
                     continue
                 mm = compare_outputs(got, expected, case.kernel)
                 del got
-                if args.timing == "graph":
-                    ms = triton.testing.do_bench_cudagraph(lambda: fn(*case.args), return_mode="median")
-                else:
-                    ms = triton.testing.do_bench(lambda: fn(*case.args), return_mode="median")
-                gbs = case.nbytes / (ms * 1e-3) / 1e9
-                emit(dict(kernel=case.kernel, provider=pname, shape=case.shape_label, ms=round(ms, 4),
-                          **{"GB/s": round(gbs, 1)}, pct_of_copy=round(100 * gbs / copy_gbs, 1),
-                          bitwise_equal=mm is None, **meta))
+                for timing in timings:
+                    try:
+                        if timing == "graph":
+                            ms = triton.testing.do_bench_cudagraph(lambda: fn(*case.args), return_mode="median")
+                        else:
+                            ms = triton.testing.do_bench(lambda: fn(*case.args), return_mode="median")
+                    except Exception as e:  # e.g. a provider that cannot be captured
+                        print(f"# {case.kernel} [{pname}] {timing} timing failed: {type(e).__name__}: {e}")
+                        continue
+                    gbs = case.nbytes / (ms * 1e-3) / 1e9
+                    emit(dict(kernel=case.kernel, provider=pname, shape=case.shape_label, ms=round(ms, 4),
+                              **{"GB/s": round(gbs, 1)}, pct_of_copy=round(100 * gbs / copy_gbs, 1),
+                              bitwise_equal=mm is None, timing=timing, **meta))
             del expected, providers
         del cases
         torch.cuda.empty_cache()
     fh.close()
 
-    print(f"{'kernel':<40} {'shape':<26} {'provider':<8} {'ms':>8} {'GB/s':>7} {'%copy':>6} bitwise")
+    print(f"{'kernel':<36} {'shape':<26} {'provider':<8} {'time':<5} {'ms':>8} {'GB/s':>7} {'%copy':>6} bitwise")
     for r in rows[1:]:
-        print(f"{r['kernel']:<40} {r['shape']:<26} {r['provider']:<8} {r['ms']:>8.4f} {r['GB/s']:>7.0f} "
-              f"{r['pct_of_copy']:>6.1f} {r['bitwise_equal']}")
+        print(f"{r['kernel']:<36} {r['shape']:<26} {r['provider']:<8} {r['timing']:<5} {r['ms']:>8.4f} "
+              f"{r['GB/s']:>7.0f} {r['pct_of_copy']:>6.1f} {r['bitwise_equal']}")
     print(f"# wrote {args.out} ({len(rows)} rows) in {time.time() - t_start:.0f}s")
 
 

@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [admit|tests|kernels|flux|drift|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|flux|wan|drift|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
-# /tmp/site, then per phase: admission of the close kernels on FLUX.1-dev-size activations
-# (bench/admit.py, writes ditfuse/contracts/admission_results.json), the GPU tests (tests/gpu),
-# the per-kernel benchmark, the FLUX step benchmark and the 28-step drift run. Output goes to
-# $OUT (or out/gpu): suite.log with everything printed, plus the CSV/JSON/PNG results (at most 8
-# files, the device tool's limit). Per-phase time limits: *_TIMEOUT variables.
+# /tmp/site, then per phase:
+#   probes   torch's RMS order at Wan widths, SDPA backends (speed, accuracy)   -> suite.log
+#   tests    the GPU tests (tests/gpu, bitwise)                                   -> suite.log
+#   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
+#   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
+#   flux     FLUX.1-dev-size step (ditfuse bench flux)                            -> flux_{step,breakdown}_h200.csv
+#   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
+#   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
+# Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above (at most
+# 8 files: the device tool's limit; PNGs are drawn afterwards from the CSVs by bench/plot_results.py).
+# Per-phase time limits: *_TIMEOUT variables; extra arguments: *_ARGS variables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu}"
@@ -20,6 +26,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1 DITFUSE_CACHE="${DITFUSE_CACHE:-/tmp/ditfuse-cache}" OUT
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 - <<'PY' 2>&1 | tee -a "$LOG"
 import torch, triton
 print("gpu", torch.cuda.get_device_name(), "torch", torch.__version__, "triton", triton.__version__)
@@ -41,14 +48,20 @@ run_phase() {  # name timeout cmd...
   summary+=("$name: rc=$rc in $((SECONDS - t0))s")
 }
 want() { for p in "${phases[@]}"; do [[ $p == "$1" || $p == all ]] && return 0; done; return 1; }
-want admit && run_phase admit "${ADMIT_TIMEOUT:-120}" python3 bench/admit.py --layers 2 2
+if want probes; then
+  run_phase probe_rms "${PROBE_TIMEOUT:-120}" env PROBE_ROWS=4096 python3 bench/probes/probe_rms_order.py
+  run_phase probe_attention "${PROBE_TIMEOUT:-120}" python3 bench/probes/probe_attention.py --out /tmp/attention_probe.csv
+  for p in ${EXTRA_PROBES:-}; do run_phase "$p" "${PROBE_TIMEOUT:-120}" python3 "$p"; done
+fi
 if want tests; then
-  run_phase tests "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu ${PYTEST_ARGS:-}
+  run_phase tests "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rf --durations=15 ${PYTEST_ARGS:-}
   summary+=("  tests: $(grep -E '(passed|failed)' "$LOG" | tail -n 1)")
 fi
-want kernels && run_phase kernels "${KERNELS_TIMEOUT:-200}" python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
-want flux && run_phase flux "${FLUX_TIMEOUT:-400}" python3 -m ditfuse.runtime.cli bench flux --out-dir "$OUT" ${FLUX_ARGS:-}
-want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev-size --transformer-only --steps 28 --size 1024x1024 --out-dir "$OUT" ${DRIFT_ARGS:-}
+want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${ADMIT_ARGS:-}
+want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
+want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" ${FLUX_ARGS:-}
+want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" ${WAN_ARGS:-}
+want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null
 echo "== summary ==" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"
 exit $status

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ditfuse.kernels.rope.qk_rmsnorm_rope_triton import qk_rmsnorm_rope
-from tests import rms_sim
+from tests.support import rms_sim
 
 ROWS = int(os.environ.get("PROBE_ROWS", "8192"))
 EPS = 1e-6
@@ -46,13 +46,15 @@ def main() -> None:
     results = []
     for D, dtype in [(128, torch.bfloat16), (128, torch.float32), (128, torch.float16),
                      (64, torch.bfloat16), (96, torch.bfloat16), (256, torch.bfloat16),
-                     (512, torch.bfloat16), (256, torch.float32)]:
+                     (512, torch.bfloat16), (256, torch.float32),
+                     # Wan's norm over all heads: 3 to 10 vectors per thread
+                     (1536, torch.bfloat16), (1536, torch.float32), (3072, torch.bfloat16), (5120, torch.bfloat16)]:
         x, w = _inputs(D, dtype, seed=D)
         expected = F.rms_norm(x, (D,), w, EPS)
         expected_nw = F.rms_norm(x, (D,), None, EPS)
         tag = f"D={D} {str(dtype).replace('torch.', '')}"
         for order in orders:
-            if D > 128 and order in ("sequential", "lane_strided"):
+            if D > 128 and order in ("sequential", "lane_strided", "halving"):
                 continue
             for rname, rfn in rsqrts.items():
                 for out_order in ("w(rx)", "(wr)x"):
@@ -62,11 +64,18 @@ def main() -> None:
                     results.append((tag, f"sim {order} {rname} {out_order}", _rows_differ(got, expected)))
         got_nw = rms_sim.rms_norm(x, None, EPS, torch.rsqrt, "torch")
         results.append((tag, "sim torch rsqrt no-weight", _rows_differ(got_nw, expected_nw)))
-        # The Triton kernel: rows as [1, ROWS, 1, D] q and k, no text, no RoPE.
-        q = x.view(1, ROWS, 1, D)
-        kq, kk = qk_rmsnorm_rope(q, q, w, None, None, None, EPS)
-        results.append((tag, "triton kernel (weight)", _rows_differ(kq.view(ROWS, D), expected)))
-        results.append((tag, "triton kernel (no weight)", _rows_differ(kk.view(ROWS, D), expected_nw)))
+        if D <= 512:  # FLUX's per-head kernel: rows as [1, ROWS, 1, D] q and k, no text, no RoPE.
+            q = x.view(1, ROWS, 1, D)
+            kq, kk = qk_rmsnorm_rope(q, q, w, None, None, None, EPS)
+            results.append((tag, "triton kernel (weight)", _rows_differ(kq.view(ROWS, D), expected)))
+            results.append((tag, "triton kernel (no weight)", _rows_differ(kk.view(ROWS, D), expected_nw)))
+        # Wan's kernel over the whole row (one "head" of width D, no RoPE)
+        from ditfuse.kernels.rope.qk_rmsnorm_across_heads_rope_triton import qk_rmsnorm_across_heads_rope
+
+        xq = x.view(1, ROWS, D)
+        wq, wk = qk_rmsnorm_across_heads_rope(xq, xq, w, None, None, None, 1, EPS)
+        results.append((tag, "wan kernel (weight)", _rows_differ(wq.view(ROWS, D), expected)))
+        results.append((tag, "wan kernel (no weight)", _rows_differ(wk.view(ROWS, D), expected_nw)))
     print(f"{'case':<18} {'candidate':<36} rows differing (of {ROWS})")
     for tag, cand, n in results:
         print(f"{tag:<18} {cand:<36} {n}")

@@ -22,7 +22,7 @@ from .base import Adapter, AdapterMount, AdapterVersionError, capture_admission_
 logger = logging.getLogger("ditfuse.models")
 
 # Adapters, by module:attr; imported on first use.
-_ADAPTER_TARGETS: tuple[str, ...] = ("ditfuse.models.flux:ADAPTER",)
+_ADAPTER_TARGETS: tuple[str, ...] = ("ditfuse.models.flux:ADAPTER", "ditfuse.models.wan:ADAPTER")
 
 
 def adapters() -> list[Adapter]:

@@ -56,24 +56,33 @@ def _cmd_docs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench_flux(args: argparse.Namespace) -> int:
-    from . import bench_flux
-
-    bench_flux.run(args)
-    return 0
-
-
-def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+def _run_bench_script(name: str, argv: list[str]) -> int:
+    """Benchmarks live in the checkout's bench/ (they are not part of the installed package)."""
     import runpy
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "bench_kernels.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / name
     if not script.is_file():
         print(f"{script} not found: run from a source checkout", file=sys.stderr)
         return 2
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
+    sys.argv = [str(script), *argv]
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+    except SystemExit as e:
+        return int(e.code or 0) if not isinstance(e.code, str) else (print(e.code, file=sys.stderr) or 1)
     return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    if args.target == "kernels":
+        return _run_bench_script("bench_kernels.py", args.rest)
+    from ..models import families
+
+    if args.target not in families.names():
+        print(f"unknown bench target {args.target!r}; targets: kernels, {', '.join(families.names())}",
+              file=sys.stderr)
+        return 2
+    return _run_bench_script("bench_step.py", ["--family", args.target, *args.rest])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,16 +106,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     d.set_defaults(func=_cmd_docs)
 
-    b = sub.add_parser("bench", help="benchmarks (GPU): `ditfuse bench flux`, `ditfuse bench kernels`")
-    bsub = b.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
-    bf = bsub.add_parser("flux", help="FLUX.1-dev-size step time: eager / lossless / +CUDA graph / torch.compile")
-    from .bench_flux import add_arguments as _bench_flux_args
-
-    _bench_flux_args(bf)
-    bf.set_defaults(func=_cmd_bench_flux)
-    bk = bsub.add_parser("kernels", help="per-kernel eager / torch.compile / ditfuse (bench/bench_kernels.py)")
-    bk.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to bench/bench_kernels.py")
-    bk.set_defaults(func=_cmd_bench_kernels)
+    b = sub.add_parser(
+        "bench",
+        help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan`, `ditfuse bench kernels`",
+        description="`ditfuse bench FAMILY [args]` runs bench/bench_step.py --family FAMILY (one real-size "
+        "transformer step: eager / lossless / +CUDA graph / high / torch.compile, profiler breakdown, CSV + "
+        "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench kernels [args]` runs "
+        "bench/bench_kernels.py.",
+    )
+    b.add_argument("target", help="a model family (flux, wan) or 'kernels'")
+    b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
+    b.set_defaults(func=_cmd_bench)
 
     from .commands import register as _register_runtime  # generate, serve (light: no torch)
 

@@ -1,4 +1,4 @@
-"""Generate docs/fused_kernels.md from the registry and the model adapters' coverage.
+"""Generate docs/fused_kernels.md from the op descriptors, the registry and the adapters' sites.
 
 The page is generated, never edited by hand: a CPU test fails when the committed page differs
 from what ``ditfuse docs`` writes, so the counts on it cannot drift from the code.
@@ -65,16 +65,40 @@ def render() -> str:
                 f"| `{s.op}` | {s.backend.value} | {s.contract.value} | {_esc(s.describe_capabilities())} "
                 f"| `{_esc(s.replaces)}` | {_esc(s.summary)} |"
             )
+    lines += [
+        "",
+        "## Gate signatures",
+        "",
+        "The bit-exact gate verifies each op once per input signature: every tensor argument's dtype, "
+        "device type and strides class, plus what is listed here; dims not listed do not change the "
+        "arithmetic (why: last column).",
+        "",
+        "| op | key | why the other dims are left out |",
+        "| --- | --- | --- |",
+    ]
+    from ..kernels import DESCRIPTORS
+
+    for d in DESCRIPTORS:
+        if d.contract is not Contract.BIT_EXACT:
+            continue
+        parts = []
+        for k in d.key:
+            extra = [f"dims {list(k.dims)}"] if k.dims else []
+            extra += ["ndim"] if k.rank else []
+            extra += ["value"] if k.value else []
+            parts.append(f"{k.name}" + (f" ({', '.join(extra)})" if extra else ""))
+        lines.append(f"| `{d.op}` | {_esc(', '.join(parts))} | {_esc(d.key_note)} |")
     lines += ["", "## Model coverage", ""]
     rows = _coverage_rows()
     if rows:
         lines += [
-            "| model family | diffusers class | site | ops | diffusers versions |",
-            "| --- | --- | --- | --- | --- |",
+            "| model family | diffusers class | site | ops | quality=\"high\" runs | diffusers versions |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
             ops = ", ".join(f"`{o}`" for o in r["ops"])
-            lines.append(f"| {r['family']} | `{r['cls']}` | {_esc(r['site'])} | {ops} | {r['versions']} |")
+            high = ", ".join(f"`{o}`" for o in r["high_ops"]) or "(lossless ops only)"
+            lines.append(f"| {r['family']} | `{r['cls']}` | {_esc(r['site'])} | {ops} | {high} | {r['versions']} |")
     else:
         lines.append("No model adapter is registered yet.")
     adm = _admission_rows()

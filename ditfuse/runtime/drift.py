@@ -14,10 +14,10 @@ Two ways to run:
 - pipeline (default): ``--model tiny-flux`` or a local diffusers FLUX directory; a full
   ``FluxPipeline`` call per mode (text encoders, scheduler, VAE decode);
 - ``--transformer-only``: the transformer alone with random prompt embeddings and a flow-matching
-  Euler loop (the scheduler FLUX uses, shift 3), so that it runs on a random-weight model too:
-  ``--model flux-dev-size`` builds a FLUX.1-dev-shaped model (``--layers D S`` to shrink it, as in
-  ``ditfuse bench flux``), ``tiny-flux`` the preset's transformer, a path loads
-  ``PATH/transformer``.
+  Euler loop (shift 3), so that it runs on a random-weight model too: ``--model FAMILY-CONFIG``
+  builds that family's config (``flux-dev`` — also spelled ``flux-dev-size`` — is FLUX.1-dev
+  size, ``wan-dev`` Wan2.1-1.3B size; ``--layers`` shrinks it, as in ``ditfuse bench``), a path
+  loads ``PATH/transformer`` of any supported family.
 
 This module imports torch only inside functions (``ditfuse --help`` stays light).
 """
@@ -197,97 +197,84 @@ class _PipelineRunner:
         return ModeRun(latents, out.images.detach().float(), step_ms)
 
 
-def _tiny_transformer_config() -> dict[str, Any]:
-    # The tiny-flux preset's transformer (ditfuse/runtime/presets.py).
-    return dict(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-                axes_dims_rope=(4, 6, 6))
+_TINY_SIZES = {"flux": "256x256", "wan": "64x48x9"}
+
+
+def _transformer_target(model: str) -> tuple[str, str] | None:
+    """``<family>-<config>`` (``flux-dev``, ``wan-dev``, ``wan-ti2v-5b``; ``flux-dev-size`` and
+    ``tiny-flux`` are kept as names for ``flux-dev`` / ``flux-tiny``) -> (family, config)."""
+    from ..models import families
+
+    aliases = {"flux-dev-size": "flux-dev", "tiny-flux": "flux-tiny", "tiny-wan": "wan-tiny", "wan-dev-size": "wan-dev"}
+    model = aliases.get(model, model)
+    fam, _, cfg = model.partition("-")
+    if fam in families.names() and cfg in families.get(fam).configs:
+        return fam, cfg
+    return None
 
 
 class _TransformerRunner:
-    """The transformer alone: random prompt embeddings, flow-matching Euler steps (shift 3)."""
+    """The transformer alone: random prompt embeddings, flow-matching Euler steps (shift 3), for
+    any family (ditfuse/models/families.py) or a local diffusers transformer directory."""
 
     def __init__(self, cfg: DriftConfig) -> None:
         import torch
-        from diffusers import FluxTransformer2DModel
 
+        from ..models import families
         from .presets import default_device, resolve_dtype
 
         self.cfg = cfg
         self.device = cfg.device or default_device()
         self.dtype = resolve_dtype(cfg.dtype, self.device)
-        if cfg.model == "flux-dev-size":
-            from .bench_flux import FLUX_DEV
-
-            conf = dict(FLUX_DEV)
-        elif cfg.model == "tiny-flux":
-            conf = _tiny_transformer_config()
-        else:
-            conf = None
-        if conf is not None:
-            if cfg.layers is not None:
-                conf["num_layers"], conf["num_single_layers"] = cfg.layers
-            torch.manual_seed(cfg.seed)
-            prev = torch.get_default_dtype()
-            torch.set_default_dtype(self.dtype)  # initialise directly in the target dtype
-            try:
-                with torch.device(self.device):
-                    model = FluxTransformer2DModel(**conf)
-            finally:
-                torch.set_default_dtype(prev)
+        target = _transformer_target(cfg.model)
+        if target is not None:
+            self.family = families.get(target[0])
+            model = self.family.build(target[1], cfg.layers, device=self.device, dtype=self.dtype, seed=cfg.seed,
+                                      load="pretrained")
+            default_size = self.family.default_size if target[1] != "tiny" else _TINY_SIZES[target[0]]
         else:
             path = Path(cfg.model).expanduser()
-            sub = "transformer" if (path / "transformer").is_dir() else None
-            model = FluxTransformer2DModel.from_pretrained(str(path), subfolder=sub, torch_dtype=self.dtype)
-        self.transformer = model.to(self.device, self.dtype).eval().requires_grad_(False)
+            sub = path / "transformer" if (path / "transformer").is_dir() else path
+            cls_name = json.loads((sub / "config.json").read_text()).get("_class_name", "")
+            fam = next((families.get(n) for n in families.names() if families.get(n).model_class.endswith(":" + cls_name)), None)
+            if fam is None:
+                raise ValueError(f"{sub}: transformer class {cls_name!r} belongs to no supported family")
+            self.family = fam
+            model = fam.load_class().from_pretrained(str(sub), torch_dtype=self.dtype)
+            default_size = fam.default_size
+        self.transformer = model.to(self.device).eval().requires_grad_(False)
         self.target = self.transformer
-        self.size = _parse_size(cfg.size, (1024, 1024) if cfg.model == "flux-dev-size" else (256, 256))
-        W, H = self.size
-        self.h, self.w = H // 16, W // 16  # packed latent grid (VAE /8, 2x2 patches)
-        c = self.transformer.config
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed)
-        n_img = self.h * self.w
-        ids = torch.zeros(n_img, 3)
-        ids[:, 1] = torch.arange(n_img) // self.w
-        ids[:, 2] = torch.arange(n_img) % self.w
-        dev, dt = self.device, self.dtype
-        self.x0 = torch.randn(1, n_img, c.in_channels, generator=g).to(dev)
-        self.static = dict(
-            encoder_hidden_states=torch.randn(1, cfg.txt_tokens, c.joint_attention_dim, generator=g).to(dev, dt),
-            pooled_projections=torch.randn(1, c.pooled_projection_dim, generator=g).to(dev, dt),
-            img_ids=ids.to(dev),
-            txt_ids=torch.zeros(cfg.txt_tokens, 3, device=dev),
-            return_dict=False,
-        )
-        if c.guidance_embeds:
-            self.static["guidance"] = torch.full((1,), cfg.guidance, device=dev, dtype=torch.float32)
+        self.size_str = cfg.size or default_size
+        self.inputs = self.family.make_inputs(self.transformer, 1, self.size_str, seed=cfg.seed, device=self.device,
+                                              dtype=self.dtype, txt_tokens=cfg.txt_tokens)
+        dims = [int(v) for v in self.size_str.lower().split("x")]
+        self.size = (dims[0], dims[1])
+        self.x0 = self.inputs[self.family.latent].float()
         shift = 3.0
         s = torch.linspace(1.0, 1.0 / cfg.steps, cfg.steps, dtype=torch.float64)
         s = shift * s / (1 + (shift - 1) * s)
         self.sigmas = [float(v) for v in s] + [0.0]
-        self.fn = self.transformer
 
     def __call__(self) -> ModeRun:
         import torch
 
-        x = self.x0.clone()  # fp32, as FlowMatchEulerDiscreteScheduler steps in fp32
+        x = self.x0.clone()  # fp32, as the flow-matching schedulers step in fp32
         latents, times = [], []
         with torch.no_grad():
             for i in range(self.cfg.steps):
                 _sync(self.device)
                 t0 = time.perf_counter()
                 sig = self.sigmas[i]
-                ts = torch.full((1,), sig, device=self.device, dtype=self.dtype)
-                v = self.fn(hidden_states=x.to(self.dtype), timestep=ts, **self.static)[0]
+                kw = dict(self.inputs)
+                kw[self.family.latent] = x.to(self.dtype)
+                kw["timestep"] = self.family.timestep(sig, 1, self.device, self.dtype)
+                v = self.transformer(**kw)[0]
                 x = x + (self.sigmas[i + 1] - sig) * v.float()
                 _sync(self.device)
                 times.append(time.perf_counter() - t0)
                 latents.append(x.clone())
-        # FLUX's _unpack_latents: [1, h*w, C*4] -> [1, C, 2h, 2w]
-        c4 = x.shape[-1]
-        img = x.view(1, self.h, self.w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(1, c4 // 4, self.h * 2, self.w * 2)
         later = times[1:] or times
-        return ModeRun(latents, img, statistics.median(later) * 1000)
+        return ModeRun(latents, self.family.to_images(x), statistics.median(later) * 1000)
 
 
 def run_drift(cfg: DriftConfig, log=print) -> DriftResult:
@@ -336,8 +323,8 @@ def run_drift(cfg: DriftConfig, log=print) -> DriftResult:
     if handle is not None:
         handle.unmount()
 
-    W, H = runner.size
-    config = dict(model=cfg.model, steps=cfg.steps, size=f"{W}x{H}", seed=cfg.seed,
+    size = getattr(runner, "size_str", None) or "x".join(str(v) for v in runner.size)
+    config = dict(model=cfg.model, steps=cfg.steps, size=size, seed=cfg.seed,
                   transformer_only=cfg.transformer_only, layers=list(cfg.layers) if cfg.layers else None,
                   device=str(runner.device), dtype=str(runner.dtype).replace("torch.", ""),
                   torch=torch.__version__)
@@ -416,15 +403,17 @@ def plot(res: DriftResult, path: Path) -> Path | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-flux",
-                   help="tiny-flux, a diffusers FLUX directory, or (with --transformer-only) flux-dev-size")
+                   help="tiny-flux or a diffusers FLUX directory; with --transformer-only: FAMILY-CONFIG "
+                        "(flux-dev, flux-tiny, wan-dev, wan-ti2v-5b, ...; random weights) or a transformer directory")
     p.add_argument("--steps", type=int, default=28)
-    p.add_argument("--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default: the model's default)")
+    p.add_argument("--size", default=None, help="WIDTHxHEIGHT (video: WIDTHxHEIGHTxFRAMES), multiples of 16 "
+                                                 "(default: the model's default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="also sample with torch.compile (plain transformer)")
     p.add_argument("--transformer-only", action="store_true",
                    help="the transformer alone with random prompt embeddings (works on random-weight models)")
-    p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("DUAL", "SINGLE"),
-                   help="block counts for a random-weight transformer (flux-dev-size: 19 38)")
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="block counts for a random-weight transformer (flux: DUAL SINGLE, 19 38; wan: BLOCKS)")
     p.add_argument("--txt-tokens", type=int, default=512, help="text tokens (transformer-only)")
     p.add_argument("--guidance", type=float, default=3.5)
     p.add_argument("--prompt", default=DriftConfig.prompt)
@@ -444,8 +433,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.steps < 1:
         print("error: --steps must be >= 1", file=sys.stderr)
         return 2
-    if cfg.model == "flux-dev-size" and not cfg.transformer_only:
-        print("error: --model flux-dev-size is a random-weight transformer: add --transformer-only", file=sys.stderr)
+    if _transformer_target(cfg.model) is not None and not cfg.transformer_only and not cfg.model.startswith("tiny-"):
+        print(f"error: --model {cfg.model} is a random-weight transformer: add --transformer-only", file=sys.stderr)
         return 2
     try:
         res = run_drift(cfg, log=lambda s: print(s, file=sys.stderr))

@@ -165,16 +165,16 @@ def run_batch(
 
 
 def mounted_sites(pipe: Any) -> list[str]:
-    """The request-gated sites currently mounted on any component of ``pipe`` ("comp/path:family")."""
+    """The sites running their quality="high" forward on any component of ``pipe`` ("comp/path:site")."""
     import torch
 
-    from ..contracts import quality as q
+    from ..models import mounted_sites as _mounted
 
     comps = getattr(pipe, "components", {}) or {}
     out = []
     for name, mod in comps.items():
         if isinstance(mod, torch.nn.Module):
-            out += [f"{name}/{s}" for s in q.mounted(mod)]
+            out += [f"{name}/{s}" for s in _mounted(mod)]
     return sorted(out)
 
 

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ditfuse.contracts import admission
-from ditfuse.models.flux_high import HIGH_OPS
+from ditfuse.contracts.ops import CLOSE
 from ditfuse.runtime import cli
 from ditfuse.runtime.drift import psnr, ssim
 
@@ -33,7 +33,7 @@ def test_ssim():
 
 
 def test_drift_transformer_only_lossless_identical_high_drifts(tmp_path, capsys):
-    with admission.override_records([admission.admitted_record(op) for op in HIGH_OPS]):
+    with admission.override_records([admission.admitted_record(op) for op in CLOSE]):
         rc = cli.main([
             "drift", "--model", "tiny-flux", "--transformer-only", "--steps", "2", "--size", "32x32",
             "--txt-tokens", "4", "--dtype", "bf16", "--device", "cpu", "--out-dir", str(tmp_path), "--json",
@@ -56,3 +56,15 @@ def test_drift_transformer_only_lossless_identical_high_drifts(tmp_path, capsys)
 def test_drift_rejects_flux_dev_size_without_transformer_only(capsys):
     assert cli.main(["drift", "--model", "flux-dev-size"]) == 2
     assert "--transformer-only" in capsys.readouterr().err
+
+
+def test_drift_wan_transformer_only_lossless_identical(tmp_path, capsys):
+    with admission.override_records([admission.admitted_record(op) for op in CLOSE]):
+        rc = cli.main([
+            "drift", "--model", "wan-tiny", "--transformer-only", "--steps", "1", "--size", "32x32x5",
+            "--txt-tokens", "4", "--dtype", "bf16", "--device", "cpu", "--out-dir", str(tmp_path), "--json",
+        ])
+    assert rc == 0
+    modes = json.loads(capsys.readouterr().out)["modes"]
+    assert modes["lossless"]["bitwise_identical"] and modes["high"]["note"].startswith("high mounted")
+    assert not modes["high"]["bitwise_identical"]

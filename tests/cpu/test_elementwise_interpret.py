@@ -1,8 +1,9 @@
 """Elementwise kernels under TRITON_INTERPRET=1 (set by tests/conftest.py when there is no CUDA).
 
-scale_shift and gate_residual are checked bitwise against ditfuse.kernels.reference: their fp32
-math is a plain multiply and add per eager op (numpy computes them exactly as the GPU does) and
-the bf16 stores go through the round-to-nearest-even shim. GELU is checked with a tolerance
+gate_residual is checked bitwise against ditfuse.kernels.reference: its fp32 math is a plain
+multiply and add per eager op (numpy computes them exactly as the GPU does) and the bf16 stores
+go through the round-to-nearest-even shim; mixed dtypes (Wan's fp32 gate on bf16 activations)
+follow torch's promotion. GELU is checked with a tolerance
 here: on the GPU the kernel uses libdevice tanhf (ex2.approx / rcp.approx), which the interpreter
 does not have; it runs the same algorithm with numpy's exp2 and an exact division, and the
 interpreter's fma rounds twice, so the fp32 value before the final rounding may differ by a few
@@ -29,9 +30,8 @@ SHAPES = [(1, 1, 1), (1, 1, 64), (2, 7, 96), (1, 13, 136), (2, 3, 97), (2, 1, 31
 def k():
     from ditfuse.kernels.activation import gelu_tanh_triton as g
     from ditfuse.kernels.modulate import gate_residual_triton as gr
-    from ditfuse.kernels.modulate import scale_shift_triton as ss
 
-    return type("K", (), dict(ss=ss, gr=gr, g=g))
+    return type("K", (), dict(gr=gr, g=g))
 
 
 def _specials(t: torch.Tensor) -> torch.Tensor:
@@ -51,19 +51,6 @@ def _rand(shape, dtype, scale=1.0, specials=True):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("per_token", [False, True])
-def test_scale_shift_bitwise(k, dtype, shape, per_token):
-    torch.manual_seed(sum(shape))
-    B, S, D = shape
-    x = _rand(shape, dtype, 4.0)
-    pshape = (B, S, D) if per_token else (B, D)
-    scale, shift = _rand(pshape, dtype, 0.7), _rand(pshape, dtype, 0.7)
-    assert k.ss.can_use_scale_shift(x, scale, shift)
-    assert_bitwise_equal(k.ss.scale_shift(x, scale, shift), ref.scale_shift(x, scale, shift))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("per_token", [False, True])
 def test_gate_residual_bitwise(k, dtype, shape, per_token):
     torch.manual_seed(sum(shape) + 1)
     B, S, D = shape
@@ -73,23 +60,41 @@ def test_gate_residual_bitwise(k, dtype, shape, per_token):
     assert_bitwise_equal(k.gr.gate_residual(res, gate, upd), ref.gate_residual(res, gate, upd))
 
 
+@pytest.mark.parametrize("gate_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 8), (2, 7, 96), (2, 3, 100)])
+@pytest.mark.parametrize("gate_form", ["[B,1,D] chunk", "[B,S,D]"])
+def test_gate_residual_mixed_dtypes_wan(k, gate_dtype, shape, gate_form):
+    """Wan: (x.float() + y * gate_fp32).type_as(x): fp32 product and sum, one bf16 rounding."""
+    torch.manual_seed(sum(shape) + 7)
+    B, S, D = shape
+    res, upd = _rand(shape, torch.bfloat16, 4.0), _rand(shape, torch.bfloat16, 3.0)
+    if gate_form == "[B,S,D]":
+        gate = _rand((B, S, D), gate_dtype, 0.7)
+    else:  # a chunk of the [B, 6, D] modulation table, as Wan's forward produces it
+        gate = _rand((B, 6, D), gate_dtype, 0.7).chunk(6, dim=1)[2]
+    out = k.gr.gate_residual(res, gate, upd)
+    assert out.dtype == torch.bfloat16
+    wan = (res.float() + upd.float() * gate.float()).type_as(res) if gate_dtype == torch.float32 else None
+    assert_bitwise_equal(out, ref.gate_residual(res, gate, upd))
+    if wan is not None:
+        assert_bitwise_equal(out, wan, "diffusers' Wan spelling")
+
+
 def test_rounding_paths_are_exercised(k):
-    """Values chosen so that skipping any one of the three roundings changes the bf16 result."""
+    """Values chosen so that skipping the product's rounding changes the bf16 result."""
     torch.manual_seed(0)
     x = _rand((2, 16, 64), torch.bfloat16, 8.0, specials=False)
-    scale, shift = _rand((2, 64), torch.bfloat16, 0.9, False), _rand((2, 64), torch.bfloat16, 0.9, False)
-    exact = (x.double() * (1 + scale[:, None].double()) + shift[:, None].double()).to(torch.bfloat16)
-    expect = ref.scale_shift(x, scale, shift)
-    assert not torch.equal(exact, expect)  # the roundings matter for these inputs
-    assert_bitwise_equal(k.ss.scale_shift(x, scale, shift), expect)
+    gate, upd = _rand((2, 64), torch.bfloat16, 0.9, False), _rand((2, 16, 64), torch.bfloat16, 5.0, False)
+    fused = (x.double() + gate[:, None].double() * upd.double()).to(torch.bfloat16)
+    expect = ref.gate_residual(x, gate, upd)
+    assert not torch.equal(fused, expect)  # the product's rounding matters for these inputs
+    assert_bitwise_equal(k.gr.gate_residual(x, gate, upd), expect)
 
 
 def test_broadcast_forms(k):
     torch.manual_seed(1)
     x = _rand((2, 5, 64), torch.bfloat16, 2.0)
     for sc in (_rand((2, 1, 64), torch.bfloat16), _rand((1, 64), torch.bfloat16), _rand((1, 5, 64), torch.bfloat16)):
-        sh = _rand((2, 64), torch.bfloat16)
-        assert_bitwise_equal(k.ss.scale_shift(x, sc, sh), ref.scale_shift(x, sc, sh))
         assert_bitwise_equal(k.gr.gate_residual(x, sc, x), ref.gate_residual(x, sc, x))
 
 
@@ -100,12 +105,11 @@ def test_strided_views(k):
     x = big[:, :, 32:128]  # row stride 160
     xt = _rand((7, 2, 96), dt, 3.0).transpose(0, 1)
     xs = _rand((2, 7, 192), dt, 3.0)[:, :, ::2]
-    sc = _rand((2, 192), dt)[:, ::2]
-    sh = _rand((96, 2), dt).t()
     g3 = _rand((2, 7, 192), dt)[:, :, 96:]
+    g2 = _rand((2, 192), dt)[:, ::2]
     for xx in (x, xt, xs):
-        assert_bitwise_equal(k.ss.scale_shift(xx, sc, sh), ref.scale_shift(xx, sc, sh))
         assert_bitwise_equal(k.gr.gate_residual(xx, g3, x), ref.gate_residual(xx, g3, x))
+        assert_bitwise_equal(k.gr.gate_residual(xx, g2, x), ref.gate_residual(xx, g2, x))
 
 
 def _gelu_close(actual: torch.Tensor, x: torch.Tensor) -> None:
@@ -163,25 +167,22 @@ def test_predicates_match_raises(k):
     x = torch.randn(2, 3, 64).to(dt)
     good_sc = torch.randn(2, 64).to(dt)
     bad = [
-        (x[0], good_sc, good_sc),  # 2-D x
-        (x, good_sc.float(), good_sc),  # dtype promotion
-        (x.double(), good_sc.double(), good_sc.double()),  # fp64
-        (x, torch.randn(3, 64).to(dt), good_sc),  # batch mismatch
-        (x, torch.randn(2, 32).to(dt), good_sc),  # width mismatch
-        (x[:, :1], torch.randn(2, 3, 64).to(dt), good_sc),  # would broadcast x
+        (x[0], good_sc),  # 2-D x
+        (x.double(), good_sc.double()),  # fp64
+        (x, torch.randn(3, 64).to(dt)),  # batch mismatch
+        (x, torch.randn(2, 32).to(dt)),  # width mismatch
+        (x, None),  # no gate: a plain add, nothing to fuse
     ]
-    for args in bad:
-        assert not k.ss.can_use_scale_shift(*args)
+    for res, gate in bad:
+        assert not k.gr.can_use_gate_residual(res, gate, res)
         with pytest.raises(UnsupportedInput):
-            k.ss.scale_shift(*args)
-        assert not k.gr.can_use_gate_residual(args[0], args[1], args[0])
-        with pytest.raises(UnsupportedInput):
-            k.gr.gate_residual(args[0], args[1], args[0])
+            k.gr.gate_residual(res, gate, res)
     assert not k.gr.can_use_gate_residual(x, good_sc, x[:, :1])  # update shape differs
+    assert k.gr.can_use_gate_residual(x, good_sc.float(), x)  # promotion is reproduced
     w = torch.randn(2, 3, 64, requires_grad=True)
-    assert not k.ss.can_use_scale_shift(w, torch.randn(2, 64), torch.randn(2, 64))
+    assert not k.gr.can_use_gate_residual(w, torch.randn(2, 64), w)
     with torch.no_grad():
-        assert k.ss.can_use_scale_shift(w, torch.randn(2, 64), torch.randn(2, 64))
+        assert k.gr.can_use_gate_residual(w, torch.randn(2, 64), w)
     # gelu
     buf = torch.empty(2, 3, 80, dtype=dt)
     gbad = [
@@ -202,7 +203,6 @@ def test_predicates_match_raises(k):
 def test_empty_inputs(k):
     x = torch.empty(2, 0, 64, dtype=torch.bfloat16)
     sc = torch.randn(2, 64).to(torch.bfloat16)
-    assert k.ss.scale_shift(x, sc, sc).shape == (2, 0, 64)
     assert k.gr.gate_residual(x, sc, x).shape == (2, 0, 64)
     assert k.g.gelu_tanh(x).shape == (2, 0, 64)
 
@@ -210,7 +210,6 @@ def test_empty_inputs(k):
 def test_custom_ops_registered_with_fake_impls(k):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    assert torch.ops.ditfuse.scale_shift.default._schema.name == "ditfuse::scale_shift"
     assert torch.ops.ditfuse.gate_residual.default._schema.name == "ditfuse::gate_residual"
     schema = torch.ops.ditfuse.gelu_tanh.default._schema
     assert schema.name == "ditfuse::gelu_tanh"
@@ -218,15 +217,14 @@ def test_custom_ops_registered_with_fake_impls(k):
     with FakeTensorMode():
         x = torch.empty(2, 3, 64, dtype=torch.bfloat16)
         sc = torch.empty(2, 64, dtype=torch.bfloat16)
-        assert torch.ops.ditfuse.scale_shift(x, sc, sc).shape == (2, 3, 64)
         assert torch.ops.ditfuse.gate_residual(x, sc, x).shape == (2, 3, 64)
         assert torch.ops.ditfuse.gelu_tanh(x, x) is None
 
 
-def test_opcheck_scale_shift(k):
+def test_opcheck(k):
     x = torch.randn(1, 2, 32).to(torch.bfloat16)
     sc = torch.randn(1, 32).to(torch.bfloat16)
-    torch.library.opcheck(torch.ops.ditfuse.scale_shift.default, (x, sc, sc),
+    torch.library.opcheck(torch.ops.ditfuse.gate_residual.default, (x, sc, x),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.ditfuse.gelu_tanh.default, (x, torch.empty_like(x)),
                           test_utils=("test_schema", "test_faketensor"))
@@ -235,6 +233,6 @@ def test_opcheck_scale_shift(k):
 def test_registry_loads_these_kernels():
     from ditfuse.kernels.registry import select
 
-    for op in ("modulate.scale_shift", "modulate.gate_residual", "activation.gelu_tanh"):
+    for op in ("modulate.gate_residual", "activation.gelu_tanh"):
         spec = select(op)
         assert callable(spec.load()) and callable(spec.load_predicate())

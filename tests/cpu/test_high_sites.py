@@ -1,32 +1,25 @@
-"""quality="high" on a tiny bf16 FluxTransformer2DModel (close kernels under TRITON_INTERPRET=1):
-guards, all-or-nothing, the fast path engaged, unmount back to bitwise diffusers."""
+"""quality="high" on tiny bf16 FLUX and Wan transformers (close kernels under TRITON_INTERPRET=1):
+the tier switch, its guards, all-or-nothing, the fast path engaged, back to bitwise diffusers."""
 
 import pytest
 import torch
+from diffusers.hooks import HookRegistry, ModelHook
 
 import ditfuse
-from ditfuse.contracts import admission, close
-from ditfuse.contracts import quality as Q
+from ditfuse.contracts import admission, ops
+from ditfuse.contracts.quality import Guard, Quality, check_all, check_guards
 from ditfuse.kernels.compare import assert_bitwise_equal, first_mismatch
-from ditfuse.models.flux_high import HIGH_OPS, capture_admission_batches, mark_high_sites
+from ditfuse.models import capture_admission_batches, families, mounted_sites
 
 from .tiny import flux_inputs, tiny_flux
 
-ADMITTED = [admission.admitted_record(op) for op in HIGH_OPS]
-# 1 dual block (+ its 2 FeedForward GELUs), 1 single block, 2 attentions, norm_out
-SITES = sorted([
-    "transformer_blocks.0:flux.dual_block", "transformer_blocks.0.ff.net.0:flux.linear_gelu_tanh",
-    "transformer_blocks.0.ff_context.net.0:flux.linear_gelu_tanh", "transformer_blocks.0.attn:flux.attention",
+ADMITTED = [admission.admitted_record(op) for op in ops.CLOSE]
+# 1 dual block, 1 single block, 2 attentions, norm_out
+FLUX_SITES = sorted([
+    "transformer_blocks.0:flux.dual_block", "transformer_blocks.0.attn:flux.attention",
     "single_transformer_blocks.0:flux.single_block", "single_transformer_blocks.0.attn:flux.attention",
     "norm_out:flux.norm_out",
 ])
-
-
-@pytest.fixture(scope="module")
-def model_and_base():
-    m = tiny_flux(dtype=torch.bfloat16, guidance=True)
-    inp = flux_inputs(m, batch=2, dtype=torch.bfloat16)
-    return m, inp, _run(m, inp)
 
 
 def _run(m, inp):
@@ -34,39 +27,57 @@ def _run(m, inp):
         return m(**inp)[0]
 
 
-def test_high_mounts_all_sites_runs_close_kernels_and_unmounts_bitwise(model_and_base):
-    m, inp, base = model_and_base
+@pytest.fixture(scope="module")
+def flux():
+    m = tiny_flux(dtype=torch.bfloat16, guidance=True)
+    inp = flux_inputs(m, batch=2, dtype=torch.bfloat16)
+    return m, inp, _run(m, inp)
+
+
+def test_quality_parse():
+    assert Quality.parse(None) is Quality.LOSSLESS
+    assert Quality.parse(" HIGH ") is Quality.HIGH
+    assert Quality.parse(Quality.HIGH) is Quality.HIGH
+    with pytest.raises(ValueError, match="allowed values: lossless, high"):
+        Quality.parse("ultra")
+    with pytest.raises(ValueError, match="allowed values"):
+        Quality.parse(3)
+
+
+def test_high_runs_close_kernels_and_back_to_lossless_bitwise(flux):
+    m, inp, base = flux
     h = ditfuse.accelerate(m)
     try:
         with admission.override_records(ADMITTED):
             res = h.set_quality("high")["FluxTransformer2DModel"]
-            assert res.ok, res.failed
-            assert sorted(res.mounted) == SITES and sorted(Q.mounted(m)) == SITES
-            close.reset_counts()
-            hi = _run(m, inp)
-            for op in HIGH_OPS:
-                assert close.ALL[op].calls["kernel"] > 0 and close.ALL[op].calls["eager"] == 0, (op, close.ALL[op].calls)
-            mm = first_mismatch(hi, base)
-            assert mm is not None, "high mode ran but changed no bit: the close kernels were not used"
-            err = (hi.float() - base.float()).abs().max().item()
-            assert err < 0.05 * base.float().abs().max().item()
+        assert res.ok, res.failed
+        assert sorted(res.mounted) == FLUX_SITES and sorted(mounted_sites(m)) == FLUX_SITES
+        ops.reset_counts()
+        hi = _run(m, inp)
+        used = {op: dict(c.calls) for op, c in ops.CLOSE.items() if c.calls}
+        assert set(used) == {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
+                             "rope.qk_rmsnorm_rope_fp32"}, used
+        assert all(c.get("eager", 0) == 0 and c["kernel"] > 0 for c in used.values()), used
+        assert first_mismatch(hi, base) is not None, "high mode changed no bit: the close kernels did not run"
+        assert (hi.float() - base.float()).abs().max().item() < 0.05 * base.float().abs().max().item()
         res = h.set_quality("lossless")["FluxTransformer2DModel"]
-        assert sorted(res.unmounted) == SITES and Q.mounted(m) == []
+        assert sorted(res.unmounted) == FLUX_SITES and mounted_sites(m) == []
         assert_bitwise_equal(_run(m, inp), base, "lossless after high")
-        # the lossless hooks are still there, under the removed high ones
-        assert "ditfuse.lossless.flux.dual_block" in m.transformer_blocks[0]._diffusers_hook.hooks
+        # one ditfuse hook per module for both tiers
+        assert [n for n in m.transformer_blocks[0]._diffusers_hook.hooks if n.startswith("ditfuse.")] == [
+            "ditfuse.flux.dual_block"]
     finally:
         h.unmount()
     assert_bitwise_equal(_run(m, inp), base, "after unmount")
 
 
-def test_no_admission_record_mounts_nothing(model_and_base):
-    m, inp, base = model_and_base
+def test_no_admission_record_mounts_nothing(flux):
+    m, inp, base = flux
     h = ditfuse.accelerate(m)
     try:
         with admission.override_records({}):
             res = h.set_quality("high")["FluxTransformer2DModel"]
-        assert not res.ok and res.mounted == [] and Q.mounted(m) == []
+        assert not res.ok and res.mounted == [] and mounted_sites(m) == []
         assert res.failed.guard.startswith("admitted:") and res.failed.reason.startswith("not admitted:")
         assert "quality=high not mounted" in h.report().summary()
         assert_bitwise_equal(_run(m, inp), base)
@@ -74,105 +85,125 @@ def test_no_admission_record_mounts_nothing(model_and_base):
         h.unmount()
 
 
-def test_failed_admission_is_not_mountable(model_and_base):
-    m, _, _ = model_and_base
+def _high_failure(m, records=ADMITTED):
+    h = ditfuse.accelerate(m)
+    try:
+        with admission.override_records(records):
+            res = h.set_quality("high")[type(m).__name__]
+        assert not res.ok and mounted_sites(m) == []
+        return res.failed
+    finally:
+        h.unmount()
+
+
+def test_failed_admission_is_not_mountable(flux):
     recs = {r.op: r for r in ADMITTED}
     recs["rope.qk_rmsnorm_rope_fp32"] = admission.AdmissionResult(
         "rope.qk_rmsnorm_rope_fp32", 1.8, 1.0, 0.0, True, False, "H200", reason="RMS error 1.800x eager's > 1.5x")
-    mark_high_sites(m)
-    with admission.override_records(recs):
-        res = Q.mount(m, "high")
-    assert not res.ok and Q.mounted(m) == []
-    assert res.failed.family == "flux.attention" and "failed admission on H200" in res.failed.reason
+    f = _high_failure(flux[0], recs)
+    assert f.family == "flux.attention" and "failed admission on H200" in f.reason
 
 
-def test_disabled_kernel_fails_the_available_guard(model_and_base, monkeypatch):
-    m, _, _ = model_and_base
-    mark_high_sites(m)
-    monkeypatch.setenv("DITFUSE_DISABLE", "activation.linear_gelu_tanh")
-    with admission.override_records(ADMITTED):
-        res = Q.mount(m, "high")
-    assert not res.ok and res.failed.guard == "available:activation.linear_gelu_tanh"
-    assert "DITFUSE_DISABLE" in res.failed.reason and Q.mounted(m) == []
-
-
-def _fail_reason(m):
-    mark_high_sites(m)
-    with admission.override_records(ADMITTED):
-        res = Q.mount(m, "high")
-    assert not res.ok and Q.mounted(m) == []
-    return res.failed
+def test_disabled_kernel_fails_the_available_guard(flux, monkeypatch):
+    monkeypatch.setenv("DITFUSE_DISABLE", "norm.layernorm_modulate_fp32")
+    f = _high_failure(flux[0])
+    assert f.guard == "available:norm.layernorm_modulate_fp32" and "DITFUSE_DISABLE" in f.reason
 
 
 def test_fp32_model_fails_the_dtype_guard():
-    f = _fail_reason(tiny_flux(dtype=torch.float32))
+    f = _high_failure(tiny_flux(dtype=torch.float32))
     assert f.guard == "dtype" and "bf16/fp16" in f.reason
 
 
-def test_linear_without_bias_fails():
-    m = tiny_flux(dtype=torch.bfloat16)
-    m.single_transformer_blocks[0].proj_mlp.bias = None
-    f = _fail_reason(m)
-    assert f.site == "single_transformer_blocks.0" and "no bias" in f.reason
+def test_offload_hook_fails_and_all_or_nothing():
+    """A foreign hook on one module fails that site's guard: no site moves, and sites already
+    running high go back to lossless."""
+    m = tiny_flux(dtype=torch.bfloat16, layers=(1, 2))
+    inp = flux_inputs(m, dtype=torch.bfloat16)
+    base = _run(m, inp)
+    h = ditfuse.accelerate(m)
+    try:
+        with admission.override_records(ADMITTED):
+            assert h.set_quality("high")["FluxTransformer2DModel"].ok
+            HookRegistry.check_if_exists_or_initialize(m.single_transformer_blocks[1].proj_mlp).register_hook(
+                ModelHook(), "group_offloading")
+            res = h.set_quality("high")["FluxTransformer2DModel"]
+        assert not res.ok and res.failed.guard == "no offload" and "group_offloading" in res.failed.reason
+        assert res.failed.site == "single_transformer_blocks.1" and mounted_sites(m) == []
+        assert len(res.unmounted) == 7  # every site that was high went back
+        assert_bitwise_equal(_run(m, inp), base)
+    finally:
+        h.unmount()
 
 
-def test_bias_of_another_dtype_fails():
-    m = tiny_flux(dtype=torch.bfloat16)
-    ff = m.transformer_blocks[0].ff.net[0].proj
-    ff.bias = torch.nn.Parameter(ff.bias.float())
-    f = _fail_reason(m)
-    assert f.family in ("flux.dual_block", "flux.linear_gelu_tanh")  # dtype guard or linear guard
-    assert "dtype" in f.reason
-
-
-def test_offload_hook_fails():
-    from diffusers.hooks import HookRegistry, ModelHook
-
-    m = tiny_flux(dtype=torch.bfloat16)
-    HookRegistry.check_if_exists_or_initialize(m.single_transformer_blocks[0].proj_mlp).register_hook(
-        ModelHook(), "group_offloading")
-    f = _fail_reason(m)
-    assert f.guard == "no offload" and "group_offloading" in f.reason
-
-
-def test_non_tanh_gelu_fails_structure():
-    m = tiny_flux(dtype=torch.bfloat16)
-    m.transformer_blocks[0].ff_context.net[0].approximate = "none"
-    f = _fail_reason(m)
-    assert f.site == "transformer_blocks.0.ff_context.net.0" and f.guard == "structure"
-
-
-def test_wrapped_weight_is_rejected():
-    from ditfuse.models.flux_high import _plain_linear
-
-    class Wrapped(torch.Tensor):
+def test_guard_logic():
+    class M:
         pass
 
-    lin = torch.nn.Linear(4, 4).to(torch.bfloat16)
-    assert _plain_linear(lin, "proj") is None
-    lin.weight = torch.nn.Parameter(lin.weight.data.as_subclass(Wrapped))
-    assert "quantized or wrapped" in _plain_linear(lin, "proj")
+    def broken(mod):
+        raise KeyError("weight")
+
+    f = check_guards("a.b", "test.site", M(), [Guard("ok", lambda m: None), Guard("weight", broken)])
+    assert f.guard == "weight" and "guard raised KeyError" in f.reason and "a.b (test.site)" in str(f)
+    sites = [("p1", "s", M(), [Guard("g", lambda m: None)]), ("p2", "s", M(), [Guard("h", lambda m: "no bias")])]
+    f = check_all(sites)
+    assert f.site == "p2" and f.reason == "no bias"
+    assert check_all(sites[:1]) is None
 
 
-def test_predicate_rejection_runs_eager():
-    x = torch.randn(2, 3, 8).to(torch.bfloat16)
-    w = torch.randn(6, 8).to(torch.bfloat16)
-    close.reset_counts()
-    out = close.linear_gelu_tanh(x, w, None)  # no bias: the predicate says no, eager runs
-    assert close.linear_gelu_tanh.calls["eager"] == 1
-    assert_bitwise_equal(out, torch.nn.functional.gelu(torch.nn.functional.linear(x, w), approximate="tanh"))
+def test_close_op_runs_eager_for_inputs_it_does_not_take():
+    x = torch.randn(1, 3, 6).to(torch.bfloat16)  # width 6: not a multiple of 4
+    sc = torch.randn(1, 6).to(torch.bfloat16)
+    ops.reset_counts()
+    out = ops.HIGH.layernorm_modulate(x, sc, sc, 1e-6)
+    assert ops.CLOSE["norm.layernorm_modulate_fp32"].calls == {"eager": 1}
+    from ditfuse.kernels import reference as ref
+
+    assert_bitwise_equal(out, ref.layernorm_modulate(x, sc, sc, 1e-6))
 
 
-def test_capture_admission_batches_and_admission_on_captured(model_and_base):
-    m, inp, _ = model_and_base
-    b = capture_admission_batches(m, inp)
-    # 3 GEMM+GELU sites, 4 LN+modulate (norm1, norm1_context, single norm, norm_out),
-    # 2 gated residuals (image, text), 2 attentions
+def test_capture_admission_batches_and_admission_on_captured(flux):
+    m, inp, _ = flux
+    h = ditfuse.accelerate(m)
+    try:
+        b = capture_admission_batches(m, inp)
+    finally:
+        h.unmount()
+    # 4 LN+modulate (norm1, norm1_context, single norm, norm_out), 2 gated residuals, 2 attentions
     assert {op: len(v) for op, v in b.items()} == {
-        "activation.linear_gelu_tanh": 3, "norm.layernorm_modulate_fp32": 4,
-        "norm.gate_residual_layernorm_modulate_fp32": 2, "rope.qk_rmsnorm_rope_fp32": 2,
+        "norm.layernorm_modulate_fp32": 4, "norm.gate_residual_layernorm_modulate_fp32": 2,
+        "rope.qk_rmsnorm_rope_fp32": 2,
     }
-    for op in HIGH_OPS:
-        r = admission.admit_op(op, b[op], "cpu")
+    for op, batches in b.items():
+        r = admission.admit_op(op, batches, "cpu")
         assert r.nonfinite_same and r.elements > 0
         assert r.rms_ratio <= 1.5, r  # fewer roundings than eager: no worse on RMS
+
+
+def test_capture_needs_a_mounted_model():
+    with pytest.raises(ValueError, match="mounted"):
+        capture_admission_batches(tiny_flux(), {})
+
+
+@pytest.mark.parametrize("load", ["pretrained", "plain"])
+def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load):
+    fam = families.get("wan")
+    m = fam.build("tiny", device="cpu", load=load)
+    inp = fam.make_inputs(m, 1, "32x16x5", device="cpu", txt_tokens=5)
+    base = _run(m, inp)
+    h = ditfuse.accelerate(m)
+    try:
+        with admission.override_records(ADMITTED):
+            res = h.set_quality("high")["WanTransformer3DModel"]
+        assert res.ok, res.failed
+        assert sorted(res.mounted) == sorted(["<root>:wan.model", "blocks.0:wan.block", "blocks.0.attn1:wan.attention",
+                                              "blocks.1:wan.block", "blocks.1.attn1:wan.attention"])
+        ops.reset_counts()
+        hi = _run(m, inp)
+        assert ops.CLOSE["rope.qk_rmsnorm_across_heads_rope_fp32"].calls["kernel"] == 2
+        assert ops.CLOSE["norm.gate_residual_layernorm_modulate_fp32"].calls["kernel"] == 4
+        assert first_mismatch(hi, base) is not None
+        h.set_quality("lossless")
+        assert_bitwise_equal(_run(m, inp), base)
+    finally:
+        h.unmount()

@@ -1,10 +1,13 @@
-"""layernorm_modulate / gate_residual_layernorm_modulate under TRITON_INTERPRET=1 (CPU).
+"""LayerNorm (+ residual, + modulate) kernel under TRITON_INTERPRET=1 (CPU), both contracts.
 
-The kernel reproduces torch's CUDA reduction order, which torch's CPU LayerNorm does not use,
-so the bitwise check here is against tests/layernorm_sim.py (a pure-torch simulation of the
+The kernel reproduces torch's CUDA reduction order, which torch's CPU LayerNorm does not use, so
+the bitwise check here is against tests/support/layernorm_sim.py (a pure-torch simulation of the
 CUDA order, sharing nothing with the Triton code but the documented formulas); the eager CPU
-reference is checked to a tight tolerance. The bitwise check against CUDA eager is in
-tests/gpu/test_layernorm_modulate.py.
+reference is checked to a tight tolerance. Covered: every rows-per-program value with masked tail
+rows, widths with idle threads (4, 12, 132) and a second-vector tail (520), FLUX's all-bf16 chain
+and Wan's fp32 chains (FP32LayerNorm, fp32 [B, 1, D] modulation chunks, affine norm2, the plain
+residual add), per-sample / per-token modulation, strided inputs, NaN/Inf/-0. The bitwise check
+against CUDA eager is tests/gpu/test_layernorm_modulate.py.
 """
 
 from __future__ import annotations
@@ -15,21 +18,22 @@ import torch
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.compare import compare_outputs
 from ditfuse.kernels.errors import UnsupportedInput
+from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 from ditfuse.kernels.norm.layernorm_modulate_triton import (
     can_use_gate_residual_layernorm_modulate,
     can_use_layernorm_modulate,
     gate_residual_layernorm_modulate,
+    gate_residual_layernorm_modulate_fp32,
     layernorm_modulate,
+    layernorm_modulate_fp32,
 )
-from tests import layernorm_sim as sim
+from tests.support import layernorm_sim as sim
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU only")
 
 EPS = 1e-6
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# 4: one vector; 64/96/136: fewer vectors than threads (idle threads, count-0 combines);
-# 520: 130 vectors, so threads 0-1 read a second vector (the tail loop).
-WIDTHS = [4, 64, 136, 520]
+F32 = torch.float32
 
 
 def _x(shape, dtype, seed, scale=3.0, offset=5.0):
@@ -41,26 +45,48 @@ def _tol(dtype):
     return {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-5}[dtype]
 
 
+def _eq(actual, expected, name="out"):
+    mm = compare_outputs(actual, expected, name)
+    assert mm is None, str(mm)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
-@pytest.mark.parametrize("D", WIDTHS)
+@pytest.mark.parametrize("D", [4, 64, 136, 520])
 @pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
-def test_layernorm_modulate_matches_cuda_order_sim(D, dtype, per_token):
+def test_flux_chain_matches_cuda_order_sim(D, dtype, per_token):
     B, S = 2, 3
     x = _x((B, S, D), dtype, D)
     mshape = (B, S, D) if per_token else (B, D)
     scale = _x(mshape, dtype, D + 1, 0.5, 0.0)
     shift = _x(mshape, dtype, D + 2, 0.5, 0.0)
     got = layernorm_modulate(x, scale, shift, EPS)
-    mm = compare_outputs(got, sim.layernorm_modulate(x, scale, shift, EPS))
-    assert mm is None, str(mm)
+    _eq(got, sim.layernorm_modulate(x, scale, shift, EPS))
     # torch's CPU LayerNorm sums in another order: close, not bitwise.
     exp = ref.layernorm_modulate(x, scale, shift, EPS)
     torch.testing.assert_close(got.float(), exp.float(), rtol=_tol(dtype), atol=_tol(dtype))
 
 
+@pytest.mark.parametrize("R", [1, 2, 4])
+@pytest.mark.parametrize("B,S", [(1, 5), (2, 3), (1, 4)], ids=["M5", "M6", "M4"])
+@pytest.mark.parametrize("D", [12, 132, 520])
+def test_rows_per_program_and_tail_rows(R, B, S, D):
+    x = _x((B, S, D), torch.bfloat16, D + S)
+    sc = _x((B, D), torch.bfloat16, D + 1, 0.5, 0.0)
+    sh = _x((B, D), torch.bfloat16, D + 2, 0.5, 0.0)
+    got = lnm._launch(x, None, None, sc, sh, EPS, None, None, None, True, rows_per_program=R)[1]
+    _eq(got, sim.layernorm_modulate(x, sc, sh, EPS))
+
+
+def test_rows_per_program_rule(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU rule
+    assert [lnm._rows_per_program(m) for m in (1, 511, 512, 2047, 2048, 65520)] == [1, 1, 2, 2, 4, 4]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter: few, wide programs
+    assert [lnm._rows_per_program(m) for m in (1, 5, 33, 4096)] == [1, 8, 32, 32]
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("D", [64, 520])
-def test_gate_residual_layernorm_modulate(D, dtype):
+def test_gated_flux(D, dtype):
     B, S = 2, 2
     res = _x((B, S, D), dtype, 1, 2.0, 1.0)
     upd = _x((B, S, D), dtype, 2, 1.0, 0.0)
@@ -69,10 +95,79 @@ def test_gate_residual_layernorm_modulate(D, dtype):
     shift = _x((B, S, D), dtype, 5, 0.5, 0.0)
     h, n = gate_residual_layernorm_modulate(res, gate, upd, scale, shift, EPS)
     # the gated residual is elementwise: eager CPU rounds the same way (bitwise)
-    mm = compare_outputs(h, ref.gate_residual(res, gate, upd), "h")
-    assert mm is None, str(mm)
-    mm = compare_outputs(n, sim.layernorm_modulate(h, scale, shift, EPS), "n")
-    assert mm is None, str(mm)
+    _eq(h, ref.gate_residual(res, gate, upd), "h")
+    _eq(n, sim.layernorm_modulate(h, scale, shift, EPS), "n")
+
+
+# -- Wan: FP32LayerNorm on x.float(), fp32 modulation, .type_as(x) ------------------------------
+
+
+def _wan_mods(B, S, D, seed, per_token=False, dtype=F32):
+    """Chunks of ``scale_shift_table + temb.float()`` as Wan's forward makes them."""
+    if per_token:
+        return [c.squeeze(2) for c in _x((B, S, 6, D), dtype, seed, 0.5, 0.0).chunk(6, dim=2)]
+    return list(_x((B, 6, D), dtype, seed, 0.5, 0.0).chunk(6, dim=1))
+
+
+@pytest.mark.parametrize("per_token", [False, True], ids=["wan2.1", "ti2v_per_token"])
+@pytest.mark.parametrize("D", [48, 136])
+def test_wan_norm1_modulate(per_token, D):
+    B, S = 2, 3
+    x = _x((B, S, D), torch.bfloat16, 31)
+    shift, scale = _wan_mods(B, S, D, 32, per_token)[:2]
+    got = layernorm_modulate(x, scale, shift, EPS, norm_dtype=F32)
+    assert got.dtype == torch.bfloat16
+    _eq(got, sim.layernorm_modulate(x, scale, shift, EPS, norm_dtype=F32))
+    # diffusers' own spelling of the chain
+    wan = (torch.nn.functional.layer_norm(x.float(), (D,), eps=EPS) * (1 + scale) + shift).type_as(x)
+    torch.testing.assert_close(got.float(), wan.float(), rtol=1.6e-2, atol=1.6e-2)
+
+
+def test_wan_tail_with_bf16_modulation():
+    """norm_out with a bf16 scale_shift_table (plain .to(bf16) load): 1 + scale rounds to bf16,
+    the product and sum stay fp32."""
+    B, S, D = 1, 4, 64
+    x = _x((B, S, D), torch.bfloat16, 41)
+    shift, scale = _x((B, 2, D), torch.bfloat16, 42, 0.5, 0.0).chunk(2, dim=1)
+    got = layernorm_modulate(x, scale, shift, EPS, norm_dtype=F32)
+    _eq(got, sim.layernorm_modulate(x, scale, shift, EPS, norm_dtype=F32))
+
+
+@pytest.mark.parametrize("wdtype", [F32, torch.bfloat16], ids=["pretrained_fp32_norm2", "plain_bf16_norm2"])
+def test_wan_gated_residual_affine_norm2(wdtype):
+    B, S, D = 2, 3, 132
+    x = _x((B, S, D), torch.bfloat16, 51, 2.0, 1.0)
+    attn = _x((B, S, D), torch.bfloat16, 52, 1.0, 0.0)
+    gate = _wan_mods(B, S, D, 53)[2]
+    w, b = _x((D,), wdtype, 54, 0.3, 1.0), _x((D,), wdtype, 55, 0.3, 0.0)
+    h, n = gate_residual_layernorm_modulate(x, gate, attn, None, None, EPS, w, b, F32)
+    _eq(h, (x.float() + attn * gate).type_as(x), "h (diffusers' spelling)")
+    _eq(n, sim.layernorm_modulate(h, None, None, EPS, w, b, F32), "n")
+
+
+def test_wan_plain_residual_then_norm3_modulate():
+    B, S, D = 1, 5, 64
+    x = _x((B, S, D), torch.bfloat16, 61)
+    attn = _x((B, S, D), torch.bfloat16, 62, 1.0, 0.0)
+    mods = _wan_mods(B, S, D, 63)
+    h, n = gate_residual_layernorm_modulate(x, None, attn, mods[4], mods[3], EPS, norm_dtype=F32)
+    _eq(h, x + attn, "h")
+    _eq(n, sim.layernorm_modulate(h, mods[4], mods[3], EPS, norm_dtype=F32), "n")
+
+
+def test_close_variant_is_close_and_not_exact():
+    B, S, D = 2, 3, 136
+    x = _x((B, S, D), torch.bfloat16, 71)
+    sc, sh = _x((B, D), torch.bfloat16, 72, 0.5, 0.0), _x((B, D), torch.bfloat16, 73, 0.5, 0.0)
+    exact = layernorm_modulate(x, sc, sh, EPS)
+    close = layernorm_modulate_fp32(x, sc, sh, EPS)
+    assert compare_outputs(close, exact) is not None  # fewer roundings change some bits
+    torch.testing.assert_close(close.float(), exact.float(), rtol=2e-2, atol=2e-2)
+    res, upd, g = x, _x((B, S, D), torch.bfloat16, 74, 1.0, 0.0), sc
+    h, n = gate_residual_layernorm_modulate_fp32(res, g, upd, sc, sh, EPS)
+    h_exact, n_exact = gate_residual_layernorm_modulate(res, g, upd, sc, sh, EPS)
+    torch.testing.assert_close(h.float(), h_exact.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(n.float(), n_exact.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_strided_inputs_same_bits_as_contiguous():
@@ -85,9 +180,9 @@ def test_strided_inputs_same_bits_as_contiguous():
     assert can_use_layernorm_modulate(x, scale, shift, EPS)
     got = layernorm_modulate(x, scale, shift, EPS)
     exp = layernorm_modulate(x.contiguous(), scale.contiguous(), shift.contiguous(), EPS)
-    assert compare_outputs(got, exp) is None
+    _eq(got, exp)
     xt = x.transpose(0, 1).contiguous().transpose(0, 1)
-    assert compare_outputs(layernorm_modulate(xt, scale, shift, EPS), exp) is None
+    _eq(layernorm_modulate(xt, scale, shift, EPS), exp)
 
 
 def test_nan_inf_signed_zero_match_sim():
@@ -104,8 +199,7 @@ def test_nan_inf_signed_zero_match_sim():
     shift[0, 7] = -0.0
     shift[0, 8] = float("nan")
     got = layernorm_modulate(x, scale, shift, EPS)
-    mm = compare_outputs(got, sim.layernorm_modulate(x, scale, shift, EPS))
-    assert mm is None, str(mm)
+    _eq(got, sim.layernorm_modulate(x, scale, shift, EPS))
     assert torch.isnan(got[0, 0]).all() and torch.isnan(got[0, 2]).all()
 
 
@@ -116,7 +210,6 @@ def test_welford_tree_sim_is_not_a_plain_mean():
     m0, r0 = sim.row_stats(x, EPS)
     m2, r2 = sim.row_stats(x, EPS, mean_mode=2, m2_fma=False)
     assert not (torch.equal(m0, m2) and torch.equal(r0, r2))
-    # and it agrees with fp64 statistics to fp32 accuracy
     xd = x.double()
     torch.testing.assert_close(m0[:, 0].double(), xd.mean(-1), rtol=1e-6, atol=1e-6)
     rd = torch.rsqrt(xd.var(-1, unbiased=False) + EPS)
@@ -125,13 +218,15 @@ def test_welford_tree_sim_is_not_a_plain_mean():
 
 @pytest.mark.parametrize(
     "case",
-    ["odd_width", "width_6", "misaligned", "dtype_mismatch", "ndim2", "mod_shape", "fp64", "eps_str"],
+    ["odd_width", "width_6", "misaligned", "ndim2", "mod_shape", "fp64", "eps_str", "scale_only",
+     "weight_dtype", "norm_dtype_fp16"],
 )
 def test_predicate_rejects_and_kernel_raises(case):
     D = 64
     x = _x((1, 2, D), torch.bfloat16, 13)
     sc = _x((1, D), torch.bfloat16, 14)
     sh = _x((1, D), torch.bfloat16, 15)
+    kw = {}
     eps = EPS
     if case == "odd_width":
         x, sc, sh = _x((1, 2, 67), torch.bfloat16, 1), _x((1, 67), torch.bfloat16, 2), _x((1, 67), torch.bfloat16, 3)
@@ -141,54 +236,64 @@ def test_predicate_rejects_and_kernel_raises(case):
         flat = _x((2 * D + 1,), torch.bfloat16, 16)
         x = flat[1:].view(1, 2, D)
         assert x.is_contiguous() and x.data_ptr() % 8 != 0
-    elif case == "dtype_mismatch":
-        sc = sc.float()
     elif case == "ndim2":
         x = x[0]
     elif case == "mod_shape":
-        sc = _x((1, 1, D), torch.bfloat16, 17)
+        sc = _x((1, 3, D), torch.bfloat16, 17)
     elif case == "fp64":
         x, sc, sh = x.double(), sc.double(), sh.double()
     elif case == "eps_str":
         eps = "1e-6"
-    assert can_use_layernorm_modulate(x, sc, sh, eps) is False
+    elif case == "scale_only":
+        sh = None
+    elif case == "weight_dtype":  # F.layer_norm's mixed-dtype path
+        kw = dict(weight=torch.ones(D))
+    elif case == "norm_dtype_fp16":
+        kw = dict(norm_dtype=torch.float16)
+    assert can_use_layernorm_modulate(x, sc, sh, eps, **kw) is False
     with pytest.raises(UnsupportedInput):
-        layernorm_modulate(x, sc, sh, eps)
+        layernorm_modulate(x, sc, sh, eps, **kw)
 
 
-def test_gated_predicate():
+def test_misaligned_input_is_fine_when_upcast_or_gated():
     D = 64
-    r = _x((1, 2, D), torch.bfloat16, 1)
-    g = _x((1, D), torch.bfloat16, 2)
-    sc = _x((1, D), torch.bfloat16, 3)
-    assert can_use_gate_residual_layernorm_modulate(r, g, r, sc, sc, EPS)
-    # misalignment of residual does not matter: LayerNorm sees the fresh eager output h
     flat = _x((2 * D + 1,), torch.bfloat16, 4)
-    r_mis = flat[1:].view(1, 2, D)
-    assert can_use_gate_residual_layernorm_modulate(r_mis, g, r, sc, sc, EPS)
-    assert not can_use_gate_residual_layernorm_modulate(r, g, r[..., :32], sc, sc, EPS)
-    assert not can_use_gate_residual_layernorm_modulate(r, g.float(), r, sc, sc, EPS)
+    x_mis = flat[1:].view(1, 2, D)
+    sc = _x((1, D), F32, 5, 0.5, 0.0)
+    # x.float() is a fresh aligned copy in eager: torch's vectorized path, handled
+    assert can_use_layernorm_modulate(x_mis, sc, sc, EPS, norm_dtype=F32)
+    g = _x((1, D), torch.bfloat16, 2)
+    sc16 = _x((1, D), torch.bfloat16, 3)
+    r = _x((1, 2, D), torch.bfloat16, 1)
+    # LayerNorm sees the fresh eager output h
+    assert can_use_gate_residual_layernorm_modulate(x_mis, g, r, sc16, sc16, EPS)
+    assert not can_use_gate_residual_layernorm_modulate(r, g, r[..., :32], sc16, sc16, EPS)
     with pytest.raises(UnsupportedInput):
-        gate_residual_layernorm_modulate(r, g, r.float(), sc, sc, EPS)
+        gate_residual_layernorm_modulate(r, g, r[:, :1], sc16, sc16, EPS)
 
 
 def test_empty_tokens():
     x = torch.empty(2, 0, 64, dtype=torch.bfloat16)
     sc = torch.zeros(2, 64, dtype=torch.bfloat16)
-    out = layernorm_modulate(x, sc, sc, EPS)
-    assert out.shape == (2, 0, 64)
+    assert layernorm_modulate(x, sc, sc, EPS).shape == (2, 0, 64)
 
 
-def test_fake_impls():
+def test_fake_impls_and_opcheck():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         x = torch.empty(2, 5, 64, dtype=torch.bfloat16)
         sc = torch.empty(2, 64, dtype=torch.bfloat16)
-        out = torch.ops.ditfuse.layernorm_modulate(x, sc, sc, EPS)
-        h, n = torch.ops.ditfuse.gate_residual_layernorm_modulate(x, sc, x, sc, sc, EPS)
-    assert out.shape == (2, 5, 64) and out.dtype == torch.bfloat16
+        sc32 = torch.empty(2, 1, 64, dtype=F32)
+        out = torch.ops.ditfuse.layernorm_modulate(x, sc, sc, EPS, None, None, None, True)
+        wan = torch.ops.ditfuse.layernorm_modulate(x, sc32, sc32, EPS, None, None, F32, True)
+        h, n = torch.ops.ditfuse.gate_residual_layernorm_modulate(x, sc, x, sc, sc, EPS, None, None, None, True)
+    assert out.shape == (2, 5, 64) and out.dtype == torch.bfloat16 and wan.dtype == torch.bfloat16
     assert h.shape == n.shape == (2, 5, 64)
+    x = _x((1, 2, 64), torch.bfloat16, 3)
+    sc = _x((1, 64), torch.bfloat16, 4)
+    torch.library.opcheck(torch.ops.ditfuse.layernorm_modulate.default, (x, sc, sc, EPS, None, None, None, True),
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_registry_points_here():
@@ -197,6 +302,7 @@ def test_registry_points_here():
     for op, fn in (
         ("norm.layernorm_modulate", layernorm_modulate),
         ("norm.gate_residual_layernorm_modulate", gate_residual_layernorm_modulate),
+        ("norm.layernorm_modulate_fp32", layernorm_modulate_fp32),
+        ("norm.gate_residual_layernorm_modulate_fp32", gate_residual_layernorm_modulate_fp32),
     ):
-        spec = registry.select(op, backend="triton", device="cpu")
-        assert spec.load() is fn
+        assert registry.select(op, backend="triton", device="cpu").load() is fn

@@ -1,6 +1,6 @@
 """rope.qk_rmsnorm_rope under TRITON_INTERPRET=1 (tiny shapes).
 
-The kernel is compared bitwise with tests/rms_sim.py, a pure-torch simulation of torch's CUDA
+The kernel is compared bitwise with tests/support/rms_sim.py, a pure-torch simulation of torch's CUDA
 ``_fused_rms_norm`` order followed by the eager RoPE chain; under the interpreter ``rsqrt`` is
 numpy's ``1 / sqrt`` and the simulation uses the same (on the GPU both use ``rsqrtf``; the GPU
 tests compare with the real eager chain). Against the CPU reference (``F.rms_norm``'s composite
@@ -15,8 +15,8 @@ import torch
 from ditfuse.kernels import reference
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.errors import UnsupportedInput
-from ditfuse.kernels.rope.qk_rmsnorm_rope_triton import can_use_qk_rmsnorm_rope, qk_rmsnorm_rope
-from tests import rms_sim
+from ditfuse.kernels.rope.qk_rmsnorm_rope_triton import can_use_qk_rmsnorm_rope, qk_rmsnorm_rope, qk_rmsnorm_rope_fp32
+from tests.support import rms_sim
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
@@ -218,7 +218,7 @@ def test_channels_last_helper_matches_torch():
 def test_custom_op_and_fake():
     args = _make(1, 2, 1, 2, 128, torch.bfloat16, seed=2)
     ordered = [args[n] for n in ("q", "k", "q_weight", "k_weight", "cos", "sin", "eps",
-                                 "q_txt", "k_txt", "q_txt_weight", "k_txt_weight")]
+                                 "q_txt", "k_txt", "q_txt_weight", "k_txt_weight")] + [True]
     torch.library.opcheck(
         torch.ops.ditfuse.qk_rmsnorm_rope.default, ordered,
         test_utils=("test_schema", "test_faketensor"),
@@ -229,3 +229,14 @@ def test_custom_op_and_fake():
         fake = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in ordered]
         q, k = torch.ops.ditfuse.qk_rmsnorm_rope(*fake)
     assert q.shape == (1, 3, 2, 128) and k.dtype == torch.bfloat16
+
+
+def test_close_variant_skips_the_rounding_before_rope():
+    args = _make(2, 5, 3, 2, 64, torch.bfloat16, seed=11)
+    exact = qk_rmsnorm_rope(**args)
+    close = qk_rmsnorm_rope_fp32(**args)
+    ref64 = __import__("ditfuse.kernels.exact", fromlist=["x"]).qk_rmsnorm_rope_fp64(**args)
+    for c, e, r in zip(close, exact, ref64):
+        assert not torch.equal(c.view(torch.int16), e.view(torch.int16))
+        # one rounding instead of two: at least as close to the fp64 math
+        assert (c.double() - r).pow(2).mean() <= (e.double() - r).pow(2).mean() * 1.05

@@ -1,6 +1,6 @@
 """Issue 3 sweep for the elementwise kernels on CUDA: bitwise against ditfuse.kernels.reference.
 
-modulate.scale_shift, modulate.gate_residual, activation.gelu_tanh over widths 3072, 1536, 2048,
+modulate.gate_residual, activation.gelu_tanh over widths 3072, 1536, 2048,
 2240, 4096, 5120 and an odd width (3077, handled), tokens 1, 17, 512, 4096, 4608, batch 1 and 2,
 bf16 (fp16/fp32 subset), per-sample and per-token scale/shift/gate, NaN/Inf, strided inputs.
 """
@@ -26,10 +26,8 @@ DEV = "cuda"
 def k():
     from ditfuse.kernels.activation.gelu_tanh_triton import gelu_tanh
     from ditfuse.kernels.modulate.gate_residual_triton import gate_residual
-    from ditfuse.kernels.modulate.scale_shift_triton import scale_shift
 
-    return type("K", (), dict(scale_shift=staticmethod(scale_shift), gate_residual=staticmethod(gate_residual),
-                              gelu_tanh=staticmethod(gelu_tanh)))
+    return type("K", (), dict(gate_residual=staticmethod(gate_residual), gelu_tanh=staticmethod(gelu_tanh)))
 
 
 def _specials(t: torch.Tensor) -> torch.Tensor:
@@ -46,7 +44,6 @@ def _rand(shape, dtype, scale=1.0, specials=True):
 
 
 def _check_all(k, x, scale, shift, gate, y, name):
-    assert_bitwise_equal(k.scale_shift(x, scale, shift), ref.scale_shift(x, scale, shift), f"scale_shift {name}")
     assert_bitwise_equal(k.gate_residual(x, gate, y), ref.gate_residual(x, gate, y), f"gate_residual {name}")
     assert_bitwise_equal(k.gelu_tanh(y), ref.gelu_tanh(y), f"gelu_tanh {name}")
 
@@ -104,12 +101,13 @@ def test_strided_inputs(k, B):
     sh = _rand((D, B), dt, 0.5).t()
     g3 = _rand((B, S, 2 * D), dt, 0.5)[:, :, :D]
     for name, xx in (("row-strided", x), ("transposed", xt), ("last-dim stride 2", xs)):
-        assert_bitwise_equal(k.scale_shift(xx, sc, sh), ref.scale_shift(xx, sc, sh), f"scale_shift {name}")
         assert_bitwise_equal(k.gate_residual(xx, g3, x), ref.gate_residual(xx, g3, x), f"gate_residual {name}")
         assert_bitwise_equal(k.gelu_tanh(xx), ref.gelu_tanh(xx), f"gelu_tanh {name}")
-    # batch-broadcast scale [1, D]
+    # batch-broadcast gate [1, D] and a transposed [B, D] gate
     sc1 = _rand((1, D), dt, 0.5)
-    assert_bitwise_equal(k.scale_shift(x, sc1, sh), ref.scale_shift(x, sc1, sh), "scale_shift [1, D] scale")
+    assert_bitwise_equal(k.gate_residual(x, sc1, xt), ref.gate_residual(x, sc1, xt), "gate_residual [1, D] gate")
+    assert_bitwise_equal(k.gate_residual(x, sh, xt), ref.gate_residual(x, sh, xt), "gate_residual transposed gate")
+    assert_bitwise_equal(k.gate_residual(x, sc, xs), ref.gate_residual(x, sc, xs), "gate_residual strided gate")
 
 
 @pytest.mark.parametrize("B", [1, 2])
@@ -133,7 +131,7 @@ def test_in_place_and_rejections(k):
     k.gelu_tanh(x, out=x)
     assert_bitwise_equal(x, expect, "gelu in place")
     from ditfuse.kernels.activation.gelu_tanh_triton import can_use_gelu_tanh
-    from ditfuse.kernels.modulate.scale_shift_triton import can_use_scale_shift
+    from ditfuse.kernels.modulate.gate_residual_triton import can_use_gate_residual
 
     y = torch.randn(2, 17, 3072, device=DEV, dtype=torch.bfloat16)
     assert not can_use_gelu_tanh(y, out=torch.empty(2, 17, 3072, device=DEV, dtype=torch.float32))
@@ -142,10 +140,9 @@ def test_in_place_and_rejections(k):
     assert not can_use_gelu_tanh(buf[:, :, :3072], out=buf[:, :, 28:])  # partial overlap
     with pytest.raises(UnsupportedInput):
         k.gelu_tanh(buf[:, :, :3072], out=buf[:, :, 28:])
-    sc = torch.randn(2, 3072, device=DEV, dtype=torch.float32)
-    assert not can_use_scale_shift(y, sc, sc)  # eager would promote to fp32
+    assert not can_use_gate_residual(y, None, y)  # a plain add: nothing to fuse
     with pytest.raises(UnsupportedInput):
-        k.scale_shift(y, sc, sc)
+        k.gate_residual(y.double(), y.double()[:, 0], y.double())
 
 
 def test_under_torch_compile(k):
@@ -156,15 +153,30 @@ def test_under_torch_compile(k):
     sc, sh, g = (_rand((B, D), dt, 0.5, False) for _ in range(3))
 
     def fused(x, y, sc, sh, g):
-        n = k.scale_shift(x, sc, sh)
+        n = k.gate_residual(x, sc, sh[:, None].expand(B, S, D))
         buf = torch.empty(B, S, 5 * D, device=DEV, dtype=dt)
         buf[:, :, :D].copy_(n)
         k.gelu_tanh(y, out=buf[:, :, D:])
         return k.gate_residual(x, g, buf[:, :, :D]), buf
 
     def eager(x, y, sc, sh, g):
-        n = ref.scale_shift(x, sc, sh)
+        n = ref.gate_residual(x, sc, sh[:, None].expand(B, S, D))
         return ref.gate_residual(x, g, n), ref.single_block_mlp_cat(n, y)
 
     got = torch.compile(fused, fullgraph=True)(x, y, sc, sh, g)
     assert_bitwise_equal(got, eager(x, y, sc, sh, g), "compiled fused chain")
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_wan_mixed_dtype_gate_residual(k, B):
+    """Wan: (x.float() + y * gate_fp32).type_as(x), gate a [B, 1, D] chunk of the fp32 modulation
+    table or per-token [B, S, D] (TI2V), at the 1.3B video shape."""
+    torch.manual_seed(11 + B)
+    S, D = 32760, 1536
+    dt = torch.bfloat16
+    x, y = _rand((B, S, D), dt, 3.0), _rand((B, S, D), dt, 2.0)
+    table = _rand((B, 6, D), torch.float32, 0.5)
+    for name, g in (("[B,1,D] chunk", table.chunk(6, dim=1)[2]), ("per-token", _rand((B, S, D), torch.float32, 0.5))):
+        exp = (x.float() + y.float() * g).type_as(x)
+        assert_bitwise_equal(k.gate_residual(x, g, y), exp, f"wan gate_residual {name}")
+        assert_bitwise_equal(k.gate_residual(x, g, y), ref.gate_residual(x, g, y), f"reference {name}")

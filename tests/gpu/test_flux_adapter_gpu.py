@@ -9,6 +9,8 @@ from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.models.flux import ADAPTER
 
 from tests.cpu.tiny import flux_inputs
+from tests.support.engaged import assert_engaged as _assert_engaged
+from tests.support.engaged import compare_accelerated
 
 DEV = "cuda"
 
@@ -27,33 +29,11 @@ def _model(width_heads, layers, guidance, head_dim=128, joint=4096, pooled=768, 
 
 
 def assert_engaged(ops=ADAPTER.ops()):
-    rep = ditfuse.gate.report()
-    assert not rep.disabled, f"ops disabled: {rep.disabled}"
-    assert not rep.fallbacks, f"fallbacks: {[(f.op, f.reason) for f in rep.fallbacks]}"
-    for op in ops:
-        c = rep.calls.get(op, {})
-        assert rep.verified.get(op), f"{op} never verified; calls {dict(c)}"
-        assert c.get("predicate_rejected", 0) == 0, f"{op} rejected by its predicate {c['predicate_rejected']}x"
-        assert c.get("unsupported", 0) == 0, f"{op} raised UnsupportedInput"
+    _assert_engaged(ops)
 
 
 def _compare(m, inp):
-    with torch.no_grad():
-        base = m(**inp)[0]
-        h = ditfuse.accelerate(m)
-        try:
-            first = m(**inp)[0]  # first sight: verification
-            second = m(**inp)[0]  # verified: kernels only
-        finally:
-            h.unmount()
-        after = m(**inp)[0]
-    assert_bitwise_equal(first, base, "first call")
-    assert_bitwise_equal(second, base, "second call (kernels only)")
-    assert_bitwise_equal(after, base, "after unmount")
-    assert_engaged()
-    rep = ditfuse.gate.report()
-    for op in ADAPTER.ops():
-        assert rep.calls[op]["kernel"] > 0, f"{op}: kernel never ran"
+    compare_accelerated(m, inp, ADAPTER.ops(), "flux")
 
 
 @pytest.mark.parametrize("guidance", [False, True], ids=["noguid", "guid"])

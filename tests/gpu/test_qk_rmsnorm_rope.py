@@ -139,8 +139,18 @@ def test_misaligned_is_rejected():
 def test_custom_op_opcheck():
     args = _make(1, 17, 5, 4, seed=6)
     ordered = [args[n] for n in ("q", "k", "q_weight", "k_weight", "cos", "sin", "eps",
-                                 "q_txt", "k_txt", "q_txt_weight", "k_txt_weight")]
+                                 "q_txt", "k_txt", "q_txt_weight", "k_txt_weight")] + [True]
     torch.library.opcheck(
         torch.ops.ditfuse.qk_rmsnorm_rope.default, ordered,
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+def test_close_variant_runs_and_stays_close():
+    from ditfuse.kernels.rope.qk_rmsnorm_rope_triton import qk_rmsnorm_rope_fp32
+
+    args = _make(1, 4096, 512, 24, seed=9)
+    exact, close = qk_rmsnorm_rope(**args), qk_rmsnorm_rope_fp32(**args)
+    for e, c in zip(exact, close):
+        assert not torch.equal(e.view(torch.int16), c.view(torch.int16))
+        torch.testing.assert_close(c.float(), e.float(), rtol=2e-2, atol=2e-2)

@@ -1,10 +1,10 @@
 """The reference chains equal the diffusers modules bitwise on CUDA too (same checks as the CPU
-suite, tests/reference_checks.py), so the contract the kernels are held to is diffusers' own."""
+suite, tests/support/reference_checks.py), so the contract the kernels are held to is diffusers' own."""
 
 import pytest
 import torch
 
-from tests import reference_checks as rc
+from tests.support import reference_checks as rc
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])

@@ -1,11 +1,13 @@
-"""Compile the LayerNorm+modulate kernels for sm_90 without a GPU and report code facts.
+"""Compile the row-norm kernels (LayerNorm+modulate, Wan's RMSNorm+RoPE) for sm_90 without a GPU
+and report code facts.
 
-``python -m tests.layernorm_codegen`` (TRITON_INTERPRET must be unset: the kernels pick their
-GPU code paths at import) prints one JSON line per variant: TTGIR layout conversions, the
-layout of the ``tt.reduce`` operand (v2's fold), the sequence of shuffle offsets, shared-memory
-traffic and barriers, global vector loads/stores, FMAs and ``div.rn`` in the PTX, and registers /
-local memory (spills) from the cubin (cuobjdump shipped with Triton). Used by
-tests/cpu/test_layernorm_v2_codegen.py and for notes/layernorm.md.
+``python -m tests.support.layernorm_codegen [VARIANT ...]`` (TRITON_INTERPRET must be unset: the
+kernels pick their GPU code paths at import) prints one JSON line per variant: TTGIR layout
+conversions, the layout of the ``tt.reduce`` operand (the fold whose bitwise argument needs one
+element per thread), the sequence of shuffle offsets, shared-memory traffic and barriers, global
+vector loads/stores, FMAs and ``div.rn`` in the PTX, and registers / local memory (spills) from
+the cubin (cuobjdump shipped with Triton). Used by tests/cpu/test_layernorm_codegen.py and for
+notes/layernorm.md.
 """
 
 from __future__ import annotations
@@ -17,28 +19,30 @@ import subprocess
 import sys
 import tempfile
 
-_STRIDES = ["xsb", "xss", "xsd", "gsb", "gss", "gsd", "usb", "uss", "usd",
-            "scsb", "scss", "scsd", "shsb", "shss", "shsd"]
-_PTRS = ["x_ptr", "g_ptr", "u_ptr", "sc_ptr", "sh_ptr", "h_ptr", "out_ptr"]
+_LN_STRIDES = ["xsb", "xss", "xsd", "gsb", "gss", "gsd", "usb", "uss", "usd", "wsd", "bsd",
+               "scsb", "scss", "scsd", "shsb", "shss", "shsd"]
+_LN_PTRS = ["x_ptr", "g_ptr", "u_ptr", "w_ptr", "bias_ptr", "sc_ptr", "sh_ptr", "h_ptr", "out_ptr"]
+_RMS_STRIDES = ["xsb", "xss", "xsd", "wsd", "css", "csd", "sss", "ssd"]
+_RMS_PTRS = ["x_ptr", "w_ptr", "cos_ptr", "sin_ptr", "out_ptr"]
 
 
-def _compile(kernel, scalars, constexprs):
+def _compile(kernel, scalars, constexprs, ptrs, strides, fp32_ptrs=()):
     import triton
     import triton.language as tl  # noqa: F401
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {n: "*bf16" for n in _PTRS}
+    sig = {n: ("*fp32" if n in fp32_ptrs else "*bf16") for n in ptrs}
     sig.update({n: "i32" for n in scalars})
     sig["eps"] = "fp32"
-    sig.update({n: "i32" for n in _STRIDES})
+    sig.update({n: "i32" for n in strides})
     for n in constexprs:
         sig[n] = "constexpr"
     names = kernel.arg_names
     # What a launch with contiguous bf16 [B, S, D] tensors (D % 16 == 0) and per-sample
     # scale/shift specialises: unit inner strides, zero token strides, 16-divisible pointers
     # and outer strides.
-    div16 = [n for n in _PTRS + _STRIDES if n not in constexprs]
+    div16 = [n for n in ptrs + strides if n not in constexprs]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=kernel, signature=sig, attrs=attrs,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
@@ -46,22 +50,31 @@ def _compile(kernel, scalars, constexprs):
                           options=dict(num_warps=4, enable_fp_fusion=False))
 
 
-def facts(impl: str, R: int, gated: bool) -> dict:
+def facts(kind: str, R: int, gated: bool) -> dict:
+    """kind ``ln``: the LayerNorm kernel in FLUX's all-bf16 configuration (gated: the residual
+    variant, per-sample gate/scale/shift); ``wanrope``: Wan's RMSNorm + RoPE kernel with fp32
+    freqs."""
     import triton
     import triton.language as tl
 
-    from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
+    scalars = ["M", "S", "N", "NVEC", "J"]
+    if kind == "ln":
+        from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 
-    ce = {"DTYPE": tl.bfloat16, "GATED": gated, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1,
-          "scss": 0, "shss": 0, "gss": 0}
-    if impl == "v1":
-        ce.update(MEAN_MODE=0, M2_FMA=True)
-        k = _compile(lnm._ln_modulate_kernel, ["S", "N", "NVEC", "J"], ce)
+        bf = tl.bfloat16
+        ce = {"RES": 2 if gated else 0, "HAS_W": False, "HAS_B": False, "MODULATE": True, "EXACT": True,
+              "P_DT": bf, "H_DT": bf, "LN_DT": bf, "SC_DT": bf, "M_DT": bf, "S_DT": bf, "OUT_DT": bf, "R": R,
+              "AFFINE_FMA": True, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1, "scss": 0, "shss": 0,
+              "gss": 0, "wsd": 0, "bsd": 0}
+        k = _compile(lnm._ln_kernel, scalars, ce, _LN_PTRS, _LN_STRIDES)
     else:
-        ce["R"] = R
-        k = _compile(lnm._ln_modulate_kernel_v2, ["M", "S", "N", "NVEC", "J"], ce)
+        from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
+
+        ce = {"DH": 128, "HAS_W": True, "HAS_ROPE": True, "EXACT": True, "DTYPE": tl.bfloat16,
+              "P_DT": tl.float32, "R": R, "xsd": 1, "wsd": 1, "csd": 1, "ssd": 1}
+        k = _compile(wr._rms_rope_kernel, scalars, ce, _RMS_PTRS, _RMS_STRIDES, fp32_ptrs=("cos_ptr", "sin_ptr"))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
-    out = dict(impl=impl, R=R, gated=gated)
+    out = dict(kind=kind, R=R, gated=gated)
     out["convert_layout"] = ttgir.count("ttg.convert_layout")
     m = re.search(r'"tt\.reduce".*?\}\) : \(tensor<[^,]*, #(\w+)>', ttgir, re.S)
     red = None
@@ -100,11 +113,11 @@ def facts(impl: str, R: int, gated: bool) -> dict:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the GPU code paths are chosen at import")
-    variants = [("v1", 1, False), ("v1", 1, True)] + [("v2", R, g) for R in (1, 2, 4) for g in (False, True)]
+    variants = [("ln", R, g) for R in (1, 2, 4) for g in (False, True)] + [("wanrope", R, False) for R in (1, 4)]
     if len(sys.argv) > 1:
         variants = [v for v in variants if f"{v[0]}-R{v[1]}-{'gated' if v[2] else 'plain'}" in sys.argv[1:]]
-    for impl, R, gated in variants:
-        print(json.dumps(facts(impl, R, gated)), flush=True)
+    for kind, R, gated in variants:
+        print(json.dumps(facts(kind, R, gated)), flush=True)
 
 
 if __name__ == "__main__":

@@ -99,18 +99,30 @@ def row_stats(
     return mean_f, rstd
 
 
-def layer_norm(x: torch.Tensor, eps: float, **kw) -> torch.Tensor:
-    """Affine-free LayerNorm over the last dim with torch CUDA's vectorized-kernel statistics;
-    output ``r(rstd * (x - mean))`` in x's dtype."""
+def layer_norm(x: torch.Tensor, eps: float, weight=None, bias=None, norm_dtype=None, **kw) -> torch.Tensor:
+    """LayerNorm over the last dim with torch CUDA's vectorized-kernel statistics; output
+    ``r(fma(w, rstd * (x - mean), b))`` (or without the affine) in the LayerNorm's input dtype
+    (x's, or ``norm_dtype``)."""
     shape = x.shape
+    out_dtype = norm_dtype or x.dtype
     x2 = x.reshape(-1, shape[-1])
     mean, rstd = row_stats(x2, eps, **kw)
-    return (rstd * (x2.float() - mean)).to(x.dtype).reshape(shape)
+    n = rstd * (x2.float() - mean)
+    if weight is not None and bias is not None:
+        n = fma(weight.float().expand_as(n), n, bias.float().expand_as(n))
+    elif weight is not None:
+        n = weight.float() * n
+    elif bias is not None:
+        n = n + bias.float()
+    return n.to(out_dtype).reshape(shape)
 
 
-def layernorm_modulate(x, scale, shift, eps: float, **kw) -> torch.Tensor:
-    """Simulated LN followed by eager modulate (same ops as ditfuse.kernels.reference)."""
-    n = layer_norm(x, eps, **kw)
-    if scale.dim() == 2:
-        scale, shift = scale[:, None], shift[:, None]
-    return n * (1 + scale) + shift
+def layernorm_modulate(x, scale, shift, eps: float, weight=None, bias=None, norm_dtype=None, **kw) -> torch.Tensor:
+    """Simulated LN followed by eager modulate (the same ops as ditfuse.kernels.reference), cast
+    back to x's dtype when the LayerNorm ran in ``norm_dtype``."""
+    from ditfuse.kernels.reference import modulate
+
+    n = layer_norm(x, eps, weight, bias, norm_dtype, **kw)
+    if scale is not None:
+        n = modulate(n, scale, shift)
+    return n if norm_dtype is None else n.to(x.dtype)

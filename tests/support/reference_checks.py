@@ -27,7 +27,7 @@ def check_ada_layernorm_zero(device, dtype, B=2, S=7, D=48):
         out, *_ = norm(x, emb=temb)
         shift, scale, *_ = norm.linear(norm.silu(temb)).chunk(6, dim=1)
         assert_bitwise_equal(ref.layernorm_modulate(x, scale, shift, norm.norm.eps), out, "AdaLayerNormZero")
-        assert_bitwise_equal(ref.scale_shift(ref.layer_norm(x, 1e-6), scale, shift), out, "LN+scale_shift")
+        assert_bitwise_equal(ref.modulate(ref.layer_norm(x, 1e-6), scale, shift), out, "LN then modulate")
 
 
 def check_ada_layernorm_zero_single(device, dtype, B=2, S=5, D=40):
@@ -102,6 +102,60 @@ def check_gelu(device, dtype):
     assert_bitwise_equal(ref.single_block_mlp_cat(x, mlp), torch.cat([x, act(mlp)], dim=2), "cat")
 
 
+def check_wan_chains(device, dtype, B=2, S=7, D=48):
+    """Wan's FP32LayerNorm chains (diffusers' spelling) == the references with norm_dtype=fp32."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    torch.manual_seed(0)
+    x = _rand(B, S, D, device=device, dtype=dtype, seed=14)
+    attn = _rand(B, S, D, device=device, dtype=dtype, seed=15)
+    for table_dtype in (torch.float32, dtype):  # from_pretrained keeps it fp32; .to(dtype) does not
+        mods = (_rand(1, 6, D, device=device, dtype=table_dtype, seed=16)
+                + _rand(B, 6, D, device=device, dtype=dtype, seed=17).float()).chunk(6, dim=1)
+        shift, scale, gate = mods[:3]
+        norm1 = FP32LayerNorm(D, 1e-6, elementwise_affine=False).to(device)
+        norm2 = FP32LayerNorm(D, 1e-6, elementwise_affine=True).to(device, table_dtype)
+        torch.nn.init.normal_(norm2.weight, 1.0, 0.2)
+        torch.nn.init.normal_(norm2.bias, 0.0, 0.2)
+        with torch.no_grad():
+            n1 = (norm1(x.float()) * (1 + scale) + shift).type_as(x)
+            assert_bitwise_equal(ref.layernorm_modulate(x, scale, shift, 1e-6, norm_dtype=torch.float32), n1, "norm1")
+            h = (x.float() + attn * gate).type_as(x)
+            n2 = norm2(h.float()).type_as(h)
+            got = ref.gate_residual_layernorm_modulate(x, gate, attn, None, None, 1e-6, norm2.weight, norm2.bias,
+                                                       torch.float32)
+            assert_bitwise_equal(got, (h, n2), "gate residual + norm2")
+            h2 = h + attn
+            n3 = (norm1(h2.float()) * (1 + mods[4]) + mods[3]).type_as(h2)
+            got = ref.gate_residual_layernorm_modulate(h, None, attn, mods[4], mods[3], 1e-6, norm_dtype=torch.float32)
+            assert_bitwise_equal(got, (h2, n3), "residual + norm3")
+            ff = attn
+            out = (h2.float() + ff.float() * mods[5]).type_as(h2)
+            assert_bitwise_equal(ref.gate_residual(h2, mods[5], ff), out, "ff gate residual")
+            # the model tail: temb + a [1, 2, D] table, chunk(2, dim=1)
+            tail_shift, tail_scale = (_rand(1, 2, D, device=device, dtype=table_dtype, seed=18)
+                                      + _rand(B, D, device=device, dtype=dtype, seed=19).unsqueeze(1)).chunk(2, dim=1)
+            tail = (norm1(x.float()) * (1 + tail_scale) + tail_shift).type_as(x)
+            assert_bitwise_equal(ref.layernorm_modulate(x, tail_scale, tail_shift, 1e-6, norm_dtype=torch.float32),
+                                 tail, "norm_out tail")
+
+
+def check_model_with_references(model, inputs, label="transformer"):
+    """The adapter's fast forwards with every op on its reference chain (DITFUSE_DISABLE=all)
+    reproduce the diffusers model bitwise: proves the chains as the fast forwards call them."""
+    import ditfuse
+
+    with torch.no_grad():
+        base = model(**inputs)[0]
+        handle = ditfuse.accelerate(model)
+        try:
+            assert handle.report().components[0].status == "mounted"
+            got = model(**inputs)[0]
+        finally:
+            handle.unmount()
+    assert_bitwise_equal(got, base, f"{label} (reference chains)")
+
+
 def check_flux_blocks_with_references(model, inputs):
     """The adapter's fast forwards with every op on its reference chain (DITFUSE_DISABLE=all)
     reproduce the diffusers blocks bitwise: proves the gate-residual / LN chains too."""
@@ -124,4 +178,5 @@ ALL = [
     check_rope,
     check_qk_rmsnorm_rope,
     check_gelu,
+    check_wan_chains,
 ]

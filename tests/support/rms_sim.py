@@ -12,7 +12,7 @@ squares).
 under the Triton interpreter ``1 / sqrt`` (what the interpreter computes for ``rsqrt``).
 
 Besides the torch order, :func:`sumsq` knows a few alternative orders; the GPU probe
-(tests/gpu/probe_rms_order.py) runs them all to show which one torch's kernel follows.
+(bench/probes/probe_rms_order.py) runs them all to show which one torch's kernel follows.
 """
 
 from __future__ import annotations
@@ -136,4 +136,17 @@ def qk_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_
     if cos is not None:
         qn = rope_interleaved(qn, cos, sin)
         kn = rope_interleaved(kn, cos, sin)
+    return qn, kn
+
+
+def qk_rmsnorm_across_heads_rope(q, k, q_weight, k_weight, cos, sin, heads, eps=1e-6, rsqrt=torch.rsqrt,
+                                 order="torch"):
+    """ditfuse.kernels.reference.qk_rmsnorm_across_heads_rope (Wan) with the RMSNorm over all
+    heads simulated (several 4-element vectors per thread when H * Dh > 512)."""
+    from ditfuse.kernels.reference import rope_pairs
+
+    qn = rms_norm(q, q_weight, eps, rsqrt, order).unflatten(2, (heads, -1))
+    kn = rms_norm(k, k_weight, eps, rsqrt, order).unflatten(2, (heads, -1))
+    if cos is not None:
+        qn, kn = rope_pairs(qn, cos, sin), rope_pairs(kn, cos, sin)
     return qn, kn

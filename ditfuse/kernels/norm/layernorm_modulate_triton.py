@@ -44,7 +44,15 @@ import triton
 import triton.language as tl
 
 from ditfuse.kernels.common.elementwise import load_f32, load_row_tile
-from ditfuse.kernels.common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
+from ditfuse.kernels.common.host import (
+    SUPPORTED_DTYPES,
+    device_reason,
+    grad_reason,
+    interpreter_on,
+    promote,
+    tl_dtype,
+    use_custom_op,
+)
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford import (
     LN_THREADS,
@@ -57,6 +65,10 @@ from ditfuse.kernels.common.welford import (
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
+# Pass 1 issues the next tile's loads before the current tile's Welford chain (scheduling only:
+# same bits). Off until measured faster on the H200 (bench/bench_kernels.py, provider
+# ours-prefetch); a module attribute so that the benchmark can flip it.
+PREFETCH = False
 # RES modes
 _NO_RES, _ADD, _GATED = 0, 1, 2
 
@@ -105,7 +117,7 @@ def _ln_kernel(
     EXACT: tl.constexpr,
     P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
-    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
+    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True, PREFETCH: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -121,13 +133,23 @@ def _ln_kernel(
     # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order (cuWelfordOnlineSum).
     mean = tl.zeros([LN_THREADS, R], dtype=tl.float32)
     m2 = tl.zeros([LN_THREADS, R], dtype=tl.float32)
+    if PREFETCH:  # the next tile's loads are issued before this tile's Welford chain runs
+        x_next = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                           t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT)
     j = 0
     while j < J:
         vec = j * LN_THREADS + t
         valid_t = vec < NVEC
         valid = valid_t[:, None, None] & row_ok[None, :, None]
-        x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                      vec, k4, valid, RES, EXACT, P_DT, H_DT)
+        if PREFETCH:
+            x = x_next
+            vec_n = vec + LN_THREADS
+            x_next = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                               vec_n, k4, (vec_n < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT,
+                               P_DT, H_DT)
+        else:
+            x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                          vec, k4, valid, RES, EXACT, P_DT, H_DT)
         if RES != 0:
             dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
             tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
@@ -150,14 +172,20 @@ def _ln_kernel(
     mean_r = mean_r[None, :, None]
     rstd = rstd[None, :, None]
 
-    # Pass 2: normalise (torch's one rounding), the affine, then eager's modulate roundings.
+    # Pass 2: normalise (torch's one rounding), the affine, then eager's modulate roundings. With a
+    # residual, the bit-exact kernel reads back the h it stored (the same threads wrote those
+    # elements in pass 1: same tile layout) instead of recomputing it from 2-3 inputs; the close
+    # kernel needs the unrounded sum and recomputes it.
     j = 0
     while j < J:
         vec = j * LN_THREADS + t
         valid_t = vec < NVEC
         valid = valid_t[:, None, None] & row_ok[None, :, None]
-        x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                      vec, k4, valid, RES, EXACT, P_DT, H_DT)
+        if RES != 0 and EXACT:
+            x = load_row_tile(h_ptr, b, s, S * N, N, 1, vec, k4, valid)
+        else:
+            x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                          vec, k4, valid, RES, EXACT, P_DT, H_DT)
         n = rstd * (x - mean_r)
         if HAS_W:
             w = _vec_tile(w_ptr, wsd, vec, k4, valid_t)
@@ -310,6 +338,8 @@ def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
 def _rows_per_program(M: int) -> int:
     """Rows per program: 4 when there are enough rows to fill the GPU several times over, fewer
     for short inputs (more programs). Never changes numerics (rows are independent)."""
+    if interpreter_on():  # numpy runs each program in Python: few, wide programs
+        return min(32, triton.next_power_of_2(M))
     if M >= 2048:
         return 4
     if M >= 512:
@@ -318,13 +348,16 @@ def _rows_per_program(M: int) -> int:
 
 
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
-            rows_per_program: int | None = None, affine_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            rows_per_program: int | None = None, affine_fma: bool = True,
+            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
-    only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
+    only tiles the work (benchmarks sweep it); any value gives the same bits, and so does
+``prefetch`` (pass 1 loads one tile ahead: scheduling only). ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     B, S, D = x.shape
+    prefetch = PREFETCH if prefetch is None else prefetch
     res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
     h_dt = x.dtype
     p_dt = promote(gate.dtype, update.dtype) if res == _GATED else x.dtype
@@ -356,7 +389,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
         EXACT=exact,
         P_DT=tl_dtype(p_dt), H_DT=tl_dtype(h_dt), LN_DT=tl_dtype(ln_dt), SC_DT=tl_dtype(sc_dt),
         M_DT=tl_dtype(m_dt), S_DT=tl_dtype(s_dt), OUT_DT=tl_dtype(out_dt),
-        R=R, AFFINE_FMA=affine_fma, num_warps=4, enable_fp_fusion=False,
+        R=R, AFFINE_FMA=affine_fma, PREFETCH=prefetch, num_warps=4, enable_fp_fusion=False,
     )
     return h, out
 

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import load_f32, load_row_tile
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, interpreter_on, promote, tl_dtype, use_custom_op
 from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_rows, rsqrt_approx
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
@@ -185,6 +185,8 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 
 
 def _rows_per_program(M: int) -> int:
+    if interpreter_on():  # numpy runs each program in Python: few, wide programs
+        return min(32, triton.next_power_of_2(M))
     return 4 if M >= 2048 else (2 if M >= 512 else 1)
 
 

@@ -1,14 +1,17 @@
-"""``ditfuse bench flux``: FLUX.1-dev-size transformer step time, eager vs ditfuse vs torch.compile.
+"""``ditfuse bench <family>``: one transformer step, eager vs ditfuse vs torch.compile.
 
-A FLUX.1-dev-shaped FluxTransformer2DModel (19 dual + 38 single blocks, width 3072, 24 heads,
-random bf16 weights — timings do not depend on the weights' values) at 1024x1024 (4096 image +
-512 text tokens), batch 1 and 2. Providers: diffusers eager, ditfuse lossless, ditfuse lossless +
-CUDA graph, torch.compile (default mode), and ditfuse high when any close kernel is registered.
-Median step time over ``--steps`` timed steps after warm-up, each step timed with CUDA events.
-Each ditfuse provider's output is checked bitwise against eager (column ``bitwise_equal``);
-torch.compile's relative difference is reported instead (it is not bit-exact). A torch.profiler
-kernel-time breakdown (GEMM, attention, norms, elementwise, copies, other) before and after is
-written too. Output: long-format CSV + breakdown CSV + PNG bar chart.
+A real-size random-weight transformer of the family (``--config``, default ``dev``: FLUX.1-dev
+size for flux, Wan2.1-1.3B size for wan; timings do not depend on the weights' values) at the
+family's benchmark size (``--size``: 1024x1024 for flux, 832x480x81 for wan), batch 1 and 2.
+Providers: diffusers eager, ditfuse lossless, ditfuse lossless + CUDA graph, torch.compile
+(default mode), ditfuse high. Median step time over ``--steps`` timed steps after warm-up, each
+timed with CUDA events. Each ditfuse lossless provider's output is checked bitwise against eager
+(column ``bitwise_equal``); high's and torch.compile's relative difference is reported instead. A
+torch.profiler kernel-time breakdown (GEMM, attention, norms, elementwise, copies, other) of eager,
+lossless and high is written too. Output: long-format CSV + breakdown CSV + PNG bar chart, named
+``<family>_step_h200.*`` (``--tag`` to change the suffix).
+
+    PYTHONPATH=. python3 bench/bench_step.py --family wan [--config ti2v-5b --size 1280x704x121]
 """
 
 from __future__ import annotations
@@ -20,12 +23,6 @@ import subprocess
 import time
 from pathlib import Path
 from typing import Any, Callable
-
-FLUX_DEV = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-    axes_dims_rope=(16, 56, 56),
-)
 
 # Attention first: cuDNN/flash SDPA kernel names contain "wgmma"/"gemm" too.
 CATEGORIES = (
@@ -55,45 +52,6 @@ def _commit() -> str:
                               cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
     except Exception:
         return "unknown"
-
-
-def build_model(layers: tuple[int, int] | None = None):
-    import torch
-    from diffusers import FluxTransformer2DModel
-
-    cfg = dict(FLUX_DEV)
-    if layers is not None:
-        cfg["num_layers"], cfg["num_single_layers"] = layers
-    torch.manual_seed(0)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # initialise 12B params directly in bf16 on the GPU
-    try:
-        with torch.device("cuda"):
-            model = FluxTransformer2DModel(**cfg)
-    finally:
-        torch.set_default_dtype(prev)
-    return model.to(torch.bfloat16).eval().requires_grad_(False)
-
-
-def make_inputs(batch: int, img_tokens: int = 4096, txt_tokens: int = 512, seed: int = 0) -> dict[str, Any]:
-    import torch
-
-    g = torch.Generator("cuda").manual_seed(seed)
-    side = int(img_tokens ** 0.5)
-    ids = torch.zeros(img_tokens, 3, device="cuda")
-    ids[:, 1] = torch.arange(img_tokens, device="cuda") // side
-    ids[:, 2] = torch.arange(img_tokens, device="cuda") % side
-    bf = torch.bfloat16
-    return dict(
-        hidden_states=torch.randn(batch, img_tokens, 64, device="cuda", generator=g).to(bf),
-        encoder_hidden_states=torch.randn(batch, txt_tokens, 4096, device="cuda", generator=g).to(bf),
-        pooled_projections=torch.randn(batch, 768, device="cuda", generator=g).to(bf),
-        timestep=torch.full((batch,), 0.5, device="cuda", dtype=bf),
-        guidance=torch.full((batch,), 3.5, device="cuda", dtype=torch.float32),
-        img_ids=ids,
-        txt_ids=torch.zeros(txt_tokens, 3, device="cuda"),
-        return_dict=False,
-    )
 
 
 def time_steps(fn: Callable[[], Any], steps: int, warmup: int) -> tuple[list[float], Any]:
@@ -140,9 +98,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import ditfuse
     from ditfuse.kernels.compare import first_mismatch
+    from ditfuse.models import families
 
     if not torch.cuda.is_available():
-        raise SystemExit("ditfuse bench flux needs a CUDA GPU")
+        raise SystemExit(f"ditfuse bench {args.family} needs a CUDA GPU")
+    fam = families.get(args.family)
+    size = args.size or fam.default_size
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     gpu = torch.cuda.get_device_name()
@@ -152,14 +113,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     meta["diffusers"] = diffusers.__version__
     layers = tuple(args.layers) if args.layers else None
     t0 = time.time()
-    model = build_model(layers)
-    print(f"[bench] model built in {time.time() - t0:.1f}s on {gpu}", flush=True)
+    model = fam.build(args.config, layers, load=args.load)
+    print(f"[bench] {fam.name} {args.config} model built in {time.time() - t0:.1f}s on {gpu} "
+          f"({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, load={args.load})", flush=True)
     rows: list[dict[str, Any]] = []
     breakdown: list[dict[str, Any]] = []
     providers = args.providers
 
     for batch in args.batches:
-        inp = make_inputs(batch, args.img_tokens, args.txt_tokens)
+        inp = fam.make_inputs(model, batch, size, txt_tokens=args.txt_tokens)
         step = lambda: model(**inp)[0]
         with torch.no_grad():
             times, ref_out = time_steps(step, args.steps, args.warmup)
@@ -215,26 +177,27 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     torch._dynamo.reset()
         for prov, (times, bitwise, rel) in results.items():
             rows.append(
-                dict(model="flux1-dev-size", provider=prov, batch=batch, img_tokens=args.img_tokens,
+                dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
                      txt_tokens=args.txt_tokens, median_ms=round(statistics.median(times), 3),
                      min_ms=round(min(times), 3), steps=len(times), bitwise_equal=bitwise,
                      rel_diff_vs_eager=f"{rel:.3e}", **meta)
             )
         torch.cuda.empty_cache()
 
-    csv_path = out_dir / "flux_step_h200.csv"
+    stem = f"{fam.name}{'' if args.config == 'dev' else '_' + args.config}_step_{args.tag}"
+    csv_path = out_dir / f"{stem}.csv"
     with csv_path.open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
     if breakdown:
         cats = sorted({k for b in breakdown for k in b} - {"provider", "batch"})
-        with (out_dir / "flux_breakdown_h200.csv").open("w", newline="") as f:
+        with (out_dir / f"{stem.replace('_step_', '_breakdown_')}.csv").open("w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=["provider", "batch", *cats])
             w.writeheader()
             for b in breakdown:
                 w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()})
-    _plot(rows, out_dir / "flux_step_h200.png")
+    _plot(rows, out_dir / f"{stem}.png")
     print("\nprovider          batch  median ms  bitwise  rel diff")
     for r in rows:
         print(f"{r['provider']:<17} {r['batch']:>5}  {r['median_ms']:>9.2f}  {str(r['bitwise_equal']):>7}  {r['rel_diff_vs_eager']}")
@@ -263,38 +226,37 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xticks([j + width * (len(provs) - 1) / 2 for j in range(len(batches))])
     ax.set_xticklabels([f"B={b}" for b in batches])
     ax.set_ylabel("median step time (ms)")
-    ax.set_title(f"FLUX.1-dev-size transformer step, 1024x1024, {rows[0]['gpu']}")
+    ax.set_title(f"{rows[0]['model']} transformer step, {rows[0]['size']}, {rows[0]['gpu']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def default_providers() -> list[str]:
-    """eager, lossless, lossless + CUDA graph, torch.compile, and high when a close kernel is registered."""
-    from ..kernels import registry
-    from ..kernels.spec import Contract
-
-    provs = ["eager", "lossless", "lossless_graph", "compile"]
-    if any(s.contract is Contract.CLOSE for s in registry.specs()):
-        provs.append("high")
-    return provs
+PROVIDERS = ["eager", "lossless", "lossless_graph", "compile", "high"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", default="flux", help="model family (flux, wan)")
+    p.add_argument("--config", default="dev", help="the family's transformer config (dev = its real size)")
+    p.add_argument("--load", default="pretrained", choices=["pretrained", "plain"],
+                   help="dtypes as from_pretrained(torch_dtype=bf16) leaves them, or all bf16")
+    p.add_argument("--size", default=None, help="WxH (image) or WxHxFRAMES (video); default: the family's")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--img-tokens", type=int, default=4096)
     p.add_argument("--txt-tokens", type=int, default=512)
-    p.add_argument("--layers", type=int, nargs=2, default=None, metavar=("DUAL", "SINGLE"),
-                   help="override block counts (default FLUX.1-dev: 19 38)")
-    p.add_argument("--providers", nargs="+", default=default_providers(),
-                   choices=["eager", "lossless", "lossless_graph", "compile", "high"])
+    p.add_argument("--layers", type=int, nargs="+", default=None,
+                   help="override block counts (flux: DUAL SINGLE; wan: BLOCKS)")
+    p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--tag", default="h200", help="file name suffix")
 
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
     run(p.parse_args(argv))

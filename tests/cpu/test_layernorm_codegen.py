@@ -1,7 +1,8 @@
-"""Static checks of v2's sm_90 code (compiled on the CPU, no GPU): the fold's ``tl.reduce``
-gets the layout its bitwise argument needs (thread t = lane + 32 * warp along the reduced
-axis, one element per thread) and lowers to butterfly shuffles at 16, 8, 4, 2, 1 per row
-then 2, 1 across warps; no spills, vector loads/stores, few layout conversions."""
+"""Static checks of the row-norm kernels' sm_90 code (compiled on the CPU, no GPU): the fold's
+``tl.reduce`` gets the layout its bitwise argument needs (thread t = lane + 32 * warp along the
+reduced axis, one element per thread) and lowers to butterfly shuffles at 16, 8, 4, 2, 1 per row
+then 2, 1 across warps; no spills, vector loads/stores, few layout conversions. Kernels: the
+LayerNorm+modulate kernel (Welford states) and Wan's RMSNorm+RoPE (sums)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def facts():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "tests.layernorm_codegen", "v2-R1-plain", "v2-R4-plain",
-                          "v2-R4-gated"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-m", "tests.support.layernorm_codegen", "ln-R1-plain", "ln-R4-plain",
+                          "ln-R4-gated", "wanrope-R4-plain"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
     if out.returncode != 0:
         pytest.fail(out.stderr[-3000:])
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -40,16 +42,19 @@ def test_reduce_layout_is_one_thread_per_column(facts):
 def test_shuffle_tree_order(facts):
     for f in facts:
         R = f["R"]
-        lanes = [o for o in (16, 8, 4, 2, 1) for _ in range(3)]  # mean, m2, count per step
+        n = 3 if f["kind"] == "ln" else 1  # Welford: mean, m2, count per step; RMS: the sum
+        lanes = [o for o in (16, 8, 4, 2, 1) for _ in range(n)]
         assert f["shfl_kinds"] == ["bfly"], f
-        assert f["shfl_offsets"] == lanes * R + [2, 2, 2, 1, 1, 1], f["shfl_offsets"]
+        assert f["shfl_offsets"] == lanes * R + [2] * n + [1] * n, f["shfl_offsets"]
 
 
 def test_no_spills_vector_memory(facts):
     for f in facts:
         assert f["local_bytes"] == 0, f
-        assert f["convert_layout"] <= 2, f
+        # LayerNorm: the loads' layout throughout; RoPE: split/join of the pairs adds two
+        assert f["convert_layout"] <= (2 if f["kind"] == "ln" else 4), f
         assert f["bar_sync"] <= 2, f
-        assert set(f["ld_global"]) == {"ld.global.v2.b32"}, f["ld_global"]
+        if f["kind"] == "ln":  # the RoPE kernel also gathers cos/sin element by element
+            assert set(f["ld_global"]) == {"ld.global.v2.b32"}, f["ld_global"]
         assert set(f["st_global"]) == {"st.global.v2.b32"}, f["st_global"]
         assert f["rsqrt_approx"] == f["R"], f

@@ -1,0 +1,42 @@
+"""Model-level bitwise comparison shared by the GPU adapter tests: accelerated vs plain diffusers,
+and proof that the fast path engaged (every op verified, nothing fell back, kernels ran)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import ditfuse
+from ditfuse.kernels.compare import assert_bitwise_equal
+
+
+def assert_engaged(ops) -> None:
+    rep = ditfuse.gate.report()
+    assert not rep.disabled, f"ops disabled: {rep.disabled}"
+    assert not rep.fallbacks, f"fallbacks: {[(f.op, f.reason) for f in rep.fallbacks]}"
+    for op in ops:
+        c = rep.calls.get(op, {})
+        assert rep.verified.get(op), f"{op} never verified; calls {dict(c)}"
+        assert c.get("unsupported", 0) == 0, f"{op} raised UnsupportedInput {c['unsupported']}x"
+        assert c.get("kernel", 0) > 0, f"{op}: kernel never ran; calls {dict(c)}"
+
+
+def compare_accelerated(model: torch.nn.Module, inputs: dict[str, Any], ops, label: str = "") -> None:
+    """Plain forward, accelerated forward twice (first sight verifies; then kernels only), plain
+    again after unmount: all bitwise equal; then :func:`assert_engaged`."""
+    ditfuse.gate.reset()
+    with torch.no_grad():
+        base = model(**inputs)[0]
+        h = ditfuse.accelerate(model)
+        try:
+            assert h.report().components[0].status == "mounted", h.report().summary()
+            first = model(**inputs)[0]
+            second = model(**inputs)[0]
+        finally:
+            h.unmount()
+        after = model(**inputs)[0]
+    assert_bitwise_equal(first, base, f"{label} first call")
+    assert_bitwise_equal(second, base, f"{label} second call (kernels only)")
+    assert_bitwise_equal(after, base, f"{label} after unmount")
+    assert_engaged(ops)
