@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -37,7 +37,9 @@ from prometheus_client.registry import Collector
 # one GPU takes seconds to tens of seconds, the tiny CPU preset tens of milliseconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-CONTENT_TYPE = CONTENT_TYPE_LATEST
+# Our metric and label names are plain [a-z_], for which generate_latest's text is the classic
+# 0.0.4 format; declaring 0.0.4 keeps every Prometheus version (2.x included) parsing it.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,13 @@ class LiveState:
 class _LiveCollector(Collector):
     def __init__(self, read: Callable[[], LiveState]) -> None:
         self._read = read
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        # Names only, for the registry's duplicate check at registration (before the engine that
+        # ``read`` looks at is fully built).
+        yield GaugeMetricFamily("ditfuse_queue_depth", "")
+        yield GaugeMetricFamily("ditfuse_images_in_flight", "")
+        yield GaugeMetricFamily("ditfuse_quality_current", "", labels=["quality"])
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         s = self._read()

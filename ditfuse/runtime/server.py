@@ -633,5 +633,10 @@ def run(args: Any) -> int:
         access_log=not args.no_access_log,
         log_prompts=args.log_prompts,
     )
-    make_server(app, args.host, args.port).run()
+    try:
+        make_server(app, args.host, args.port).run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it handled once the graceful shutdown is done (as
+        # uvicorn.run does, exit 0: the shutdown was the one asked for).
+        pass
     return 0

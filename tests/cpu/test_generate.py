@@ -13,18 +13,6 @@ from PIL import Image
 EXE = str(Path(sys.executable).with_name("ditfuse"))
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "ditfuse-cache"
-    old = os.environ.get("DITFUSE_CACHE")
-    os.environ["DITFUSE_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("DITFUSE_CACHE", None)
-    else:
-        os.environ["DITFUSE_CACHE"] = old
-
-
 def run_cli(args, cache, timeout=240):
     env = {**os.environ, "DITFUSE_CACHE": str(cache)}
     # A plain CPU process: no Triton interpreter, so the report says fused ops are unavailable.

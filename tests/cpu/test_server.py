@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
 import os
 import signal
 import socket
@@ -30,18 +31,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "ditfuse-cache"
-    old = os.environ.get("DITFUSE_CACHE")
-    os.environ["DITFUSE_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("DITFUSE_CACHE", None)
-    else:
-        os.environ["DITFUSE_CACHE"] = old
-
-
 @pytest.fixture(scope="module")
 def one_thread():
     """The tiny model's ops are far too small to gain from intra-op threads, and on a busy 2-core
@@ -56,11 +45,10 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, one_thread):
-    import uvicorn
     from diffusers.hooks import ModelHook
 
     from ditfuse.contracts import quality as q
-    from ditfuse.runtime.server import build_engine, create_app
+    from ditfuse.runtime.server import build_engine, create_app, make_server
 
     engine, summary = build_engine("tiny-flux", accelerate=True, max_batch_size=4, batch_wait_ms=100, max_queue=256)
     probe = False
@@ -79,7 +67,7 @@ def server(tiny_cache, one_thread):
         probe = True
     app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    srv = make_server(app, "127.0.0.1", port)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -212,8 +200,18 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
         if server.probe:
             assert any(s.endswith(":" + PROBE) for s in b["mounted"]) == (b["quality"] == "high"), b
     m1 = metrics(server)
-    assert m1["ditfuse_quality_mounts_total"] > m0["ditfuse_quality_mounts_total"]
-    assert m1["ditfuse_quality_unmounts_total"] >= m0["ditfuse_quality_unmounts_total"]
+    mounts = m1["ditfuse_quality_mounts_total"] - m0["ditfuse_quality_mounts_total"]
+    unmounts = m1["ditfuse_quality_unmounts_total"] - m0["ditfuse_quality_unmounts_total"]
+    if server.probe:  # the probe site really mounts with the high tier
+        assert mounts >= 1 and unmounts >= mounts - 1
+    else:  # e.g. a CPU machine: nothing can mount, so the tier switches count nothing
+        assert "fused ops unavailable" in server.summary
+        assert (mounts, unmounts) == (0, 0)
+        assert all(b["mounted"] == [] for b in new)
+    switches = [b for b in new if b["transition"] is not None]
+    assert switches  # the tier did switch; what it mounted is what the counters say
+    mounted_any = sum(1 for b in switches if any(r["mounted"] for r in b["transition"]["result"].values()))
+    assert mounts == mounted_any
 
 
 @pytest.mark.parametrize(
@@ -261,6 +259,153 @@ def test_malformed_json_unknown_model_and_body_limit(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+GEN = "/v1/images/generations"
+
+
+def post(server, body: bytes | dict, content_type: str | None = "application/json", **headers) -> httpx.Response:
+    data = body if isinstance(body, bytes) else __import__("json").dumps(body).encode()
+    h = {**auth(), **headers}
+    if content_type is not None:
+        h["content-type"] = content_type
+    return httpx.post(server.url + GEN, content=data, headers=h, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"style": "vivid"}, "style"),  # OpenAI's, but not implemented here
+        ({"num_inference_step": 2}, "num_inference_step"),  # a typo of ours
+        ({"cfg": 7, "sampler": "euler"}, "cfg"),
+    ],
+)
+def test_unknown_field_is_a_400_naming_it(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        gen(client(server), extra=extra)
+    body = e.value.body
+    assert e.value.status_code == 400
+    assert body["type"] == "invalid_request_error" and body["code"] == "unknown_parameter"
+    assert body["param"] == param
+    for name in extra:
+        assert repr(name) in body["message"]
+    assert "num_inference_steps" in body["message"]  # says what is accepted
+
+
+def test_documented_fields_are_all_accepted(server):
+    body = {
+        "model": "tiny-flux", "prompt": "a fox", "n": 1, "quality": "standard", "response_format": "b64_json",
+        "output_format": "png", "user": "user-1234", "seed": 3, "num_inference_steps": 1, "guidance_scale": 2.0,
+        "negative_prompt": "blur", "true_cfg_scale": 1.0, "width": 32, "height": 48,
+    }
+    from ditfuse.runtime.server import REQUEST_FIELDS
+
+    assert set(body) == REQUEST_FIELDS - {"size"}  # every accepted field, in one request
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    assert decode(SimpleNamespace(**r.json()["data"][0])).size == (32, 48)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"],
+)
+def test_body_must_be_sent_as_json(server, content_type):
+    r = post(server, {"prompt": "x", "size": "32x32", "num_inference_steps": 1}, content_type=content_type)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_media_type"
+    assert "application/json" in err["message"]
+
+
+@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/merge+json"])
+def test_json_content_types_with_parameters_are_accepted(server, content_type):
+    r = post(server, {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}, content_type=content_type)
+    assert r.status_code == 200, r.text
+
+
+def _requests_by_label(m: dict[str, float]) -> dict[tuple[str, str], float]:
+    out = {}
+    for k, v in m.items():
+        if k.startswith("ditfuse_requests_total{"):
+            labels = dict(kv.split("=", 1) for kv in k[len("ditfuse_requests_total{"):-1].split(","))
+            out[(labels["outcome"].strip('"'), labels["status"].strip('"'))] = v
+    return out
+
+
+def _wait_for(pred, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_metrics_count_good_and_rejected_requests_by_outcome_and_status(server):
+    before = _requests_by_label(metrics(server))
+    dropped0 = metrics(server).get('ditfuse_queue_dropped_total{reason="timeout"}', 0)
+    ok = {"prompt": "counted", "size": "32x32", "num_inference_steps": 1, "seed": 2}
+    assert post(server, ok).status_code == 200
+    assert post(server, ok).status_code == 200
+    assert post(server, {**ok, "style": "vivid"}).status_code == 400
+    assert post(server, {**ok, "size": "33x32"}).status_code == 400
+    assert post(server, b"{broken").status_code == 400
+    assert post(server, ok, content_type="text/plain").status_code == 415
+    assert post(server, {**ok, "model": "dall-e-3"}).status_code == 404
+    assert post(server, ok, Authorization="Bearer wrong").status_code == 401
+    assert post(server, {"prompt": "x" * 70000}).status_code == 413
+    eng = server.engine
+    old = eng.request_timeout_s
+    eng.request_timeout_s = 0.02  # shorter than the batch wait (100 ms): times out in the queue
+    try:
+        assert post(server, ok).status_code == 504
+    finally:
+        eng.request_timeout_s = old
+    httpx.get(server.url + "/health")  # other routes are not image requests: not counted
+    httpx.get(server.url + "/v1/models", headers=auth())
+    expected = {
+        ("ok", "200"): 2,
+        ("unknown_parameter", "400"): 1,
+        ("invalid_value", "400"): 1,
+        ("invalid_json", "400"): 1,
+        ("unsupported_media_type", "415"): 1,
+        ("model_not_found", "404"): 1,
+        ("invalid_api_key", "401"): 1,
+        ("request_too_large", "413"): 1,
+        ("timeout", "504"): 1,
+    }
+    # the response reaches the client just before the server counts it
+    _wait_for(lambda: sum(_requests_by_label(metrics(server)).values()) - sum(before.values()) >= sum(expected.values()), "not counted")
+    after = _requests_by_label(metrics(server))
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert delta == expected
+    # the timed-out request was dropped from the queue before it ran
+    _wait_for(lambda: metrics(server).get('ditfuse_queue_dropped_total{reason="timeout"}', 0) == dropped0 + 1, "not dropped")
+
+
+def test_access_log_has_one_line_per_request_without_the_prompt(server, caplog):
+    import re
+
+    caplog.set_level(logging.INFO, logger="ditfuse.access")
+    secret = "a secret prompt about zebras"
+    res = gen(client(server), prompt=secret, n=2, quality="hd", steps=1)
+    assert len(res.data) == 2
+    with pytest.raises(openai.BadRequestError):
+        gen(client(server), prompt=secret, extra={"style": "vivid"})
+    httpx.get(server.url + "/health")
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "ditfuse.access"]
+
+    _wait_for(lambda: len(lines()) >= 3, f"access log lines missing: {lines()}")
+    got = lines()
+    assert len(got) == 3, got
+    ok, bad, health = got
+    assert re.fullmatch(r"127\.0\.0\.1:\d+ POST /v1/images/generations 200 \d+\.\dms quality=high batch=[1-4](\+[1-4])? images=2", ok), ok
+    assert re.fullmatch(
+        r"127\.0\.0\.1:\d+ POST /v1/images/generations 400 \d+\.\dms quality=- batch=- images=0 error=unknown_parameter", bad
+    ), bad
+    assert re.fullmatch(r"127\.0\.0\.1:\d+ GET /health 200 \d+\.\dms", health), health
+    assert not any("zebra" in line for line in got)
+
+
 def test_api_key_required_everywhere_but_health(server):
     with pytest.raises(openai.AuthenticationError) as e:
         gen(client(server, api_key="wrong"))
@@ -273,6 +418,7 @@ def test_api_key_required_everywhere_but_health(server):
 
 
 def test_queue_full_gives_429(server):
+    before = _requests_by_label(metrics(server))
     eng = server.engine
     old = eng.max_queue
     eng.max_queue = 2
@@ -298,6 +444,10 @@ def test_queue_full_gives_429(server):
     assert all(e.status_code == 429 and e.body["code"] == "queue_full" for e in limited)
     assert ok
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    _wait_for(lambda: sum(_requests_by_label(metrics(server)).values()) - sum(before.values()) >= len(res), "not counted")
+    after = _requests_by_label(metrics(server))
+    assert after[("queue_full", "429")] - before.get(("queue_full", "429"), 0) == len(limited)
+    assert after[("ok", "200")] - before.get(("ok", "200"), 0) == len(ok)
 
 
 def test_request_of_a_disconnected_client_is_dropped_before_it_runs(server):
@@ -317,9 +467,8 @@ def test_request_of_a_disconnected_client_is_dropped_before_it_runs(server):
         )
     busy.join(120)
     deadline = time.monotonic() + 10
-    while metrics(server).get('ditfuse_requests_total{outcome="dropped_disconnected"}', 0) <= m0.get(
-        'ditfuse_requests_total{outcome="dropped_disconnected"}', 0
-    ):
+    dropped = 'ditfuse_queue_dropped_total{reason="disconnected"}'
+    while metrics(server).get(dropped, 0) <= m0.get(dropped, 0):
         assert time.monotonic() < deadline, "the disconnected request was not dropped"
         time.sleep(0.05)
     m1 = metrics(server)
@@ -355,7 +504,7 @@ def test_soak_200_concurrent_mixed_requests(server):
         img = decode(r.data[0])
         assert img.size == (w, h) and img.text["prompt"] == f"soak {i}"
     m1 = metrics(server)
-    ok = 'ditfuse_requests_total{outcome="ok"}'
+    ok = 'ditfuse_requests_total{outcome="ok",status="200"}'
     assert m1[ok] - m0[ok] == 200
     assert m1["ditfuse_images_total"] - m0["ditfuse_images_total"] == sum(n for *_, n in plan)
     assert m1["ditfuse_queue_depth"] == 0 and m1["ditfuse_images_in_flight"] == 0
@@ -366,6 +515,7 @@ def test_soak_200_concurrent_mixed_requests(server):
 
 
 def test_metrics_are_prometheus_text(server):
+    gen(client(server), prompt="for the histograms")  # self-contained under any test order
     r = httpx.get(server.url + "/metrics", headers=auth())
     assert r.headers["content-type"].startswith("text/plain")
     names = set()
@@ -377,15 +527,27 @@ def test_metrics_are_prometheus_text(server):
             name, value = line.rsplit(" ", 1)
             float(value)
     for required in (
+        "ditfuse_requests_total",
         "ditfuse_queue_depth",
+        "ditfuse_images_in_flight",
         "ditfuse_batches_total",
         "ditfuse_batch_size_total",
+        "ditfuse_queue_wait_seconds",
+        "ditfuse_generation_seconds",
         "ditfuse_request_latency_seconds",
         "ditfuse_quality_mounts_total",
         "ditfuse_quality_unmounts_total",
+        "ditfuse_quality_current",
     ):
         assert required in names
-    assert 'ditfuse_request_latency_seconds_bucket{le="+Inf"}' in r.text
+    for hist in ("ditfuse_request_latency_seconds", "ditfuse_queue_wait_seconds"):
+        assert f'{hist}_bucket{{le="+Inf"}}' in r.text
+    m = metrics(server)
+    # every image request so far ran in some batch: the histograms agree with the counters
+    assert m["ditfuse_queue_wait_seconds_count"] >= 1
+    gen_count = sum(v for k, v in m.items() if k.startswith("ditfuse_generation_seconds_count"))
+    assert gen_count == m["ditfuse_batches_total"]
+    assert sum(v for k, v in m.items() if k.startswith("ditfuse_batch_size_total{")) == m["ditfuse_batches_total"]
 
 
 def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path):
@@ -427,6 +589,10 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
         assert proc.returncode == 0, out
         assert "serving on http://127.0.0.1:" in out
         assert "noise" in out
+        # the access log (the prompt left out) and the shutdown line
+        assert " POST /v1/images/generations 200 " in out and "quality=lossless batch=1 images=1" in out, out
+        assert "last one" not in out
+        assert "shutdown: 1 of 1 in-flight request finished (1 ok, 0 failed)" in out, out
     finally:
         if proc.poll() is None:
             proc.kill()
