@@ -22,6 +22,18 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker is one process on a shared machine: give each its share of the
+# cores, or N workers x N intra-op (OpenMP) threads spin against each other and every test slows
+# down (measured on a 2-core machine). Results do not depend on it: every comparison in the suite
+# is within one process.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# Files whose tests run Triton kernels under the interpreter (or inspect their generated code):
+# most of the suite's wall time. `make test-quick` leaves them out (marker "interpret").
+_INTERPRET_FILES = ("_interpret.py", "_codegen.py")
+
 
 def pytest_configure(config):
     if not os.environ.get("DITFUSE_CACHE"):
@@ -43,8 +55,11 @@ def tiny_cache() -> Path:
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "/tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
+        path = str(item.fspath).replace(os.sep, "/")
+        if "/tests/gpu/" in path:
             item.add_marker(pytest.mark.gpu)
+        if path.endswith(_INTERPRET_FILES):
+            item.add_marker(pytest.mark.interpret)
         if not HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip)
 

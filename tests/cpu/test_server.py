@@ -21,6 +21,11 @@ import openai
 import pytest
 from PIL import Image
 
+# One worker runs this whole file under pytest-xdist (`--dist loadgroup`): its tests share one
+# module-scoped server, and several read metric deltas that another test's traffic on the same
+# server would disturb if they ran at the same time.
+pytestmark = pytest.mark.xdist_group("server")
+
 KEY = "sk-ditfuse-test"
 PROBE = "test_probe"
 
@@ -597,3 +602,65 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# ObservedApp on its own (no pipeline): prompt logging is opt-in; the shutdown report counts
+# what was in flight when shutdown began and how it ended.
+
+
+async def _asgi_call(app, path: str) -> int:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 5)}
+    try:
+        await app(scope, receive, send)
+    except RuntimeError:
+        return -1
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def test_observed_app_logs_prompts_when_asked_and_reports_shutdown(caplog):
+    from ditfuse.runtime.metrics import EngineMetrics
+    from ditfuse.runtime.server import GENERATIONS_PATH, SCOPE_KEY, ObservedApp
+
+    caplog.set_level(logging.INFO, logger="ditfuse.access")
+    release = asyncio.Event()
+
+    async def inner(scope, receive, send):
+        scope[SCOPE_KEY].update(quality="high", prompt="a fox in snow", batch_sizes=[3, 1], images=2)
+        await release.wait()
+        if scope["path"] == "/boom":
+            raise RuntimeError("handler bug")  # no response at all
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    m = EngineMetrics()
+    app = ObservedApp(inner, m, log_prompts=True)
+
+    async def main():
+        calls = [asyncio.create_task(_asgi_call(app, p)) for p in (GENERATIONS_PATH, "/boom")]
+        await asyncio.sleep(0.05)
+        assert app.in_flight == 2
+        app.begin_shutdown()
+        late = asyncio.create_task(_asgi_call(app, GENERATIONS_PATH))  # arrived after: not counted
+        await asyncio.sleep(0.05)
+        release.set()
+        statuses = await asyncio.gather(*calls, late)
+        return statuses, app.shutdown_report()
+
+    statuses, report = asyncio.run(main())
+    assert statuses == [200, -1, 200]
+    assert (report.in_flight, report.finished, report.ok) == (2, 1, 1)
+    assert report.line().startswith("shutdown: 1 of 2 in-flight requests finished (1 ok, 0 failed, 1 did not finish)")
+    lines = [r.getMessage() for r in caplog.records if r.name == "ditfuse.access"]
+    assert any("quality=high batch=3+1 images=2 prompt='a fox in snow'" in line for line in lines), lines
+    assert any(" POST /boom 500 " in line for line in lines), lines
+    assert m.value("ditfuse_requests_total", outcome="ok", status=200) == 2
+    assert m.value("ditfuse_requests_total", outcome="internal_error", status=500) == 0  # not the image route
