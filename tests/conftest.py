@@ -33,6 +33,26 @@ if _WORKERS > 1:
 # Files whose tests run Triton kernels under the interpreter (or inspect their generated code):
 # most of the suite's wall time. `make test-quick` leaves them out (marker "interpret").
 _INTERPRET_FILES = ("_interpret.py", "_codegen.py")
+# Tests in files this conftest does not own that take seconds each on a 2-core machine (whole tiny
+# FLUX transformers through the interpreter, or a `ditfuse` subprocess): marked "slow" here so
+# that `make test-quick` leaves them out. Measured with `pytest --durations=40 -n 2`; a name that
+# no longer exists is harmless (the test then simply runs in the quick loop too).
+_SLOW_TESTS = {
+    "test_flux_adapter.py": {
+        "test_mount_unmount_outputs_bitwise_unchanged",  # 23-51 s each
+        "test_attention_backend_chosen_through_diffusers_is_respected",
+        "test_set_quality_high_then_lossless_bitwise",
+        "test_no_cuda_report_says_so_in_one_line",
+    },
+    "test_high_sites.py": {  # the tests on the module-scoped tiny model (built once, ~10 s)
+        "test_high_mounts_all_sites_runs_close_kernels_and_unmounts_bitwise",
+        "test_no_admission_record_mounts_nothing",
+        "test_failed_admission_is_not_mountable",
+        "test_disabled_kernel_fails_the_available_guard",
+        "test_capture_admission_batches_and_admission_on_captured",
+    },
+    "test_drift.py": {"test_drift_transformer_only_lossless_identical_high_drifts"},
+}
 
 
 def pytest_configure(config):
@@ -60,6 +80,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
         if path.endswith(_INTERPRET_FILES):
             item.add_marker(pytest.mark.interpret)
+        name = getattr(item, "originalname", item.name)
+        if name in _SLOW_TESTS.get(path.rsplit("/", 1)[-1], ()):
+            item.add_marker(pytest.mark.slow)
         if not HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip)
 

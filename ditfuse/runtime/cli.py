@@ -110,11 +110,16 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` shows each option's default, so nobody has to read the source to learn it;
     except where there is nothing to show (None, False) or the help text already says it."""
 
+    @staticmethod
+    def shows_default(action: argparse.Action) -> bool:
+        d = action.default
+        if action.nargs == 0 or d is None or d is False or d == argparse.SUPPRESS:
+            return False  # flags (store_true/false/const, help, version) have no value to show
+        return bool(action.option_strings) or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "default" in text.lower() or action.default is None or action.default is False or action.default == argparse.SUPPRESS:
-            return text
-        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+        if "default" in text.lower() or not self.shows_default(action):
             return text
         return text + " (default: %(default)s)"
 
@@ -124,6 +129,9 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
     do not inherit the formatter, and some register themselves from other modules)."""
     parser.formatter_class = HelpFormatter
     for action in parser._actions:
+        if action.help is None and action.option_strings and HelpFormatter.shows_default(action):
+            # argparse prints nothing at all for an option without help text, default included
+            action.help = "(default: %(default)s)"
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
                 _use_formatter(child)
