@@ -85,8 +85,8 @@ class EngineMetrics:
             ["outcome", "status"],
             registry=r,
         )
-        self.images = Counter("ditfuse_images", "Images generated (padding slots not counted).", registry=r)
-        self.batches = Counter("ditfuse_batches", "Pipeline calls (batches) that completed.", registry=r)
+        self.images_total = Counter("ditfuse_images", "Images generated (padding slots not counted).", registry=r)
+        self.batches_total = Counter("ditfuse_batches", "Pipeline calls (batches) that completed.", registry=r)
         self.batch_errors = Counter("ditfuse_batch_errors", "Pipeline calls that raised (every request in them failed).", registry=r)
         self.batch_size = Counter("ditfuse_batch_size", "Completed batches by number of real images in them.", ["size"], registry=r)
         self.queue_dropped = Counter(
@@ -134,8 +134,8 @@ class EngineMetrics:
         self.requests.labels(outcome=outcome, status=str(status)).inc()
 
     def observe_batch(self, size: int, quality: str, seconds: float) -> None:
-        self.batches.inc()
-        self.images.inc(size)
+        self.batches_total.inc()
+        self.images_total.inc(size)
         self.batch_size.labels(size=str(size)).inc()
         self.generation.labels(quality=quality).observe(seconds)
 
@@ -151,6 +151,16 @@ class EngineMetrics:
         return mounted, unmounted
 
     # -- reading -----------------------------------------------------------------------------
+
+    @property
+    def batches(self) -> int:
+        """Completed batches so far (bench/bench_serve_cpu.py reads throughput from these two)."""
+        return int(self.value("ditfuse_batches_total"))
+
+    @property
+    def images(self) -> int:
+        """Images generated so far."""
+        return int(self.value("ditfuse_images_total"))
 
     def value(self, name: str, **labels: str) -> float:
         """The current value of one sample (0 when it was never recorded); for tests and logs."""

@@ -508,3 +508,19 @@ def test_each_batch_runs_with_the_mount_state_of_its_quality(tiny_cache):
     assert {qq for qq, _ in seen} == {Quality.HIGH, Quality.LOSSLESS}
     handle.unmount()
     assert q.mounted(loaded.pipe.transformer) == []
+
+
+def test_metrics_batches_and_images_read_as_ints_for_the_serving_benchmark():
+    """bench/bench_serve_cpu.py computes throughput from ``engine.metrics.batches`` / ``.images``."""
+    runner = Runner()
+
+    async def main():
+        eng = make_engine(runner, max_batch_size=2, batch_wait_ms=50)
+        await eng.start()
+        await asyncio.gather(*[eng.submit(P(f"p{i}", n=2 if i == 0 else 1)) for i in range(3)])
+        await eng.shutdown()
+        return eng
+
+    eng = run(main())
+    assert (eng.metrics.batches, eng.metrics.images) == (len(runner.calls), 4)
+    assert isinstance(eng.metrics.batches, int) and isinstance(eng.metrics.images, int)
