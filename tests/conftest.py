@@ -43,6 +43,7 @@ _SLOW_TESTS = {
         "test_attention_backend_chosen_through_diffusers_is_respected",
         "test_set_quality_high_then_lossless_bitwise",
         "test_no_cuda_report_says_so_in_one_line",
+        "test_fast_path_engages_under_interpreter",
     },
     "test_high_sites.py": {  # the tests on the module-scoped tiny model (built once, ~10 s)
         "test_high_mounts_all_sites_runs_close_kernels_and_unmounts_bitwise",

@@ -428,6 +428,7 @@ def _png(g) -> bytes:
     return encode_image(g.image, g.params, g.index, "tiny-flux").encode()
 
 
+@pytest.mark.slow  # the real tiny pipeline (interpreter-mounted kernels)
 def test_image_depends_on_its_seed_not_on_batch_mates(tiny_cache):
     from ditfuse.runtime.presets import load_model
 
@@ -454,6 +455,7 @@ def test_image_depends_on_its_seed_not_on_batch_mates(tiny_cache):
     assert mates[2][1].seed == 3
 
 
+@pytest.mark.slow  # the real tiny pipeline (interpreter-mounted kernels)
 def test_each_batch_runs_with_the_mount_state_of_its_quality(tiny_cache):
     """Mixed-quality traffic on the real tiny pipeline through accelerate(): a probe request-gated
     site on the transformer shows which batches ran with the high tier mounted."""

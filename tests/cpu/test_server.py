@@ -148,20 +148,23 @@ def test_b64_png_decodes_at_requested_size(server, size):
     assert res.data[0].model_extra["seed"] == 11
 
 
+@pytest.mark.slow  # several interpreter-mounted pipeline calls; the scheduling logic is in test_engine's quick tests
 def test_n_images_have_consecutive_seeds_and_match_lone_requests(server):
     c = client(server)
-    res = gen(c, prompt="two birds", n=3, seed=40, steps=2)
+    # 32x32: the interpreter-mounted pipeline costs ~20x more at 64x64, and nothing here depends on size
+    res = gen(c, prompt="two birds", n=3, seed=40, steps=2, size="32x32")
     assert [d.model_extra["seed"] for d in res.data] == [40, 41, 42]
     raw = [base64.b64decode(d.b64_json) for d in res.data]
     assert len(set(raw)) == 3
-    lone = gen(c, prompt="two birds", seed=41, steps=2)
+    lone = gen(c, prompt="two birds", seed=41, steps=2, size="32x32")
     # same prompt, size, steps and seed (so the same PNG text too) -> identical bytes
     assert base64.b64decode(lone.data[0].b64_json) == raw[1]
 
 
+@pytest.mark.slow  # several interpreter-mounted pipeline calls; the scheduling logic is in test_engine's quick tests
 def test_same_seed_gives_identical_bytes_alone_or_in_a_batch(server):
     c = client(server)
-    alone = gen(c, prompt="a red fox", seed=1234, steps=2).data[0].b64_json
+    alone = gen(c, prompt="a red fox", seed=1234, steps=2, size="32x32").data[0].b64_json
     before = len(batches(server))
 
     async def burst():
@@ -170,7 +173,7 @@ def test_same_seed_gives_identical_bytes_alone_or_in_a_batch(server):
         seeds = [1, 1234, 2, 3]
         return await asyncio.gather(
             *[
-                ac.images.generate(model="tiny-flux", prompt=p, size="64x64", extra_body={"seed": s, "num_inference_steps": 2})
+                ac.images.generate(model="tiny-flux", prompt=p, size="32x32", extra_body={"seed": s, "num_inference_steps": 2})
                 for p, s in zip(prompts, seeds)
             ]
         )
@@ -182,6 +185,7 @@ def test_same_seed_gives_identical_bytes_alone_or_in_a_batch(server):
     assert max(b["size"] for b in new) > 1, new  # the fox really had batch-mates
 
 
+@pytest.mark.slow  # several interpreter-mounted pipeline calls; the scheduling logic is in test_engine's quick tests
 def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(server):
     m0 = metrics(server)
     before = len(batches(server))
@@ -191,13 +195,13 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
         ac = aclient(server)
         return await asyncio.gather(
             *[
-                ac.images.generate(model="tiny-flux", prompt=f"q{i}", size="64x64", quality=q, extra_body={"seed": i, "num_inference_steps": 1})
+                ac.images.generate(model="tiny-flux", prompt=f"q{i}", size="32x32", quality=q, extra_body={"seed": i, "num_inference_steps": 1})
                 for i, q in enumerate(qualities)
             ]
         )
 
     res = asyncio.run(burst())
-    assert all(decode(r.data[0]).size == (64, 64) for r in res)
+    assert all(decode(r.data[0]).size == (32, 32) for r in res)
     assert [decode(r.data[0]).text["quality"] for r in res] == ["high", "lossless", "high", "lossless", "high", "lossless", "lossless", "high"]
     new = batches(server)[before:]
     assert {b["quality"] for b in new} == {"high", "lossless"}
@@ -324,7 +328,10 @@ def test_body_must_be_sent_as_json(server, content_type):
     assert "application/json" in err["message"]
 
 
-@pytest.mark.parametrize("content_type", ["application/json; charset=utf-8", "Application/JSON", "application/merge+json"])
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json; charset=utf-8", pytest.param("Application/JSON", marks=pytest.mark.slow), pytest.param("application/merge+json", marks=pytest.mark.slow)],
+)
 def test_json_content_types_with_parameters_are_accepted(server, content_type):
     r = post(server, {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}, content_type=content_type)
     assert r.status_code == 200, r.text
@@ -393,7 +400,7 @@ def test_access_log_has_one_line_per_request_without_the_prompt(server, caplog):
 
     caplog.set_level(logging.INFO, logger="ditfuse.access")
     secret = "a secret prompt about zebras"
-    res = gen(client(server), prompt=secret, n=2, quality="hd", steps=1)
+    res = gen(client(server), prompt=secret, n=2, quality="hd", steps=1, size="32x32")
     assert len(res.data) == 2
     with pytest.raises(openai.BadRequestError):
         gen(client(server), prompt=secret, extra={"style": "vivid"})
@@ -526,7 +533,7 @@ def test_soak_200_concurrent_mixed_requests(server):
 
 
 def test_metrics_are_prometheus_text(server):
-    gen(client(server), prompt="for the histograms")  # self-contained under any test order
+    gen(client(server), prompt="for the histograms", size="32x32")  # self-contained under any test order
     r = httpx.get(server.url + "/metrics", headers=auth())
     assert r.headers["content-type"].startswith("text/plain")
     names = set()
