@@ -1,11 +1,15 @@
-# ditfuse: the two commands of the README are `make demo` and `make test`.
+# ditfuse: the commands of the README are `make demo`, `make test` (CI) and `make test-quick`.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.ditfuse-installed
 PYTEST_ARGS ?=
+# pytest-xdist workers. Tests that share a live server stay on one worker (xdist_group +
+# --dist loadgroup); the rest are spread one by one.
+PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: install demo test test-gpu docs clean
+.PHONY: install demo test test-quick test-gpu docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,8 +26,14 @@ install: $(STAMP)
 demo: install
 	$(BIN)/ditfuse generate --model tiny-flux --prompt "a lighthouse at dusk" --size 256x256 --steps 8 --seed 0 --quality lossless --out out/demo.png
 
+# The CI command: the whole CPU suite (GPU tests are skipped without CUDA).
 test: install
-	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) tests $(PYTEST_ARGS)
+
+# The edit-test loop (under a minute): leaves out the Triton-interpreter kernel tests and the
+# slow server/CLI tests (markers `interpret` and `slow`). Not a substitute for `make test`.
+test-quick: install
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow and not interpret and not gpu" tests/cpu $(PYTEST_ARGS)
 
 # On a CUDA machine (see scripts/gpu_suite.sh for the carried-wheels variant used on the H200).
 test-gpu: install

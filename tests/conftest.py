@@ -2,9 +2,18 @@
 
 Without CUDA, Triton kernels run under Triton's interpreter. ``TRITON_INTERPRET`` must be set
 before any kernel module (and so ``triton.jit``) is imported, hence at conftest import time.
+
+The tiny-flux preset is built once into a cache shared by every test, subprocess and pytest-xdist
+worker of a run, and kept across runs: ``$DITFUSE_CACHE`` when the caller set it, else pytest's
+cache directory (``.pytest_cache/d/ditfuse``; ``pytest --cache-clear`` or ``make clean`` drops
+it). Concurrent workers are safe: ``presets.ensure_tiny_flux`` builds into a private temporary
+directory and renames it into place. The preset's version number in its path keeps a stale build
+from being reused.
 """
 
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +22,42 @@ HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker is one process on a shared machine: give each its share of the
+# cores, or N workers x N intra-op (OpenMP) threads spin against each other and every test slows
+# down (measured on a 2-core machine). Results do not depend on it: every comparison in the suite
+# is within one process.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+# Files whose tests run Triton kernels under the interpreter (or inspect their generated code):
+# most of the suite's wall time. `make test-quick` leaves them out (marker "interpret").
+_INTERPRET_FILES = ("_interpret.py", "_codegen.py")
+def pytest_configure(config):
+    if not os.environ.get("DITFUSE_CACHE"):
+        cache = getattr(config, "cache", None)  # absent with -p no:cacheprovider
+        if cache is not None:
+            path = cache.mkdir("ditfuse")
+        else:
+            path = Path(tempfile.gettempdir()) / f"ditfuse-test-cache-{os.getuid()}"
+        os.environ["DITFUSE_CACHE"] = str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache() -> Path:
+    """The preset cache of this test run (see the module docstring); ``DITFUSE_CACHE`` points
+    there for this process and every subprocess it starts."""
+    return Path(os.environ["DITFUSE_CACHE"])
+
 
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "/tests/gpu/" in str(item.fspath).replace(os.sep, "/"):
+        path = str(item.fspath).replace(os.sep, "/")
+        if "/tests/gpu/" in path:
             item.add_marker(pytest.mark.gpu)
+        if path.endswith(_INTERPRET_FILES):
+            item.add_marker(pytest.mark.interpret)
         if not HAS_CUDA and "gpu" in item.keywords:
             item.add_marker(skip)
 

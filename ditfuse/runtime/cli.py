@@ -31,13 +31,43 @@ def _cmd_kernels(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    cols = ("op", "domain", "backend", "contract", "capabilities", "replaces")
-    widths = {c: max(len(c), *(len(r[c]) for r in rows)) if rows else len(c) for c in cols}
-    print("  ".join(c.ljust(widths[c]) for c in cols))
-    print("  ".join("-" * widths[c] for c in cols))
-    for r in rows:
-        print("  ".join(r[c].ljust(widths[c]) for c in cols))
+    print_kernel_table(rows)
     return 0
+
+
+# Below this width the five columns no longer fit side by side with room for ``replaces``.
+_WIDE_TABLE = 120
+
+
+def print_kernel_table(rows: list[dict[str, str]], width: int | None = None) -> None:
+    """The inventory as a table that fits the terminal (``rich`` wraps the long cells; piped
+    output is 80 columns unless ``COLUMNS`` says otherwise). Op names never wrap, so they can be
+    copied or grepped; ``--json`` is the form for machines. Narrow terminals get two columns:
+    op + backend + contract, and capabilities + what it replaces."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text  # plain text: formulas such as "cat([a, b])" are not markup
+
+    console = Console(width=width, highlight=False, soft_wrap=False)
+    wide = console.width >= _WIDE_TABLE
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, show_lines=not wide, pad_edge=False, expand=False)
+    if wide:
+        table.add_column("op", no_wrap=True)
+        table.add_column("backend", no_wrap=True)
+        table.add_column("contract", no_wrap=True)
+        table.add_column("capabilities", overflow="fold")
+        table.add_column("replaces", overflow="fold")
+        for r in rows:
+            table.add_row(*(Text(r[c]) for c in ("op", "backend", "contract", "capabilities", "replaces")))
+    else:
+        table.add_column("op / backend / contract", no_wrap=True)
+        table.add_column("capabilities / replaces", overflow="fold")
+        for r in rows:
+            table.add_row(
+                Text(f"{r['op']}\n{r['backend']} / {r['contract']}"), Text(f"{r['capabilities']}\n{r['replaces']}")
+            )
+    console.print(table)
 
 
 def _cmd_docs(args: argparse.Namespace) -> int:
@@ -85,6 +115,37 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return _run_bench_script("bench_step.py", ["--family", args.target, *args.rest])
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, so nobody has to read the source to learn it;
+    except where there is nothing to show (None, False) or the help text already says it."""
+
+    @staticmethod
+    def shows_default(action: argparse.Action) -> bool:
+        d = action.default
+        if action.nargs == 0 or d is None or d is False or d == argparse.SUPPRESS:
+            return False  # flags (store_true/false/const, help, version) have no value to show
+        return bool(action.option_strings) or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or not self.shows_default(action):
+            return text
+        return text + " (default: %(default)s)"
+
+
+def _use_formatter(parser: argparse.ArgumentParser) -> None:
+    """Apply :class:`HelpFormatter` to ``parser`` and every subcommand parser below it (subparsers
+    do not inherit the formatter, and some register themselves from other modules)."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if action.help is None and action.option_strings and HelpFormatter.shows_default(action):
+            # argparse prints nothing at all for an option without help text, default included
+            action.help = "(default: %(default)s)"
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _use_formatter(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pathlib import Path
 
@@ -123,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_runtime(sub)
     for register in _EXTRA_COMMANDS:
         register(sub)
+    _use_formatter(p)
     return p
 
 

@@ -14,16 +14,16 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-flux", help="'tiny-flux' (built-in, random weights: images are noise) or a diffusers directory")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--negative-prompt", default=None)
+    p.add_argument("--prompt", required=True, help="what to generate (the tiny preset ignores its meaning)")
+    p.add_argument("--negative-prompt", default=None, help="only used with --true-cfg-scale > 1")
     p.add_argument("--true-cfg-scale", type=float, default=1.0, help="> 1 with --negative-prompt: true CFG (2 passes per step)")
     p.add_argument("--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default: the model's default)")
-    p.add_argument("--steps", type=int, default=28, dest="steps")
-    p.add_argument("--guidance", type=float, default=3.5, dest="guidance")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--steps", type=int, default=28, dest="steps", help="denoising steps")
+    p.add_argument("--guidance", type=float, default=3.5, dest="guidance", help="FLUX's distilled guidance scale")
+    p.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i")
+    p.add_argument("--n", type=int, default=1, help="images to generate (out.png -> out-0.png, out-1.png, ...)")
     p.add_argument("--quality", default="lossless", help="lossless (bit-exact kernels only, default) or high")
-    p.add_argument("--out", type=Path, default=Path("out.png"))
+    p.add_argument("--out", type=Path, default=Path("out.png"), help="output file; its suffix picks the format")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")
@@ -32,7 +32,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-flux", help="'tiny-flux' (built-in, random weights: images are noise) or a diffusers directory")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
-    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--port", type=int, default=30000, help="TCP port")
     p.add_argument("--default-quality", default="lossless", help="quality for requests that send none/auto/standard")
     p.add_argument("--max-batch-size", type=int, default=4, help="most images per pipeline call")
     p.add_argument("--batch-wait-ms", type=float, default=10.0, help="how long the oldest request waits for batch-mates")
@@ -47,6 +47,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
+    p.add_argument("--no-access-log", action="store_true", help="no per-request log line (ditfuse.access logger, stderr)")
+    p.add_argument("--log-prompts", action="store_true", help="include the prompt (first 200 characters) in access-log lines")
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import run

@@ -33,6 +33,11 @@ Quality
 Shutdown
     :meth:`Engine.shutdown` stops accepting requests, lets the running batch finish and (by
     default) drains the queue before the worker stops.
+
+Metrics
+    :attr:`Engine.metrics` (:class:`~ditfuse.runtime.metrics.EngineMetrics`) records what only the
+    engine sees: queue waits, batch sizes and durations, drops, quality mounts. Requests are counted
+    by the HTTP layer, which also sees the ones refused before they reach the engine.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import asyncio
 import collections
 import inspect
 import itertools
-import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -49,9 +53,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..contracts.quality import Quality
+from .metrics import EngineMetrics, LiveState
 from .params import SamplingParams
-
-LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 
 
 class EngineError(Exception):
@@ -89,6 +92,10 @@ class GeneratedImage:
     index: int
     seed: int
     params: SamplingParams
+    # The batch this image ran in and how many real images that batch had (for the access log:
+    # a request's n images may span batches).
+    batch_id: int | None = None
+    batch_size: int | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +196,7 @@ class _Request:
     future: asyncio.Future
     enqueued: float
     deadline: float
+    started: float | None = None  # when its first batch started (queue wait ends)
     next_index: int = 0
     results: dict[int, GeneratedImage] = field(default_factory=dict)
     abandoned: str | None = None  # "disconnected" | "timeout"
@@ -196,34 +204,6 @@ class _Request:
     @property
     def remaining(self) -> int:
         return self.params.n - self.next_index
-
-
-class Metrics:
-    """Counters and histograms exposed at /metrics (Prometheus text format)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests = collections.Counter()  # by outcome
-        self.images = 0
-        self.batches = 0
-        self.batch_sizes = collections.Counter()  # real images per batch
-        self.latency_buckets = [0] * (len(LATENCY_BUCKETS) + 1)
-        self.latency_sum = 0.0
-        self.latency_count = 0
-        self.mounts = 0
-        self.unmounts = 0
-        self.batch_seconds = 0.0
-
-    def observe_latency(self, seconds: float) -> None:
-        with self.lock:
-            for i, b in enumerate(LATENCY_BUCKETS):
-                if seconds <= b:
-                    self.latency_buckets[i] += 1
-                    break
-            else:
-                self.latency_buckets[-1] += 1
-            self.latency_sum += seconds
-            self.latency_count += 1
 
 
 class Engine:
@@ -257,7 +237,7 @@ class Engine:
         self.request_timeout_s = float(request_timeout_s)
         self.pad_batches = bool(pad_batches)
         self.default_quality = Quality.parse(default_quality)
-        self.metrics = Metrics()
+        self.metrics = EngineMetrics(live=self._live_state)
         self.batch_log: collections.deque[dict[str, Any]] = collections.deque(maxlen=batch_log_limit)
         self._runner = runner
         self._pending: list[_Request] = []
@@ -287,6 +267,14 @@ class Engine:
     @property
     def in_flight(self) -> int:
         return self._in_flight
+
+    def _live_state(self) -> LiveState:
+        return LiveState(
+            queue_depth=len(self._pending),
+            images_in_flight=self._in_flight,
+            quality=None if self.handle is None else self.handle.quality.value,
+            qualities=tuple(q.value for q in Quality),
+        )
 
     async def start(self) -> None:
         if self._task is not None:
@@ -328,10 +316,8 @@ class Engine:
         if self._task is None:
             raise EngineClosed("engine is not running")
         if self._closing:
-            self.metrics.requests["rejected_shutdown"] += 1
             raise EngineClosed("server is shutting down")
         if len(self._pending) >= self.max_queue:
-            self.metrics.requests["rejected_queue_full"] += 1
             raise QueueFull(f"queue is full ({self.max_queue} requests waiting); retry later")
         loop = asyncio.get_running_loop()
         now = time.monotonic()
@@ -351,7 +337,6 @@ class Engine:
                 left = req.deadline - time.monotonic()
                 if left <= 0:
                     req.abandoned = "timeout"
-                    self.metrics.requests["timeout"] += 1
                     raise RequestTimeout(f"request did not finish within {timeout:g} s")
                 step = left if is_disconnected is None else min(left, 0.1)
                 done, _ = await asyncio.wait({req.future}, timeout=step)
@@ -359,16 +344,12 @@ class Engine:
                     break
                 if is_disconnected is not None and await is_disconnected():
                     req.abandoned = "disconnected"
-                    self.metrics.requests["client_disconnected"] += 1
                     raise RequestDropped("client disconnected")
         except asyncio.CancelledError:
             req.abandoned = "disconnected"
-            self.metrics.requests["client_disconnected"] += 1
             raise
         images = req.future.result()
-        elapsed = time.monotonic() - req.enqueued
-        self.metrics.observe_latency(elapsed)
-        self.metrics.requests["ok"] += 1
+        self.metrics.latency.observe(time.monotonic() - req.enqueued)
         return images
 
     # -- scheduler ---------------------------------------------------------------------------
@@ -383,8 +364,7 @@ class Engine:
                 if not r.future.done():
                     r.future.set_exception(RequestDropped(f"dropped before running ({r.abandoned})"))
                     r.future.exception()  # mark retrieved: nobody may be waiting any more
-                with self.metrics.lock:
-                    self.metrics.requests[f"dropped_{r.abandoned}"] += 1
+                self.metrics.queue_dropped.labels(reason=r.abandoned).inc()
                 continue
             keep.append(r)
         self._pending[:] = keep
@@ -452,11 +432,9 @@ class Engine:
                 "to": quality.value,
                 "result": {k: {"mounted": v.mounted, "unmounted": v.unmounted, "failed": str(v.failed) if v.failed else None} for k, v in (res or {}).items()},
             }
-            with self.metrics.lock:
-                if quality is Quality.HIGH:
-                    self.metrics.mounts += 1
-                else:
-                    self.metrics.unmounts += 1
+            # Count only what really changed: on a machine where no request-gated kernel can
+            # mount (no CUDA, or a failing guard) the switch mounts nothing.
+            self.metrics.observe_transition(res)
         info["mounted"] = mounted_sites(self.loaded.pipe)
         info["handle_quality"] = None if self.handle is None else self.handle.quality.value
         pad_to = self.max_batch_size if self.pad_batches else None
@@ -470,6 +448,11 @@ class Engine:
         batch_id = next(self._batch_ids)
         quality = slots[0][0].params.quality
         reqs = list(dict.fromkeys(r for r, _ in slots))
+        now = time.monotonic()
+        for r in reqs:
+            if r.started is None:
+                r.started = now
+                self.metrics.queue_wait.observe(now - r.enqueued)
         self._in_flight += len(slots)
         loop = asyncio.get_running_loop()
         entry: dict[str, Any] = {
@@ -492,8 +475,7 @@ class Engine:
                     r.future.exception()
                 if r in self._pending:
                     self._pending.remove(r)
-            with self.metrics.lock:
-                self.metrics.requests["error"] += len(reqs)
+            self.metrics.batch_errors.inc()
             return
         finally:
             self._in_flight -= len(slots)
@@ -505,67 +487,16 @@ class Engine:
             seconds=round(info["seconds"], 6),
         )
         self.batch_log.append(entry)
-        with self.metrics.lock:
-            self.metrics.batches += 1
-            self.metrics.batch_sizes[len(slots)] += 1
-            self.metrics.images += len(slots)
-            self.metrics.batch_seconds += info["seconds"]
+        self.metrics.observe_batch(len(slots), quality.value, info["seconds"])
         for (r, i), img in zip(slots, images):
-            r.results[i] = GeneratedImage(image=img, index=i, seed=r.params.seed + i, params=r.params)
+            r.results[i] = GeneratedImage(
+                image=img, index=i, seed=r.params.seed + i, params=r.params, batch_id=batch_id, batch_size=len(slots)
+            )
             if len(r.results) == r.params.n and not r.future.done():
                 r.future.set_result([r.results[k] for k in range(r.params.n)])
 
     # -- metrics -----------------------------------------------------------------------------
 
-    def prometheus(self) -> str:
-        m = self.metrics
-        lines: list[str] = []
-
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP {name} {help_}")
-            lines.append(f"# TYPE {name} {kind}")
-            for labels, value in samples:
-                v = int(value) if float(value).is_integer() else value
-                lines.append(f"{name}{labels} {v}")
-
-        with m.lock:
-            metric("ditfuse_queue_depth", "gauge", "Requests waiting to be batched.", [("", len(self._pending))])
-            metric("ditfuse_images_in_flight", "gauge", "Images in the running batch.", [("", self._in_flight)])
-            metric(
-                "ditfuse_requests_total",
-                "counter",
-                "Requests by outcome.",
-                [(f'{{outcome="{k}"}}', v) for k, v in sorted(m.requests.items())] or [('{outcome="ok"}', 0)],
-            )
-            metric("ditfuse_images_total", "counter", "Images generated.", [("", m.images)])
-            metric("ditfuse_batches_total", "counter", "Pipeline calls (batches) run.", [("", m.batches)])
-            metric(
-                "ditfuse_batch_size_total",
-                "counter",
-                "Batches by number of real images in them.",
-                [(f'{{size="{k}"}}', v) for k, v in sorted(m.batch_sizes.items())],
-            )
-            metric("ditfuse_batch_seconds_total", "counter", "Time spent in pipeline calls.", [("", m.batch_seconds)])
-            cum = 0
-            samples = []
-            for b, c in zip(LATENCY_BUCKETS, m.latency_buckets):
-                cum += c
-                samples.append((f'_bucket{{le="{b}"}}', cum))
-            samples.append(('_bucket{le="+Inf"}', m.latency_count))
-            samples.append(("_sum", m.latency_sum))
-            samples.append(("_count", m.latency_count))
-            lines.append("# HELP ditfuse_request_latency_seconds Time from arrival to images ready.")
-            lines.append("# TYPE ditfuse_request_latency_seconds histogram")
-            for suffix, v in samples:
-                v = int(v) if float(v).is_integer() else v
-                lines.append(f"ditfuse_request_latency_seconds{suffix} {v}")
-            metric("ditfuse_quality_mounts_total", "counter", "Transitions to quality=high (request-gated kernels mounted).", [("", m.mounts)])
-            metric("ditfuse_quality_unmounts_total", "counter", "Transitions back to quality=lossless.", [("", m.unmounts)])
-            q = None if self.handle is None else self.handle.quality.value
-            metric(
-                "ditfuse_quality_current",
-                "gauge",
-                "1 for the quality tier currently mounted.",
-                [(f'{{quality="{t.value}"}}', 1 if q == t.value else 0) for t in Quality],
-            )
-        return "\n".join(lines) + "\n"
+    def prometheus(self) -> bytes:
+        """/metrics in Prometheus text format (see :mod:`ditfuse.runtime.metrics`)."""
+        return self.metrics.render()

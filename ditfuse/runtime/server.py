@@ -6,8 +6,9 @@ Routes
                                   negative_prompt, true_cfg_scale, output_format.
     GET  /v1/models               the one model this server runs.
     GET  /health                  liveness/readiness (never needs the API key).
-    GET  /metrics                 Prometheus text: queue depth, batches and batch sizes, latency
-                                  histogram, quality mounts/unmounts.
+    GET  /metrics                 Prometheus text (prometheus_client): requests by outcome and
+                                  status, queue wait / generation / latency histograms, batch
+                                  sizes, quality mounts/unmounts (see runtime/metrics.py).
     GET  /v1/debug/batches        the engine's recent batch log (batch id, size, quality, mounted
                                   request-gated sites).
 
@@ -18,9 +19,22 @@ quality
     ``lossless`` (ditfuse has no lower-fidelity tier than eager diffusers, and these ask for
     nothing better). Anything else is a 400 listing the allowed values.
 
+Strict requests
+    Like OpenAI's API, a request field this server does not know is a 400 naming it
+    (``code="unknown_parameter"``), not silently ignored: a typo such as ``num_inference_step``
+    would otherwise run 28 steps without a word. The accepted fields are :data:`REQUEST_FIELDS`.
+    The body must be sent as JSON (``Content-Type: application/json``; 415 otherwise).
+
 Errors use OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 invalid
-parameters, 401 missing/wrong API key, 404 unknown model or route, 413 body too large, 429 queue
-full, 499 client went away, 503 shutting down, 504 request timeout, 500 pipeline failure.
+parameters, 401 missing/wrong API key, 404 unknown model or route, 413 body too large, 415 not
+JSON, 429 queue full, 499 client went away, 503 shutting down, 504 request timeout, 500 pipeline
+failure.
+
+Logs
+    One access-log line per request on the ``ditfuse.access`` logger (client, method, path,
+    status, milliseconds, and for generations the quality, batch size(s) and image count; the
+    prompt only with ``log_prompts=True``), and on shutdown one line on ``ditfuse.server`` saying
+    how many requests were in flight when it began and how many of them finished.
 
 Security: binds 127.0.0.1 unless told otherwise; ``--api-key`` requires ``Authorization: Bearer
 <key>`` on every route except /health; request bodies over ``max_body_bytes`` are refused with 413
@@ -33,21 +47,44 @@ import asyncio
 import base64
 import hmac
 import io
+import itertools
 import json
+import logging
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 # FastAPI resolves handler annotations from this module's globals (``from __future__ import
 # annotations`` makes them strings), so these must be module-level imports.
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..contracts.quality import Quality
 from .engine import Engine, EngineError
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import EngineMetrics
 from .params import ParamError, SamplingParams
+
+access_logger = logging.getLogger("ditfuse.access")
+server_logger = logging.getLogger("ditfuse.server")
+
+GENERATIONS_PATH = "/v1/images/generations"
+# Fields of POST /v1/images/generations: OpenAI's that this server honours (``user`` is accepted
+# and ignored, as it only tags the end user for OpenAI's abuse monitoring), then ditfuse's
+# documented extensions. Anything else is a 400 naming the field.
+OPENAI_FIELDS = ("model", "prompt", "n", "size", "quality", "response_format", "output_format", "user")
+EXTENSION_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale", "width", "height")
+REQUEST_FIELDS = frozenset(OPENAI_FIELDS + EXTENSION_FIELDS)
+# OpenAI image parameters that ditfuse does not implement: named as such in the 400's message.
+UNSUPPORTED_OPENAI_FIELDS = frozenset(
+    {"style", "background", "moderation", "output_compression", "partial_images", "stream", "input_fidelity"}
+)
+# The key in the ASGI scope under which the layers of one request leave what the access log and
+# the request counter need (error code, quality, batch sizes); a dict shared by reference.
+SCOPE_KEY = "ditfuse.request"
 
 OPENAI_QUALITY_ALIASES = {"hd": Quality.HIGH, "low": Quality.LOSSLESS, "medium": Quality.LOSSLESS}
 DEFAULT_QUALITY_ALIASES = ("auto", "standard")
@@ -60,6 +97,7 @@ _ERROR_TYPES = {
     404: "invalid_request_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "invalid_request_error",
     503: "server_error",
@@ -97,10 +135,35 @@ def parse_quality(value: Any, default: Quality) -> Quality:
         raise ParamError("quality", f"unknown quality {value!r}; allowed values: {', '.join(ALLOWED_QUALITY)}") from None
 
 
+def check_fields(body: dict) -> None:
+    """Refuse fields this server does not know (400 naming the first, listing all), as OpenAI's
+    API does: ignoring them would let a misspelt parameter fall back to its default silently."""
+    unknown = [k for k in body if k not in REQUEST_FIELDS]
+    if not unknown:
+        return
+    first = unknown[0]
+    names = ", ".join(repr(k) for k in unknown)
+    if first in UNSUPPORTED_OPENAI_FIELDS:
+        msg = f"Unsupported parameter: {first!r} is an OpenAI images parameter that ditfuse does not implement."
+    else:
+        msg = f"Unknown parameter{'s' if len(unknown) > 1 else ''}: {names}."
+    msg += f" Accepted: {', '.join(OPENAI_FIELDS + EXTENSION_FIELDS)}."
+    raise APIError(400, msg, first, "unknown_parameter")
+
+
+def is_json_content_type(value: str | None) -> bool:
+    """``application/json`` (any parameters, e.g. charset) or a ``+json`` structured suffix."""
+    if not value:
+        return False
+    media = value.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
     """Validate an images/generations body into SamplingParams (raises ParamError / APIError)."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    check_fields(body)
     model = body.get("model")
     if model is not None and model not in (engine.model_name, "ditfuse"):
         raise APIError(404, f"model {model!r} is not served here; this server runs {engine.model_name!r}", "model", "model_not_found")
@@ -150,7 +213,9 @@ class GuardMiddleware:
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
 
-    async def _reply(self, send: Any, status: int, body: dict) -> None:
+    async def _reply(self, send: Any, status: int, body: dict, scope: dict | None = None) -> None:
+        if scope is not None and isinstance(scope.get(SCOPE_KEY), dict):
+            scope[SCOPE_KEY]["code"] = body["error"]["code"]
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]
         if status == 401:
@@ -167,11 +232,11 @@ class GuardMiddleware:
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
                 msg = "missing API key (send 'Authorization: Bearer <key>')" if not auth else "invalid API key"
-                return await self._reply(send, 401, error_body(401, msg, code="invalid_api_key"))
+                return await self._reply(send, 401, error_body(401, msg, code="invalid_api_key"), scope)
         too_large = error_body(413, f"request body is larger than {self.max_body_bytes} bytes", code="request_too_large")
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            return await self._reply(send, 413, too_large)
+            return await self._reply(send, 413, too_large, scope)
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, size = [], 0
@@ -182,7 +247,7 @@ class GuardMiddleware:
             chunk = msg.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                return await self._reply(send, 413, too_large)
+                return await self._reply(send, 413, too_large, scope)
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
@@ -198,10 +263,154 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
-    """The ASGI app: FastAPI routes wrapped in :class:`GuardMiddleware`. Starts and drains ``engine``
-    with the app's lifespan."""
+_OUTCOME_BY_STATUS = {404: "not_found", 405: "method_not_allowed", 499: "client_closed_request", 500: "internal_error"}
+
+
+@dataclass
+class ShutdownReport:
+    """Requests in flight when shutdown began, and how they ended."""
+
+    in_flight: int = 0
+    finished: int = 0  # got a response (any status)
+    ok: int = 0  # of those, 2xx
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        failed = self.finished - self.ok
+        unfinished = self.in_flight - self.finished
+        tail = f", {unfinished} did not finish" if unfinished else ""
+        noun = "request" if self.in_flight == 1 else "requests"
+        return (
+            f"shutdown: {self.finished} of {self.in_flight} in-flight {noun} finished "
+            f"({self.ok} ok, {failed} failed{tail}) in {self.seconds:.1f} s"
+        )
+
+
+@dataclass
+class _Tracked:
+    t0: float
+    status: int | None = None
+    responded: bool = False
+
+
+@dataclass
+class _Shutdown:
+    t0: float
+    ids: set[int] = field(default_factory=set)
+    finished: int = 0
+    ok: int = 0
+
+
+class ObservedApp:
+    """Pure ASGI, outermost: one access-log line and one ``ditfuse_requests_total`` count per
+    request (after its response, so the 401/413 of :class:`GuardMiddleware` and every other
+    refusal are counted too), and the in-flight bookkeeping behind the shutdown line.
+
+    Inner layers leave the error code, quality and batch sizes in ``scope[SCOPE_KEY]``; the status
+    comes from the ``http.response.start`` message. Lifespan events pass straight through.
+    """
+
+    def __init__(self, app: Any, metrics: EngineMetrics, access_log: bool = True, log_prompts: bool = False) -> None:
+        self.app = app
+        self.metrics = metrics
+        self.access_log = access_log
+        self.log_prompts = log_prompts
+        self._ids = itertools.count(1)
+        self._live: dict[int, _Tracked] = {}
+        self._shutdown: _Shutdown | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """HTTP requests received whose response has not completed."""
+        return len(self._live)
+
+    def begin_shutdown(self) -> None:
+        """Remember which requests are in flight now (idempotent): called when the server stops
+        accepting connections, before it waits for them."""
+        if self._shutdown is None:
+            self._shutdown = _Shutdown(t0=time.monotonic(), ids=set(self._live))
+
+    def shutdown_report(self) -> ShutdownReport:
+        self.begin_shutdown()
+        s = self._shutdown
+        assert s is not None
+        return ShutdownReport(in_flight=len(s.ids), finished=s.finished, ok=s.ok, seconds=time.monotonic() - s.t0)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        info: dict[str, Any] = {}
+        scope[SCOPE_KEY] = info
+        rid = next(self._ids)
+        tracked = _Tracked(t0=time.perf_counter())
+        self._live[rid] = tracked
+
+        async def send_observed(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                tracked.status = int(message["status"])
+                tracked.responded = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_observed)
+        except asyncio.CancelledError:
+            tracked.status = tracked.status or 499
+            raise
+        except Exception:
+            tracked.status = tracked.status or 500
+            raise
+        finally:
+            del self._live[rid]
+            self._finish(rid, scope, info, tracked)
+
+    def _finish(self, rid: int, scope: dict, info: dict, tracked: _Tracked) -> None:
+        status = tracked.status or 500
+        ms = (time.perf_counter() - tracked.t0) * 1000.0
+        s = self._shutdown
+        if s is not None and rid in s.ids and tracked.responded:
+            s.finished += 1
+            s.ok += 200 <= status < 300
+        path = scope.get("path", "")
+        generation = path == GENERATIONS_PATH
+        outcome = "ok" if 200 <= status < 300 else info.get("code") or _OUTCOME_BY_STATUS.get(status, f"http_{status}")
+        if generation:
+            self.metrics.observe_request(outcome, status)
+        if self.access_log and access_logger.isEnabledFor(logging.INFO):
+            client = scope.get("client")
+            who = f"{client[0]}:{client[1]}" if client else "-"
+            parts = [who, scope.get("method", "-"), path, str(status), f"{ms:.1f}ms"]
+            if generation:
+                sizes = info.get("batch_sizes") or []
+                parts.append(f"quality={info.get('quality', '-')}")
+                parts.append(f"batch={'+'.join(str(b) for b in sizes) if sizes else '-'}")
+                parts.append(f"images={info.get('images', 0)}")
+                if outcome != "ok":
+                    parts.append(f"error={outcome}")
+                if self.log_prompts and "prompt" in info:
+                    parts.append(f"prompt={info['prompt'][:200]!r}")
+            access_logger.info(" ".join(parts))
+
+
+def _note(request: Request, **fields: Any) -> None:
+    """Leave fields for the access log / request counter (see :class:`ObservedApp`)."""
+    info = request.scope.get(SCOPE_KEY)
+    if isinstance(info, dict):
+        info.update(fields)
+
+
+def create_app(
+    engine: Engine,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    *,
+    access_log: bool = True,
+    log_prompts: bool = False,
+) -> ObservedApp:
+    """The ASGI app: FastAPI routes wrapped in :class:`GuardMiddleware`, wrapped in
+    :class:`ObservedApp` (access log, request counts). Starts and drains ``engine`` with the app's
+    lifespan, and logs the shutdown line when it has drained."""
     started = int(time.time())
+    observed: ObservedApp | None = None
 
     @asynccontextmanager
     async def lifespan(app: Any):
@@ -209,39 +418,44 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         try:
             yield
         finally:
+            if observed is not None:
+                observed.begin_shutdown()
             await engine.shutdown(drain=True)
+            if observed is not None:
+                server_logger.info(observed.shutdown_report().line())
 
     app = FastAPI(title="ditfuse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
 
-    def err(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+    def err(request: Request, status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+        _note(request, code=code)
         return JSONResponse(error_body(status, message, param, code), status_code=status)
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        return err(e.status, e.message, e.param, e.code)
+    async def _api_error(request: Request, e: APIError) -> JSONResponse:
+        return err(request, e.status, e.message, e.param, e.code)
 
     @app.exception_handler(ParamError)
-    async def _param_error(_: Request, e: ParamError) -> JSONResponse:
-        return err(400, e.message, e.param, "invalid_value")
+    async def _param_error(request: Request, e: ParamError) -> JSONResponse:
+        return err(request, 400, e.message, e.param, "invalid_value")
 
     @app.exception_handler(EngineError)
-    async def _engine_error(_: Request, e: EngineError) -> JSONResponse:
-        return err(e.status, str(e), None, e.code)
+    async def _engine_error(request: Request, e: EngineError) -> JSONResponse:
+        return err(request, e.status, str(e), None, e.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        return err(400, first.get("msg", "invalid request"), ".".join(loc) or None, "invalid_value")
+        return err(request, 400, first.get("msg", "invalid request"), ".".join(loc) or None, "invalid_value")
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return err(e.status_code, str(e.detail), None, None)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return err(request, e.status_code, str(e.detail), None, None)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception) -> JSONResponse:
-        return err(500, f"{type(e).__name__}: {e}", None, "internal_error")
+    async def _unexpected(request: Request, e: Exception) -> JSONResponse:
+        return err(request, 500, f"{type(e).__name__}: {e}", None, "internal_error")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -263,22 +477,29 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
         }
 
     @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(engine.prometheus(), media_type="text/plain; version=0.0.4")
+    async def metrics() -> Response:
+        return Response(engine.prometheus(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/debug/batches")
     async def batches(limit: int = 100) -> dict:
         log = list(engine.batch_log)[-max(0, limit):] if limit else []
         return {"object": "list", "data": log}
 
-    @app.post("/v1/images/generations")
+    @app.post(GENERATIONS_PATH)
     async def generations(request: Request) -> JSONResponse:
+        ctype = request.headers.get("content-type")
+        if not is_json_content_type(ctype):
+            got = f"got {ctype!r}" if ctype else "no Content-Type header was sent"
+            raise APIError(415, f"the request body must be JSON with 'Content-Type: application/json'; {got}", None, "unsupported_media_type")
         try:
             body = json.loads(await request.body() or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
         params = parse_generation_request(body, engine)
+        _note(request, quality=params.quality.value, prompt=params.prompt)
         images = await engine.submit(params, is_disconnected=request.is_disconnected)
+        batch_sizes = {g.batch_id: g.batch_size for g in images}  # one entry per batch it ran in
+        _note(request, batch_sizes=list(batch_sizes.values()), images=len(images))
         data = await asyncio.to_thread(
             lambda: [
                 {
@@ -299,7 +520,13 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
             }
         )
 
-    return GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes)
+    observed = ObservedApp(
+        GuardMiddleware(app, api_key=api_key, max_body_bytes=max_body_bytes),
+        engine.metrics,
+        access_log=access_log,
+        log_prompts=log_prompts,
+    )
+    return observed
 
 
 def build_engine(
@@ -328,10 +555,43 @@ def build_engine(
     return engine, summary
 
 
+def make_server(app: ObservedApp, host: str, port: int, **config: Any) -> Any:
+    """A ``uvicorn.Server`` for ``app`` that tells it when shutdown begins (before uvicorn waits
+    for open connections), so the shutdown line can count the requests that were in flight then.
+
+    Graceful by default: in-flight requests finish, however long they take (``--request-timeout``
+    bounds them)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets: Any = None) -> None:
+            app.begin_shutdown()
+            n = app.in_flight
+            if n:
+                server_logger.info(f"shutting down: waiting for {n} in-flight request{'s' if n != 1 else ''}")
+            await super().shutdown(sockets)
+
+    config.setdefault("log_level", "warning")
+    config.setdefault("access_log", False)  # ObservedApp writes the access log
+    config.setdefault("timeout_graceful_shutdown", None)
+    return _Server(uvicorn.Config(app, host=host, port=port, lifespan="on", **config))
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+    """Send ditfuse's server and access logs to stderr (uvicorn's own stay at warning): the CLI's
+    set-up; an embedding application configures logging itself."""
+    logger = logging.getLogger("ditfuse")
+    if not any(getattr(h, "_ditfuse", False) for h in logger.handlers):
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler._ditfuse = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > level:
+        logger.setLevel(level)
+
+
 def run(args: Any) -> int:
     import sys
-
-    import uvicorn
 
     try:
         Quality.parse(args.default_quality)
@@ -365,6 +625,18 @@ def run(args: Any) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"WARNING: listening on {args.host} without --api-key", file=sys.stderr)
     print(f"serving on http://{args.host}:{args.port}  (POST /v1/images/generations)", flush=True)
-    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
+    configure_logging()
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        access_log=not args.no_access_log,
+        log_prompts=args.log_prompts,
+    )
+    try:
+        make_server(app, args.host, args.port).run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises the SIGINT it handled once the graceful shutdown is done (as
+        # uvicorn.run does, exit 0: the shutdown was the one asked for).
+        pass
     return 0

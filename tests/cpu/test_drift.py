@@ -3,6 +3,8 @@
 import json
 import math
 
+import pytest
+
 import torch
 
 from ditfuse.contracts import admission
@@ -32,6 +34,7 @@ def test_ssim():
     assert ssim(img[..., :5, :5] + 0.01, img[..., :5, :5], 1.0) < 1.0
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_drift_transformer_only_lossless_identical_high_drifts(tmp_path, capsys):
     with admission.override_records([admission.admitted_record(op) for op in CLOSE]):
         rc = cli.main([
@@ -58,6 +61,7 @@ def test_drift_rejects_flux_dev_size_without_transformer_only(capsys):
     assert "--transformer-only" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_drift_wan_transformer_only_lossless_identical(tmp_path, capsys):
     with admission.override_records([admission.admitted_record(op) for op in CLOSE]):
         rc = cli.main([

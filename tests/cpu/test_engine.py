@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from types import SimpleNamespace
 
@@ -53,10 +52,14 @@ class Runner:
 
 
 class FakeHandle:
-    def __init__(self, runner_ref):
+    """Stands in for accelerate()'s handle. ``mounts``: whether set_quality really (un)mounts a
+    request-gated site (a GPU machine) or mounts nothing (a CPU machine: no fused ops)."""
+
+    def __init__(self, runner_ref, mounts=True):
         self._q = Quality.LOSSLESS
         self.transitions = []
         self.runner_ref = runner_ref
+        self.mounts = mounts
 
     @property
     def quality(self):
@@ -66,7 +69,11 @@ class FakeHandle:
         assert not self.runner_ref[0].active, "set_quality called while a batch was running"
         self.transitions.append((self._q, Quality.parse(q)))
         self._q = Quality.parse(q)
-        return {}
+        if not self.mounts:  # what accelerate() returns with no mounted model
+            return {}
+        high = self._q is Quality.HIGH
+        site = ["proj_out:probe"]
+        return {"transformer": SimpleNamespace(mounted=site if high else [], unmounted=[] if high else site, failed=None)}
 
 
 FAKE_MODEL = SimpleNamespace(name="fake", pipe=SimpleNamespace(components={}), device="cpu", default_size=(64, 64), size_multiple=16)
@@ -100,7 +107,20 @@ def test_compatible_requests_share_batches_up_to_max_and_are_padded():
         assert images[0].seed == i
     assert [b["size"] for b in eng.batch_log] == [4, 2]
     assert all(b["padded_to"] == 4 for b in eng.batch_log)
-    assert eng.metrics.batches == 2 and eng.metrics.images == 6 and eng.metrics.requests["ok"] == 6
+    m = eng.metrics
+    assert m.value("ditfuse_batches_total") == 2 and m.value("ditfuse_images_total") == 6
+    assert m.value("ditfuse_batch_size_total", size=4) == 1 and m.value("ditfuse_batch_size_total", size=2) == 1
+    assert m.value("ditfuse_batch_size_total", size=1) == 0
+    # one queue wait and one latency per request; one generation time per batch, by tier
+    assert m.value("ditfuse_queue_wait_seconds_count") == 6
+    assert m.value("ditfuse_request_latency_seconds_count") == 6
+    assert m.value("ditfuse_generation_seconds_count", quality="lossless") == 2
+    assert m.value("ditfuse_generation_seconds_count", quality="high") == 0
+    # the 5th and 6th requests waited for the first batch: their queue wait covers it
+    assert m.value("ditfuse_queue_wait_seconds_sum") >= 0
+    assert m.value("ditfuse_generation_seconds_sum", quality="lossless") == pytest.approx(
+        sum(b["seconds"] for b in eng.batch_log), abs=1e-5
+    )
 
 
 def test_unpadded_batches_when_disabled():
@@ -182,8 +202,11 @@ def test_queue_full_raises_and_queue_drains_afterwards():
     eng, done = run(main())
     assert len(done) == 3
     assert "rejected" not in runner.prompts_run
-    assert eng.metrics.requests["rejected_queue_full"] == 1
-    assert "ditfuse_queue_depth 0" in eng.prometheus()
+    # the engine does not count requests (the server does, refusals included); its live gauges
+    # are read at scrape time
+    text = eng.prometheus().decode()
+    assert "ditfuse_queue_depth 0.0" in text and "ditfuse_images_in_flight 0.0" in text
+    assert eng.metrics.value("ditfuse_batches_total") == 3
 
 
 def test_timed_out_request_is_dropped_before_it_runs():
@@ -207,7 +230,8 @@ def test_timed_out_request_is_dropped_before_it_runs():
     eng, ok = run(main())
     assert runner.prompts_run == ["running", "after"]
     assert ok[0].image[1] == "after"
-    assert eng.metrics.requests["timeout"] == 1
+    assert eng.metrics.value("ditfuse_queue_dropped_total", reason="timeout") == 1
+    assert eng.metrics.value("ditfuse_queue_wait_seconds_count") == 2  # "late" never started
 
 
 def test_disconnected_client_is_dropped_before_it_runs():
@@ -242,8 +266,8 @@ def test_disconnected_client_is_dropped_before_it_runs():
     eng, ok = run(main())
     assert runner.prompts_run == ["running", "stays"]
     assert ok[0].image[1] == "stays"
-    assert eng.metrics.requests["client_disconnected"] == 1
-    assert eng.metrics.requests["dropped_disconnected"] == 1
+    assert eng.metrics.value("ditfuse_queue_dropped_total", reason="disconnected") == 1
+    assert eng.metrics.value("ditfuse_queue_dropped_total", reason="timeout") == 0
 
 
 def test_graceful_shutdown_finishes_in_flight_and_queued_then_refuses():
@@ -314,11 +338,13 @@ def test_pipeline_error_fails_only_its_batch():
     assert all(isinstance(r, RuntimeError) for r in res)
     assert ok[0].image[1] == "later"
     assert "error" in eng.batch_log[0] and "error" not in eng.batch_log[1]
+    assert eng.metrics.value("ditfuse_batch_errors_total") == 1
+    assert eng.metrics.value("ditfuse_batches_total") == 1 and eng.metrics.value("ditfuse_images_total") == 1
 
 
-def test_quality_changes_only_between_batches():
+def _mixed_quality_run(mounts):
     ref = [None]
-    handle = FakeHandle(ref)
+    handle = FakeHandle(ref, mounts=mounts)
     runner = Runner(handle)
     ref[0] = runner
 
@@ -330,18 +356,37 @@ def test_quality_changes_only_between_batches():
         await eng.shutdown()
         return eng
 
-    eng = run(main())
+    return run(main()), handle, runner
+
+
+def test_quality_changes_only_between_batches():
+    eng, handle, runner = _mixed_quality_run(mounts=True)
     # every batch ran with the handle at the batch's quality
     assert runner.quality_seen and all(want is got for want, got in runner.quality_seen)
     for b in eng.batch_log:
         assert b["handle_quality"] == b["quality"]
     n_mounts = sum(1 for _, to in handle.transitions if to is Quality.HIGH)
     n_unmounts = sum(1 for _, to in handle.transitions if to is Quality.LOSSLESS)
-    assert (eng.metrics.mounts, eng.metrics.unmounts) == (n_mounts, n_unmounts)
     assert n_mounts >= 1
-    text = eng.prometheus()
-    assert f"ditfuse_quality_mounts_total {n_mounts}" in text
-    assert f"ditfuse_quality_unmounts_total {n_unmounts}" in text
+    m = eng.metrics
+    assert (m.value("ditfuse_quality_mounts_total"), m.value("ditfuse_quality_unmounts_total")) == (n_mounts, n_unmounts)
+    text = eng.prometheus().decode()
+    assert f"ditfuse_quality_mounts_total {float(n_mounts)}" in text
+    assert f"ditfuse_quality_unmounts_total {float(n_unmounts)}" in text
+    assert 'ditfuse_quality_current{quality="lossless"} 0.0' in text  # the last batch ran high
+    assert 'ditfuse_quality_current{quality="high"} 1.0' in text
+    assert m.value("ditfuse_generation_seconds_count", quality="high") >= 1
+    assert m.value("ditfuse_generation_seconds_count", quality="lossless") >= 1
+
+
+def test_tier_switch_that_mounts_nothing_is_not_counted():
+    """A CPU machine: the handle switches tier but no request-gated kernel mounts, so the mount and
+    unmount counters stay 0 (they used to count every switch)."""
+    eng, handle, _ = _mixed_quality_run(mounts=False)
+    assert sum(1 for _, to in handle.transitions if to is Quality.HIGH) >= 1  # it did switch
+    assert eng.metrics.value("ditfuse_quality_mounts_total") == 0
+    assert eng.metrics.value("ditfuse_quality_unmounts_total") == 0
+    assert any(b["transition"] is not None for b in eng.batch_log)
 
 
 def _alternating_transitions(switch_wait_ms):
@@ -377,24 +422,13 @@ def test_scheduler_prefers_the_mounted_tier_to_avoid_switches():
 # The tiny preset, for real.
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "ditfuse-cache"
-    old = os.environ.get("DITFUSE_CACHE")
-    os.environ["DITFUSE_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("DITFUSE_CACHE", None)
-    else:
-        os.environ["DITFUSE_CACHE"] = old
-
-
 def _png(g) -> bytes:
     from ditfuse.runtime.server import encode_image
 
     return encode_image(g.image, g.params, g.index, "tiny-flux").encode()
 
 
+@pytest.mark.slow  # the real tiny pipeline (interpreter-mounted kernels)
 def test_image_depends_on_its_seed_not_on_batch_mates(tiny_cache):
     from ditfuse.runtime.presets import load_model
 
@@ -421,6 +455,7 @@ def test_image_depends_on_its_seed_not_on_batch_mates(tiny_cache):
     assert mates[2][1].seed == 3
 
 
+@pytest.mark.slow  # the real tiny pipeline (interpreter-mounted kernels)
 def test_each_batch_runs_with_the_mount_state_of_its_quality(tiny_cache):
     """Mixed-quality traffic on the real tiny pipeline through accelerate(), with admission
     records injected so that quality="high" really mounts here: the batch log and the close ops'
@@ -462,3 +497,19 @@ def test_each_batch_runs_with_the_mount_state_of_its_quality(tiny_cache):
     assert {qq for qq, _ in seen} == {Quality.HIGH, Quality.LOSSLESS}
     handle.unmount()
     assert mounted_sites(loaded.pipe.transformer) == []
+
+
+def test_metrics_batches_and_images_read_as_ints_for_the_serving_benchmark():
+    """bench/bench_serve_cpu.py computes throughput from ``engine.metrics.batches`` / ``.images``."""
+    runner = Runner()
+
+    async def main():
+        eng = make_engine(runner, max_batch_size=2, batch_wait_ms=50)
+        await eng.start()
+        await asyncio.gather(*[eng.submit(P(f"p{i}", n=2 if i == 0 else 1)) for i in range(3)])
+        await eng.shutdown()
+        return eng
+
+    eng = run(main())
+    assert (eng.metrics.batches, eng.metrics.images) == (len(runner.calls), 4)
+    assert isinstance(eng.metrics.batches, int) and isinstance(eng.metrics.images, int)

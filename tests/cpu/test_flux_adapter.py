@@ -18,6 +18,7 @@ def _run(m, inp):
         return m(**inp)[0]
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("guidance", [False, True])
 def test_mount_unmount_outputs_bitwise_unchanged(batch, guidance):
@@ -40,6 +41,7 @@ def test_mount_unmount_outputs_bitwise_unchanged(batch, guidance):
         assert reg is None or not [n for n in reg.hooks if n.startswith("ditfuse.")]
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_fast_path_engages_under_interpreter():
     """On CPU the Triton kernels run in the interpreter; the gate must have seen every op."""
     m = tiny_flux(dtype=torch.float32)
@@ -94,6 +96,7 @@ def test_report_lists_untouched_components_and_skipped_modules():
     h.unmount()
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_set_quality_high_then_lossless_bitwise():
     m = tiny_flux(dtype=torch.bfloat16)
     inp = flux_inputs(m, dtype=torch.bfloat16)
@@ -109,6 +112,7 @@ def test_set_quality_high_then_lossless_bitwise():
     h.unmount()
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_no_cuda_report_says_so_in_one_line():
     code = (
         "import torch, sys; sys.path.insert(0, '.')\n"
@@ -130,6 +134,7 @@ def test_accelerate_rejects_non_models():
         ditfuse.accelerate(42)
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_attention_backend_chosen_through_diffusers_is_respected(monkeypatch):
     """The fused attention path calls diffusers' dispatch_attention_fn with the backend set on the
     model (here '_native_math'), never a hard-coded SDPA."""

@@ -13,18 +13,6 @@ from PIL import Image
 EXE = str(Path(sys.executable).with_name("ditfuse"))
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "ditfuse-cache"
-    old = os.environ.get("DITFUSE_CACHE")
-    os.environ["DITFUSE_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("DITFUSE_CACHE", None)
-    else:
-        os.environ["DITFUSE_CACHE"] = old
-
-
 def run_cli(args, cache, timeout=240):
     env = {**os.environ, "DITFUSE_CACHE": str(cache)}
     # A plain CPU process: no Triton interpreter, so the report says fused ops are unavailable.
@@ -32,6 +20,7 @@ def run_cli(args, cache, timeout=240):
     return subprocess.run([EXE, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow  # `ditfuse` subprocesses: a fresh interpreter importing torch each
 def test_generate_writes_pngs_with_metadata(tiny_cache, tmp_path):
     out = tmp_path / "img" / "out.png"
     r = run_cli(
@@ -63,6 +52,7 @@ def test_generate_writes_pngs_with_metadata(tiny_cache, tmp_path):
     assert "3/3" in r.stderr
 
 
+@pytest.mark.slow  # `ditfuse` subprocesses: a fresh interpreter importing torch each
 def test_generate_single_image_is_reproducible(tiny_cache, tmp_path):
     a, b = tmp_path / "a.png", tmp_path / "b.png"
     for out in (a, b):
@@ -81,10 +71,14 @@ def test_generate_single_image_is_reproducible(tiny_cache, tmp_path):
         (["--model", "/nonexistent/dir"], "not a built-in preset"),
     ],
 )
-def test_generate_reports_bad_arguments(tiny_cache, tmp_path, args, needle):
-    r = run_cli(["generate", "--prompt", "x", "--out", str(tmp_path / "x.png"), *args], tiny_cache)
-    assert r.returncode == 2
-    assert needle in r.stderr
+def test_generate_reports_bad_arguments(tiny_cache, tmp_path, args, needle, capsys):
+    # In-process (the console script itself is run by the tests above): a subprocess per case
+    # only added interpreter start-up and a torch import to a check that never loads a model.
+    from ditfuse.runtime.cli import main
+
+    rc = main(["generate", "--prompt", "x", "--out", str(tmp_path / "x.png"), *args])
+    assert rc == 2
+    assert needle in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
 
 

@@ -44,6 +44,7 @@ def test_quality_parse():
         Quality.parse(3)
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_high_runs_close_kernels_and_back_to_lossless_bitwise(flux):
     m, inp, base = flux
     h = ditfuse.accelerate(m)
@@ -71,6 +72,7 @@ def test_high_runs_close_kernels_and_back_to_lossless_bitwise(flux):
     assert_bitwise_equal(_run(m, inp), base, "after unmount")
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_no_admission_record_mounts_nothing(flux):
     m, inp, base = flux
     h = ditfuse.accelerate(m)
@@ -96,6 +98,7 @@ def _high_failure(m, records=ADMITTED):
         h.unmount()
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_failed_admission_is_not_mountable(flux):
     recs = {r.op: r for r in ADMITTED}
     recs["rope.qk_rmsnorm_rope_fp32"] = admission.AdmissionResult(
@@ -104,17 +107,20 @@ def test_failed_admission_is_not_mountable(flux):
     assert f.family == "flux.attention" and "failed admission on H200" in f.reason
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_disabled_kernel_fails_the_available_guard(flux, monkeypatch):
     monkeypatch.setenv("DITFUSE_DISABLE", "norm.layernorm_modulate_fp32")
     f = _high_failure(flux[0])
     assert f.guard == "available:norm.layernorm_modulate_fp32" and "DITFUSE_DISABLE" in f.reason
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_fp32_model_fails_the_dtype_guard():
     f = _high_failure(tiny_flux(dtype=torch.float32))
     assert f.guard == "dtype" and "bf16/fp16" in f.reason
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_offload_hook_fails_and_all_or_nothing():
     """A foreign hook on one module fails that site's guard: no site moves, and sites already
     running high go back to lossless."""
@@ -162,6 +168,7 @@ def test_close_op_runs_eager_for_inputs_it_does_not_take():
     assert_bitwise_equal(out, ref.layernorm_modulate(x, sc, sc, 1e-6))
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_capture_admission_batches_and_admission_on_captured(flux):
     m, inp, _ = flux
     h = ditfuse.accelerate(m)
@@ -185,6 +192,7 @@ def test_capture_needs_a_mounted_model():
         capture_admission_batches(tiny_flux(), {})
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 @pytest.mark.parametrize("load", ["pretrained", "plain"])
 def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load):
     fam = families.get("wan")

@@ -23,6 +23,7 @@ def test_flux_fast_forwards_on_reference_chains_equal_diffusers(batch, monkeypat
 @pytest.mark.parametrize("config,per_token,load", [
     ("tiny", False, "pretrained"), ("tiny", False, "plain"), ("tiny", True, "pretrained"), ("tiny-i2v", False, "plain"),
 ], ids=["t2v-pretrained", "t2v-plain", "ti2v-per-token", "i2v"])
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 def test_wan_fast_forwards_on_reference_chains_equal_diffusers(config, per_token, load, monkeypatch):
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     fam = families.get("wan")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import logging
 import os
 import signal
 import socket
@@ -20,6 +21,13 @@ import openai
 import pytest
 from PIL import Image
 
+# One pytest-xdist worker runs this whole file (`--dist loadgroup`). Not for correctness: every
+# worker process would start its own server (the fixture is module-scoped per process) and run its
+# tests one at a time, so the metric-delta tests would still see only their own traffic. But the
+# server (tiny FLUX mounted through the Triton interpreter) costs seconds to start, and spreading
+# the file measured slower (58 s vs 49 s for `make test-quick` on 2 cores).
+pytestmark = pytest.mark.xdist_group("server")
+
 KEY = "sk-ditfuse-test"
 
 
@@ -27,18 +35,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    path = tmp_path_factory.getbasetemp() / "ditfuse-cache"
-    old = os.environ.get("DITFUSE_CACHE")
-    os.environ["DITFUSE_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("DITFUSE_CACHE", None)
-    else:
-        os.environ["DITFUSE_CACHE"] = old
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +51,8 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def server(tiny_cache, one_thread):
-    import uvicorn
-
     from ditfuse.contracts import admission, ops
-    from ditfuse.runtime.server import build_engine, create_app
+    from ditfuse.runtime.server import build_engine, create_app, make_server
 
     # Admission records injected for the whole module: quality="high" really mounts here (close
     # kernels under the interpreter), so the batch log shows which tier each batch ran with.
@@ -70,7 +64,7 @@ def server(tiny_cache, one_thread):
     probe = engine.handle is not None and "transformer" in engine.handle._mounted
     app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024)
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    srv = make_server(app, "127.0.0.1", port)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -133,7 +127,8 @@ def test_health_and_models(server):
     assert [m.id for m in models.data] == ["tiny-flux"]
 
 
-@pytest.mark.parametrize("size", ["64x64", "96x48", "32x80"])
+# Each request runs the interpreter-mounted pipeline (seconds on CI); the quick loop keeps one size.
+@pytest.mark.parametrize("size", ["64x64", pytest.param("96x48", marks=pytest.mark.slow), pytest.param("32x80", marks=pytest.mark.slow)])
 def test_b64_png_decodes_at_requested_size(server, size):
     res = gen(client(server), prompt="a lighthouse", size=size, steps=2, seed=11)
     assert len(res.data) == 1
@@ -144,20 +139,23 @@ def test_b64_png_decodes_at_requested_size(server, size):
     assert res.data[0].model_extra["seed"] == 11
 
 
+@pytest.mark.slow  # several interpreter-mounted pipeline calls; the scheduling logic is in test_engine's quick tests
 def test_n_images_have_consecutive_seeds_and_match_lone_requests(server):
     c = client(server)
-    res = gen(c, prompt="two birds", n=3, seed=40, steps=2)
+    # 32x32: the interpreter-mounted pipeline costs ~20x more at 64x64, and nothing here depends on size
+    res = gen(c, prompt="two birds", n=3, seed=40, steps=2, size="32x32")
     assert [d.model_extra["seed"] for d in res.data] == [40, 41, 42]
     raw = [base64.b64decode(d.b64_json) for d in res.data]
     assert len(set(raw)) == 3
-    lone = gen(c, prompt="two birds", seed=41, steps=2)
+    lone = gen(c, prompt="two birds", seed=41, steps=2, size="32x32")
     # same prompt, size, steps and seed (so the same PNG text too) -> identical bytes
     assert base64.b64decode(lone.data[0].b64_json) == raw[1]
 
 
+@pytest.mark.slow  # several interpreter-mounted pipeline calls; the scheduling logic is in test_engine's quick tests
 def test_same_seed_gives_identical_bytes_alone_or_in_a_batch(server):
     c = client(server)
-    alone = gen(c, prompt="a red fox", seed=1234, steps=2).data[0].b64_json
+    alone = gen(c, prompt="a red fox", seed=1234, steps=2, size="32x32").data[0].b64_json
     before = len(batches(server))
 
     async def burst():
@@ -166,7 +164,7 @@ def test_same_seed_gives_identical_bytes_alone_or_in_a_batch(server):
         seeds = [1, 1234, 2, 3]
         return await asyncio.gather(
             *[
-                ac.images.generate(model="tiny-flux", prompt=p, size="64x64", extra_body={"seed": s, "num_inference_steps": 2})
+                ac.images.generate(model="tiny-flux", prompt=p, size="32x32", extra_body={"seed": s, "num_inference_steps": 2})
                 for p, s in zip(prompts, seeds)
             ]
         )
@@ -178,6 +176,7 @@ def test_same_seed_gives_identical_bytes_alone_or_in_a_batch(server):
     assert max(b["size"] for b in new) > 1, new  # the fox really had batch-mates
 
 
+@pytest.mark.slow  # several interpreter-mounted pipeline calls; the scheduling logic is in test_engine's quick tests
 def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(server):
     m0 = metrics(server)
     before = len(batches(server))
@@ -187,13 +186,13 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
         ac = aclient(server)
         return await asyncio.gather(
             *[
-                ac.images.generate(model="tiny-flux", prompt=f"q{i}", size="64x64", quality=q, extra_body={"seed": i, "num_inference_steps": 1})
+                ac.images.generate(model="tiny-flux", prompt=f"q{i}", size="32x32", quality=q, extra_body={"seed": i, "num_inference_steps": 1})
                 for i, q in enumerate(qualities)
             ]
         )
 
     res = asyncio.run(burst())
-    assert all(decode(r.data[0]).size == (64, 64) for r in res)
+    assert all(decode(r.data[0]).size == (32, 32) for r in res)
     assert [decode(r.data[0]).text["quality"] for r in res] == ["high", "lossless", "high", "lossless", "high", "lossless", "lossless", "high"]
     new = batches(server)[before:]
     assert {b["quality"] for b in new} == {"high", "lossless"}
@@ -204,8 +203,18 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
         if server.probe:
             assert bool(b["mounted"]) == (b["quality"] == "high"), b
     m1 = metrics(server)
-    assert m1["ditfuse_quality_mounts_total"] > m0["ditfuse_quality_mounts_total"]
-    assert m1["ditfuse_quality_unmounts_total"] >= m0["ditfuse_quality_unmounts_total"]
+    mounts = m1["ditfuse_quality_mounts_total"] - m0["ditfuse_quality_mounts_total"]
+    unmounts = m1["ditfuse_quality_unmounts_total"] - m0["ditfuse_quality_unmounts_total"]
+    if server.probe:  # the FLUX high tier really mounts here (admission records injected)
+        assert mounts >= 1 and unmounts >= mounts - 1
+    else:  # e.g. a CPU machine: nothing can mount, so the tier switches count nothing
+        assert "fused ops unavailable" in server.summary
+        assert (mounts, unmounts) == (0, 0)
+        assert all(b["mounted"] == [] for b in new)
+    switches = [b for b in new if b["transition"] is not None]
+    assert switches  # the tier did switch; what it mounted is what the counters say
+    mounted_any = sum(1 for b in switches if any(r["mounted"] for r in b["transition"]["result"].values()))
+    assert mounts == mounted_any
 
 
 @pytest.mark.parametrize(
@@ -253,6 +262,156 @@ def test_malformed_json_unknown_model_and_body_limit(server):
     assert r.status_code == 404 and "error" in r.json()
 
 
+GEN = "/v1/images/generations"
+
+
+def post(server, body: bytes | dict, content_type: str | None = "application/json", **headers) -> httpx.Response:
+    data = body if isinstance(body, bytes) else __import__("json").dumps(body).encode()
+    h = {**auth(), **headers}
+    if content_type is not None:
+        h["content-type"] = content_type
+    return httpx.post(server.url + GEN, content=data, headers=h, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"style": "vivid"}, "style"),  # OpenAI's, but not implemented here
+        ({"num_inference_step": 2}, "num_inference_step"),  # a typo of ours
+        ({"cfg": 7, "sampler": "euler"}, "cfg"),
+    ],
+)
+def test_unknown_field_is_a_400_naming_it(server, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        gen(client(server), extra=extra)
+    body = e.value.body
+    assert e.value.status_code == 400
+    assert body["type"] == "invalid_request_error" and body["code"] == "unknown_parameter"
+    assert body["param"] == param
+    for name in extra:
+        assert repr(name) in body["message"]
+    assert "num_inference_steps" in body["message"]  # says what is accepted
+
+
+def test_documented_fields_are_all_accepted(server):
+    body = {
+        "model": "tiny-flux", "prompt": "a fox", "n": 1, "quality": "standard", "response_format": "b64_json",
+        "output_format": "png", "user": "user-1234", "seed": 3, "num_inference_steps": 1, "guidance_scale": 2.0,
+        "negative_prompt": "blur", "true_cfg_scale": 1.0, "width": 32, "height": 48,
+    }
+    from ditfuse.runtime.server import REQUEST_FIELDS
+
+    assert set(body) == REQUEST_FIELDS - {"size"}  # every accepted field, in one request
+    r = post(server, body)
+    assert r.status_code == 200, r.text
+    assert decode(SimpleNamespace(**r.json()["data"][0])).size == (32, 48)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx"],
+)
+def test_body_must_be_sent_as_json(server, content_type):
+    r = post(server, {"prompt": "x", "size": "32x32", "num_inference_steps": 1}, content_type=content_type)
+    assert r.status_code == 415, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "unsupported_media_type"
+    assert "application/json" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    ["application/json; charset=utf-8", pytest.param("Application/JSON", marks=pytest.mark.slow), pytest.param("application/merge+json", marks=pytest.mark.slow)],
+)
+def test_json_content_types_with_parameters_are_accepted(server, content_type):
+    r = post(server, {"prompt": "x", "size": "32x32", "num_inference_steps": 1, "seed": 1}, content_type=content_type)
+    assert r.status_code == 200, r.text
+
+
+def _requests_by_label(m: dict[str, float]) -> dict[tuple[str, str], float]:
+    out = {}
+    for k, v in m.items():
+        if k.startswith("ditfuse_requests_total{"):
+            labels = dict(kv.split("=", 1) for kv in k[len("ditfuse_requests_total{"):-1].split(","))
+            out[(labels["outcome"].strip('"'), labels["status"].strip('"'))] = v
+    return out
+
+
+def _wait_for(pred, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_metrics_count_good_and_rejected_requests_by_outcome_and_status(server):
+    before = _requests_by_label(metrics(server))
+    dropped0 = metrics(server).get('ditfuse_queue_dropped_total{reason="timeout"}', 0)
+    ok = {"prompt": "counted", "size": "32x32", "num_inference_steps": 1, "seed": 2}
+    assert post(server, ok).status_code == 200
+    assert post(server, ok).status_code == 200
+    assert post(server, {**ok, "style": "vivid"}).status_code == 400
+    assert post(server, {**ok, "size": "33x32"}).status_code == 400
+    assert post(server, b"{broken").status_code == 400
+    assert post(server, ok, content_type="text/plain").status_code == 415
+    assert post(server, {**ok, "model": "dall-e-3"}).status_code == 404
+    assert post(server, ok, Authorization="Bearer wrong").status_code == 401
+    assert post(server, {"prompt": "x" * 70000}).status_code == 413
+    eng = server.engine
+    old = eng.request_timeout_s
+    eng.request_timeout_s = 0.02  # shorter than the batch wait (100 ms): times out in the queue
+    try:
+        assert post(server, ok).status_code == 504
+    finally:
+        eng.request_timeout_s = old
+    httpx.get(server.url + "/health")  # other routes are not image requests: not counted
+    httpx.get(server.url + "/v1/models", headers=auth())
+    expected = {
+        ("ok", "200"): 2,
+        ("unknown_parameter", "400"): 1,
+        ("invalid_value", "400"): 1,
+        ("invalid_json", "400"): 1,
+        ("unsupported_media_type", "415"): 1,
+        ("model_not_found", "404"): 1,
+        ("invalid_api_key", "401"): 1,
+        ("request_too_large", "413"): 1,
+        ("timeout", "504"): 1,
+    }
+    # the response reaches the client just before the server counts it
+    _wait_for(lambda: sum(_requests_by_label(metrics(server)).values()) - sum(before.values()) >= sum(expected.values()), "not counted")
+    after = _requests_by_label(metrics(server))
+    delta = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert delta == expected
+    # the timed-out request was dropped from the queue before it ran
+    _wait_for(lambda: metrics(server).get('ditfuse_queue_dropped_total{reason="timeout"}', 0) == dropped0 + 1, "not dropped")
+
+
+def test_access_log_has_one_line_per_request_without_the_prompt(server, caplog):
+    import re
+
+    caplog.set_level(logging.INFO, logger="ditfuse.access")
+    secret = "a secret prompt about zebras"
+    res = gen(client(server), prompt=secret, n=2, quality="hd", steps=1, size="32x32")
+    assert len(res.data) == 2
+    with pytest.raises(openai.BadRequestError):
+        gen(client(server), prompt=secret, extra={"style": "vivid"})
+    httpx.get(server.url + "/health")
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "ditfuse.access"]
+
+    _wait_for(lambda: len(lines()) >= 3, f"access log lines missing: {lines()}")
+    got = lines()
+    assert len(got) == 3, got
+    ok, bad, health = got
+    assert re.fullmatch(r"127\.0\.0\.1:\d+ POST /v1/images/generations 200 \d+\.\dms quality=high batch=[1-4](\+[1-4])? images=2", ok), ok
+    assert re.fullmatch(
+        r"127\.0\.0\.1:\d+ POST /v1/images/generations 400 \d+\.\dms quality=- batch=- images=0 error=unknown_parameter", bad
+    ), bad
+    assert re.fullmatch(r"127\.0\.0\.1:\d+ GET /health 200 \d+\.\dms", health), health
+    assert not any("zebra" in line for line in got)
+
+
 def test_api_key_required_everywhere_but_health(server):
     with pytest.raises(openai.AuthenticationError) as e:
         gen(client(server, api_key="wrong"))
@@ -264,7 +423,9 @@ def test_api_key_required_everywhere_but_health(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.slow
 def test_queue_full_gives_429(server):
+    before = _requests_by_label(metrics(server))
     eng = server.engine
     old = eng.max_queue
     eng.max_queue = 2
@@ -290,8 +451,13 @@ def test_queue_full_gives_429(server):
     assert all(e.status_code == 429 and e.body["code"] == "queue_full" for e in limited)
     assert ok
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    _wait_for(lambda: sum(_requests_by_label(metrics(server)).values()) - sum(before.values()) >= len(res), "not counted")
+    after = _requests_by_label(metrics(server))
+    assert after[("queue_full", "429")] - before.get(("queue_full", "429"), 0) == len(limited)
+    assert after[("ok", "200")] - before.get(("ok", "200"), 0) == len(ok)
 
 
+@pytest.mark.slow
 def test_request_of_a_disconnected_client_is_dropped_before_it_runs(server):
     m0 = metrics(server)
     busy = threading.Thread(target=lambda: gen(client(server), prompt="long", steps=60, seed=5))
@@ -309,15 +475,15 @@ def test_request_of_a_disconnected_client_is_dropped_before_it_runs(server):
         )
     busy.join(120)
     deadline = time.monotonic() + 10
-    while metrics(server).get('ditfuse_requests_total{outcome="dropped_disconnected"}', 0) <= m0.get(
-        'ditfuse_requests_total{outcome="dropped_disconnected"}', 0
-    ):
+    dropped = 'ditfuse_queue_dropped_total{reason="disconnected"}'
+    while metrics(server).get(dropped, 0) <= m0.get(dropped, 0):
         assert time.monotonic() < deadline, "the disconnected request was not dropped"
         time.sleep(0.05)
     m1 = metrics(server)
     assert m1["ditfuse_images_total"] - m0["ditfuse_images_total"] == 1  # only "long" ran
 
 
+@pytest.mark.slow
 def test_soak_200_concurrent_mixed_requests(server):
     m0 = metrics(server)
     t0 = time.monotonic()
@@ -347,7 +513,7 @@ def test_soak_200_concurrent_mixed_requests(server):
         img = decode(r.data[0])
         assert img.size == (w, h) and img.text["prompt"] == f"soak {i}"
     m1 = metrics(server)
-    ok = 'ditfuse_requests_total{outcome="ok"}'
+    ok = 'ditfuse_requests_total{outcome="ok",status="200"}'
     assert m1[ok] - m0[ok] == 200
     assert m1["ditfuse_images_total"] - m0["ditfuse_images_total"] == sum(n for *_, n in plan)
     assert m1["ditfuse_queue_depth"] == 0 and m1["ditfuse_images_in_flight"] == 0
@@ -358,6 +524,7 @@ def test_soak_200_concurrent_mixed_requests(server):
 
 
 def test_metrics_are_prometheus_text(server):
+    gen(client(server), prompt="for the histograms", size="32x32")  # self-contained under any test order
     r = httpx.get(server.url + "/metrics", headers=auth())
     assert r.headers["content-type"].startswith("text/plain")
     names = set()
@@ -369,17 +536,34 @@ def test_metrics_are_prometheus_text(server):
             name, value = line.rsplit(" ", 1)
             float(value)
     for required in (
+        "ditfuse_requests_total",
         "ditfuse_queue_depth",
+        "ditfuse_images_in_flight",
         "ditfuse_batches_total",
         "ditfuse_batch_size_total",
+        "ditfuse_queue_wait_seconds",
+        "ditfuse_generation_seconds",
         "ditfuse_request_latency_seconds",
         "ditfuse_quality_mounts_total",
         "ditfuse_quality_unmounts_total",
+        "ditfuse_quality_current",
     ):
         assert required in names
-    assert 'ditfuse_request_latency_seconds_bucket{le="+Inf"}' in r.text
+    for hist in ("ditfuse_request_latency_seconds", "ditfuse_queue_wait_seconds"):
+        assert f'{hist}_bucket{{le="+Inf"}}' in r.text
+    m = metrics(server)
+    # every image request so far ran in some batch: the histograms agree with the counters
+    assert m["ditfuse_queue_wait_seconds_count"] >= 1
+    gen_count = sum(v for k, v in m.items() if k.startswith("ditfuse_generation_seconds_count"))
+    assert gen_count == m["ditfuse_batches_total"]
+    assert sum(v for k, v in m.items() if k.startswith("ditfuse_batch_size_total{")) == m["ditfuse_batches_total"]
 
 
+def server_quality(url: str) -> str:
+    return httpx.get(url + "/health").json()["quality"]
+
+
+@pytest.mark.slow
 def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path):
     """`ditfuse serve` in its own process: SIGINT while a request runs -> the request still gets
     its image, then the process exits 0."""
@@ -400,6 +584,9 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
+        # A plain CPU process (no interpreter): quality=high switches the tier but mounts nothing.
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        c.images.generate(prompt="tier switch", size="32x32", quality="high", extra_body={"num_inference_steps": 1, "seed": 1})
         result = {}
 
         def call():
@@ -412,6 +599,13 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
         while "ditfuse_images_in_flight 1" not in httpx.get(url + "/metrics").text:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+        text = httpx.get(url + "/metrics").text
+        # both switches happened (to high; back to lossless before "last one" started running,
+        # which the batch log lists once it finishes), and neither mounted anything
+        log = httpx.get(url + "/v1/debug/batches").json()["data"]
+        assert [b["transition"]["to"] for b in log if b["transition"]] == ["high"], log
+        assert server_quality(url) == "lossless"
+        assert "ditfuse_quality_mounts_total 0.0" in text and "ditfuse_quality_unmounts_total 0.0" in text, text
         proc.send_signal(signal.SIGINT)
         t.join(120)
         assert decode(result["r"].data[0]).size == (64, 64)
@@ -419,7 +613,73 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
         assert proc.returncode == 0, out
         assert "serving on http://127.0.0.1:" in out
         assert "noise" in out
+        # the access log (the prompt left out) and the shutdown line
+        assert " POST /v1/images/generations 200 " in out and "quality=lossless batch=1 images=1" in out, out
+        assert "last one" not in out
+        assert "shutdown: 1 of 1 in-flight request finished (1 ok, 0 failed)" in out, out
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# ObservedApp on its own (no pipeline): prompt logging is opt-in; the shutdown report counts
+# what was in flight when shutdown began and how it ended.
+
+
+async def _asgi_call(app, path: str) -> int:
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [], "client": ("127.0.0.1", 5)}
+    try:
+        await app(scope, receive, send)
+    except RuntimeError:
+        return -1
+    return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+
+def test_observed_app_logs_prompts_when_asked_and_reports_shutdown(caplog):
+    from ditfuse.runtime.metrics import EngineMetrics
+    from ditfuse.runtime.server import GENERATIONS_PATH, SCOPE_KEY, ObservedApp
+
+    caplog.set_level(logging.INFO, logger="ditfuse.access")
+    release = asyncio.Event()
+
+    async def inner(scope, receive, send):
+        scope[SCOPE_KEY].update(quality="high", prompt="a fox in snow", batch_sizes=[3, 1], images=2)
+        await release.wait()
+        if scope["path"] == "/boom":
+            raise RuntimeError("handler bug")  # no response at all
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    m = EngineMetrics()
+    app = ObservedApp(inner, m, log_prompts=True)
+
+    async def main():
+        calls = [asyncio.create_task(_asgi_call(app, p)) for p in (GENERATIONS_PATH, "/boom")]
+        await asyncio.sleep(0.05)
+        assert app.in_flight == 2
+        app.begin_shutdown()
+        late = asyncio.create_task(_asgi_call(app, GENERATIONS_PATH))  # arrived after: not counted
+        await asyncio.sleep(0.05)
+        release.set()
+        statuses = await asyncio.gather(*calls, late)
+        return statuses, app.shutdown_report()
+
+    statuses, report = asyncio.run(main())
+    assert statuses == [200, -1, 200]
+    assert (report.in_flight, report.finished, report.ok) == (2, 1, 1)
+    assert report.line().startswith("shutdown: 1 of 2 in-flight requests finished (1 ok, 0 failed, 1 did not finish)")
+    lines = [r.getMessage() for r in caplog.records if r.name == "ditfuse.access"]
+    assert any("quality=high batch=3+1 images=2 prompt='a fox in snow'" in line for line in lines), lines
+    assert any(" POST /boom 500 " in line for line in lines), lines
+    assert m.value("ditfuse_requests_total", outcome="ok", status=200) == 2
+    assert m.value("ditfuse_requests_total", outcome="internal_error", status=500) == 0  # not the image route
