@@ -257,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from ditfuse.runtime.cli import use_help_formatter
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(p)
+    use_help_formatter(p)
     run(p.parse_args(argv))
     return 0
 

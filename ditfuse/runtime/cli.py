@@ -133,7 +133,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _use_formatter(parser: argparse.ArgumentParser) -> None:
+def use_help_formatter(parser: argparse.ArgumentParser) -> None:
     """Apply :class:`HelpFormatter` to ``parser`` and every subcommand parser below it (subparsers
     do not inherit the formatter, and some register themselves from other modules)."""
     parser.formatter_class = HelpFormatter
@@ -143,7 +143,7 @@ def _use_formatter(parser: argparse.ArgumentParser) -> None:
             action.help = "(default: %(default)s)"
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():
-                _use_formatter(child)
+                use_help_formatter(child)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     _register_runtime(sub)
     for register in _EXTRA_COMMANDS:
         register(sub)
-    _use_formatter(p)
+    use_help_formatter(p)
     return p
 
 

@@ -55,7 +55,14 @@ def test_every_subcommand_parser_uses_the_defaults_formatter():
                     walk(child)
 
     walk(cli.build_parser())
-    assert {"ditfuse drift", "ditfuse bench flux", "ditfuse serve"} <= set(seen)
+    assert {"ditfuse drift", "ditfuse bench", "ditfuse serve"} <= set(seen)
+
+
+def test_bench_script_help_shows_defaults(capsys):
+    """`ditfuse bench flux --help` is bench/bench_step.py's parser: defaults shown too."""
+    assert cli.main(["bench", "flux", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--family" in out and "(default: flux)" in out and "(default: 10)" in out
 
 
 def _rows():

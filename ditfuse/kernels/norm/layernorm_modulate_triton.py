@@ -182,7 +182,8 @@ def _ln_kernel(
         valid_t = vec < NVEC
         valid = valid_t[:, None, None] & row_ok[None, :, None]
         if RES != 0 and EXACT:
-            x = load_row_tile(h_ptr, b, s, S * N, N, 1, vec, k4, valid)
+            src = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+            x = load_f32(h_ptr + src, valid)
         else:
             x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
                           vec, k4, valid, RES, EXACT, P_DT, H_DT)

@@ -37,7 +37,7 @@ _WAN = "rope.qk_rmsnorm_across_heads_rope_triton"
 QK_RMSNORM_ACROSS_HEADS_ROPE = OpDescriptor(
     op="rope.qk_rmsnorm_across_heads_rope",
     contract=Contract.BIT_EXACT,
-    replaces="r(rope_pairs(unflatten(r(RMSNorm_{H*Dh}(q|k)))))",
+    replaces="r(rope_pairs(r(RMSNorm(q|k)) over all H*Dh, then split into heads))",
     summary="RMSNorm over all heads (torch's vectorized order, several vectors per thread) + Wan's "
             "pair RoPE (fp32 or bf16 freqs) in one pass per tensor",
     reference=f"{_REF}:qk_rmsnorm_across_heads_rope",
