@@ -162,19 +162,6 @@ def make_cases(shape_name: str) -> list[Case]:
     return cases
 
 
-def _with_prefetch(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """The LayerNorm kernel with pass 1 loading one tile ahead (same bits; scheduling only)."""
-    from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
-
-    def run(*a):
-        old, lnm.PREFETCH = lnm.PREFETCH, True
-        try:
-            return fn(*a)
-        finally:
-            lnm.PREFETCH = old
-    return run
-
-
 def copy_bandwidth_gbs() -> float:
     import triton.testing
 
@@ -257,8 +244,6 @@ def main() -> None:
                 providers["compile"] = torch.compile(case.eager, dynamic=False)
             if kern is not None:
                 providers["ours"] = case.ours(kern)
-                if case.op.startswith("norm."):
-                    providers["ours-prefetch"] = _with_prefetch(case.ours(kern))
             expected = case.eager(*case.args)
             for pname, fn in providers.items():
                 try:

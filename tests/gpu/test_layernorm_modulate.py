@@ -272,7 +272,8 @@ def test_close_variants_run_and_stay_close():
     h, n = gate_residual_layernorm_modulate_fp32(x, gate, upd, scale, shift, EPS)
     he, ne = gate_residual_layernorm_modulate(x, gate, upd, scale, shift, EPS)
     torch.testing.assert_close(n.float(), ne.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(h.float(), he.float(), rtol=1e-2, atol=1e-2)
+    # h = r(res + gate*u) vs r(res + r(gate*u)): at most one bf16 ulp apart (|h| up to ~8 here)
+    torch.testing.assert_close(h.float(), he.float(), rtol=1e-2, atol=6.25e-2)
 
 
 def test_affine_contraction_probe():

@@ -93,12 +93,13 @@ def test_through_wan_attention_module():
     """diffusers' WanAttention (to_q/k/v, norm_q/norm_k, WanAttnProcessor's RoPE) vs the
     ditfuse fast forward, both load paths of the rotary tables."""
     import ditfuse
-    from diffusers.models.transformers.transformer_wan import WanAttention
+    from diffusers.models.transformers.transformer_wan import WanAttention, WanAttnProcessor
 
     torch.manual_seed(0)
     failures = []
     for fdtype in (torch.float32, torch.bfloat16):
-        attn = WanAttention(1536, heads=12, dim_head=128, eps=1e-6).to(DEV, torch.bfloat16).eval()
+        attn = WanAttention(1536, heads=12, dim_head=128, eps=1e-6, processor=WanAttnProcessor()).to(
+            DEV, torch.bfloat16).eval()
         x = torch.randn(2, 1560, 1536, device=DEV).to(torch.bfloat16)
         rot = _freqs(1560, 128, fdtype, 1)
         with torch.no_grad():

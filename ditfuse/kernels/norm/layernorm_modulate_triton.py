@@ -39,6 +39,8 @@ Shapes: x / residual / update [B, S, D] (any strides); scale, shift, gate [B, D]
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -65,10 +67,6 @@ from ditfuse.kernels.common.welford import (
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
-# Pass 1 issues the next tile's loads before the current tile's Welford chain (scheduling only:
-# same bits). Off until measured faster on the H200 (bench/bench_kernels.py, provider
-# ours-prefetch); a module attribute so that the benchmark can flip it.
-PREFETCH = False
 # RES modes
 _NO_RES, _ADD, _GATED = 0, 1, 2
 
@@ -117,7 +115,7 @@ def _ln_kernel(
     EXACT: tl.constexpr,
     P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
-    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True, PREFETCH: tl.constexpr = False,
+    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -133,23 +131,13 @@ def _ln_kernel(
     # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order (cuWelfordOnlineSum).
     mean = tl.zeros([LN_THREADS, R], dtype=tl.float32)
     m2 = tl.zeros([LN_THREADS, R], dtype=tl.float32)
-    if PREFETCH:  # the next tile's loads are issued before this tile's Welford chain runs
-        x_next = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                           t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT)
     j = 0
     while j < J:
         vec = j * LN_THREADS + t
         valid_t = vec < NVEC
         valid = valid_t[:, None, None] & row_ok[None, :, None]
-        if PREFETCH:
-            x = x_next
-            vec_n = vec + LN_THREADS
-            x_next = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                               vec_n, k4, (vec_n < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT,
-                               P_DT, H_DT)
-        else:
-            x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                          vec, k4, valid, RES, EXACT, P_DT, H_DT)
+        x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                      vec, k4, valid, RES, EXACT, P_DT, H_DT)
         if RES != 0:
             dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
             tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
@@ -317,7 +305,8 @@ def _unsupported_reason(
     if D > _MAX_N:
         return f"width D={D} > 2**24: torch uses RowwiseMomentsCUDAKernel (not reproduced)"
     ln_input_is_x = update is None and norm_dtype in (None, x.dtype)
-    if ln_input_is_x and x.is_contiguous() and x.data_ptr() % (4 * x.element_size()) != 0:
+    if (ln_input_is_x and x.is_contiguous() and not torch.compiler.is_compiling()  # no addresses while tracing
+            and x.data_ptr() % (4 * x.element_size()) != 0):
         return (
             "contiguous input whose data pointer is not aligned to 4 elements: torch uses "
             "RowwiseMomentsCUDAKernel (not reproduced)"
@@ -348,28 +337,38 @@ def _rows_per_program(M: int) -> int:
     return 1
 
 
+@functools.lru_cache(maxsize=256)
+def _rounding_plan(x_dt, gate_dt, update_dt, scale_dt, shift_dt, norm_dtype):
+    """The eager chain's rounding dtypes (torch's promotion rules) as the kernel's constexprs, plus
+    the dtypes of out and h. Cached: a handful of dtype combinations occur per process, and the
+    promotions cost microseconds on every call otherwise."""
+    h_dt = x_dt
+    p_dt = promote(gate_dt, update_dt) if gate_dt is not None else x_dt
+    ln_dt = norm_dtype or h_dt
+    if scale_dt is not None:
+        sc_dt = scale_dt
+        m_dt = promote(ln_dt, sc_dt)
+        s_dt = promote(m_dt, shift_dt)
+    else:
+        sc_dt = m_dt = s_dt = ln_dt
+    out_dt = h_dt if norm_dtype is not None else s_dt
+    consts = dict(P_DT=tl_dtype(p_dt), H_DT=tl_dtype(h_dt), LN_DT=tl_dtype(ln_dt), SC_DT=tl_dtype(sc_dt),
+                  M_DT=tl_dtype(m_dt), S_DT=tl_dtype(s_dt), OUT_DT=tl_dtype(out_dt))
+    return consts, out_dt, h_dt
+
+
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
-            rows_per_program: int | None = None, affine_fma: bool = True,
-            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            rows_per_program: int | None = None, affine_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
-    only tiles the work (benchmarks sweep it); any value gives the same bits, and so does
-``prefetch`` (pass 1 loads one tile ahead: scheduling only). ``affine_fma=False``
+    only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     B, S, D = x.shape
-    prefetch = PREFETCH if prefetch is None else prefetch
     res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
-    h_dt = x.dtype
-    p_dt = promote(gate.dtype, update.dtype) if res == _GATED else x.dtype
-    ln_dt = norm_dtype or h_dt
-    if scale is not None:
-        sc_dt = scale.dtype
-        m_dt = promote(ln_dt, sc_dt)
-        s_dt = promote(m_dt, shift.dtype)
-    else:
-        sc_dt = m_dt = s_dt = ln_dt
-    out_dt = h_dt if norm_dtype is not None else s_dt
+    consts, out_dt, h_dt = _rounding_plan(
+        x.dtype, None if res != _GATED else gate.dtype, None if update is None else update.dtype,
+        None if scale is None else scale.dtype, None if shift is None else shift.dtype, norm_dtype)
     out = torch.empty((B, S, D), dtype=out_dt, device=x.device)
     h = torch.empty((B, S, D), dtype=h_dt, device=x.device) if res != _NO_RES else out
     M = B * S
@@ -387,10 +386,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
         scale if scale is not None else x, shift if shift is not None else x, h, out,
         M, S, D, nvec, triton.cdiv(nvec, 128), float(eps), *strides,
         RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
-        EXACT=exact,
-        P_DT=tl_dtype(p_dt), H_DT=tl_dtype(h_dt), LN_DT=tl_dtype(ln_dt), SC_DT=tl_dtype(sc_dt),
-        M_DT=tl_dtype(m_dt), S_DT=tl_dtype(s_dt), OUT_DT=tl_dtype(out_dt),
-        R=R, AFFINE_FMA=affine_fma, PREFETCH=prefetch, num_warps=4, enable_fp_fusion=False,
+        EXACT=exact, **consts, R=R, AFFINE_FMA=affine_fma, num_warps=4, enable_fp_fusion=False,
     )
     return h, out
 

@@ -173,7 +173,7 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
     reason = device_reason(*tensors) or grad_reason(*tensors)
     if reason:
         return reason
-    for t in (q, k, *weights):
+    for t in (q, k, *weights) if not torch.compiler.is_compiling() else ():  # no addresses while tracing
         if t.is_contiguous() and t.data_ptr() % (RMS_VEC_WIDTH * t.element_size()):
             return "a contiguous input or weight is not 4-element aligned (torch's non-vectorized path)"
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):

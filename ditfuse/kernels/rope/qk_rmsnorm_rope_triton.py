@@ -178,6 +178,8 @@ def _suggests_channels_last(t: torch.Tensor) -> bool:
 def _vector_aligned(t: torch.Tensor) -> bool:
     """torch's vectorized kernel needs the row data (after ``expect_contiguous``, which copies a
     non-contiguous tensor into a fresh, aligned buffer) aligned to 4 elements."""
+    if torch.compiler.is_compiling():  # no addresses while tracing
+        return True
     return not t.is_contiguous() or t.data_ptr() % (RMS_VEC_WIDTH * t.element_size()) == 0
 
 
