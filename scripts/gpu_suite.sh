@@ -5,7 +5,7 @@
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
-#   probes   torch's RMS order at Wan widths, SDPA backends (speed, accuracy)   -> suite.log
+#   probes   torch's RMS order at Wan widths, SDPA backends, host cost per call  -> suite.log
 #   tests    the GPU tests (tests/gpu, bitwise)                                   -> suite.log
 #   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
 #   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
@@ -48,10 +48,10 @@ run_phase() {  # name timeout cmd...
   summary+=("$name: rc=$rc in $((SECONDS - t0))s")
 }
 want() { for p in "${phases[@]}"; do [[ $p == "$1" || $p == all ]] && return 0; done; return 1; }
-if want probes; then
-  run_phase probe_rms "${PROBE_TIMEOUT:-120}" env PROBE_ROWS=4096 python3 bench/probes/probe_rms_order.py
-  run_phase probe_attention "${PROBE_TIMEOUT:-120}" python3 bench/probes/probe_attention.py --out /tmp/attention_probe.csv
-  for p in ${EXTRA_PROBES:-}; do run_phase "$p" "${PROBE_TIMEOUT:-120}" python3 "$p"; done
+if want probes; then  # PROBES: the probe scripts to run (default: RMS order, attention backends, host cost)
+  for p in ${PROBES:-bench/probes/probe_rms_order.py bench/probes/probe_attention.py bench/probes/probe_host_cost.py}; do
+    run_phase "$p" "${PROBE_TIMEOUT:-120}" env PROBE_ROWS=4096 python3 "$p"
+  done
 fi
 if want tests; then
   run_phase tests "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rf --durations=15 ${PYTEST_ARGS:-}

@@ -24,7 +24,7 @@ def main() -> int:
     import triton.testing
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="attention_probe.csv")
+    ap.add_argument("--out", default="/tmp/attention_probe.csv")
     args = ap.parse_args()
     rows = []
     backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
