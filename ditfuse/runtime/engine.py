@@ -167,10 +167,12 @@ def run_batch(
         kwargs["negative_prompt"] = [p.negative_prompt for p, _ in full]
         kwargs["true_cfg_scale"] = p0.true_cfg_scale
     # -- video (WanPipeline): frames as float arrays, CFG's negative prompts per video ---------
+    # An image request on a video model is a one-frame clip (Wan is trained on images too).
     video = p0.num_frames is not None
-    if video:
+    still = not video and getattr(loaded, "is_video", False)
+    if video or still:
         del kwargs["num_images_per_prompt"]
-        kwargs.update(num_frames=p0.num_frames, num_videos_per_prompt=1, output_type="np")
+        kwargs.update(num_frames=p0.num_frames or 1, num_videos_per_prompt=1, output_type="np")
         if any(p.negative_prompt for p, _ in full):
             # Wan's default negative prompt is "" (used whenever guidance_scale > 1).
             kwargs["negative_prompt"] = [p.negative_prompt or "" for p, _ in full]
@@ -193,10 +195,15 @@ def run_batch(
             kwargs.pop(k)
     with torch.inference_mode():
         out = pipe(**kwargs)
-    if video:
+    if video or still:
         from .video_io import frames_to_uint8
 
-        return [frames_to_uint8(v) for v in out.frames[:real]]
+        clips = [frames_to_uint8(v) for v in out.frames[:real]]
+        if still:
+            from PIL import Image
+
+            return [Image.fromarray(c[0]) for c in clips]
+        return clips
     return list(out.images[:real])
 
 
@@ -593,6 +600,10 @@ class Engine:
         }
         is_video = slots[0][0].is_video
         on_step = self._step_hook(reqs) if is_video else None
+        if is_video:  # progress 0 of N: the batch has started
+            for r in reqs:
+                if r.on_progress is not None:
+                    r.on_progress(0, r.params.num_inference_steps)
         try:
             images, info = await loop.run_in_executor(
                 self._executor, self._run_sync, quality, [(r.params, i) for r, i in slots], on_step

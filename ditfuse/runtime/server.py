@@ -10,6 +10,7 @@ Routes
                                   histogram, quality mounts/unmounts.
     GET  /v1/debug/batches        the engine's recent batch log (batch id, size, quality, mounted
                                   request-gated sites).
+    /v1/videos...                 the OpenAI videos API (video models): ditfuse/runtime/videos.py.
 
 quality
     ``lossless`` (bit-exact kernels only) and ``high`` (adds the request-gated close kernels) are
@@ -59,7 +60,9 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     499: "invalid_request_error",
     503: "server_error",
@@ -198,18 +201,37 @@ class GuardMiddleware:
         await self.app(scope, replay, send)
 
 
-def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Any:
+def create_app(
+    engine: Engine,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    videos: Any = None,
+) -> Any:
     """The ASGI app: FastAPI routes wrapped in :class:`GuardMiddleware`. Starts and drains ``engine``
-    with the app's lifespan."""
+    with the app's lifespan. ``videos`` (a :class:`ditfuse.runtime.videos.VideoJobs`) adds the
+    videos API; without it a video-less server answers /v1/videos with a clear 400."""
     started = int(time.time())
 
     @asynccontextmanager
     async def lifespan(app: Any):
         await engine.start()
+        # -- videos: open the job store after the engine starts (it re-queues queued jobs);
+        # graceful stop: queued jobs leave the engine queue (they stay queued on disk), the
+        # running batch finishes and its files are written before the store closes.
+        if videos is not None:
+            try:
+                await videos.start()
+            except BaseException:
+                await engine.shutdown(drain=False)
+                raise
         try:
             yield
         finally:
+            if videos is not None:
+                videos.detach_queued()
             await engine.shutdown(drain=True)
+            if videos is not None:
+                await videos.close()
 
     app = FastAPI(title="ditfuse", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine = engine
@@ -270,6 +292,13 @@ def create_app(engine: Engine, api_key: str | None = None, max_body_bytes: int =
     async def batches(limit: int = 100) -> dict:
         log = list(engine.batch_log)[-max(0, limit):] if limit else []
         return {"object": "list", "data": log}
+
+    from . import videos as _videos
+
+    if videos is not None:
+        app.include_router(_videos.router(videos))
+    elif not getattr(engine.loaded, "is_video", False):
+        app.include_router(_videos.unsupported_router(engine.model_name))
 
     @app.post("/v1/images/generations")
     async def generations(request: Request) -> JSONResponse:
@@ -347,8 +376,11 @@ def run(args: Any) -> int:
             max_queue=args.max_queue,
             request_timeout_s=args.request_timeout,
             pad_batches=not args.no_pad_batches,
+            max_video_batch_size=getattr(args, "max_video_batch_size", 1),
+            image_batches_per_video=getattr(args, "image_batches_per_video", 4),
         )
-    except ValueError as e:
+        videos = _video_jobs(engine, args)
+    except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
@@ -364,7 +396,34 @@ def run(args: Any) -> int:
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"WARNING: listening on {args.host} without --api-key", file=sys.stderr)
-    print(f"serving on http://{args.host}:{args.port}  (POST /v1/images/generations)", flush=True)
-    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    routes = "POST /v1/images/generations"
+    if videos is not None:
+        print(
+            f"videos: data dir {videos.data_dir}, up to {engine.max_video_batch_size} per call, "
+            f"{engine.image_batches_per_video} image batches per video batch while videos wait, "
+            f"timeout {videos.job_timeout_s:g} s, keep {videos.max_stored or 'all'} finished jobs"
+            f"{'' if videos.max_age_s is None else f' for {videos.max_age_s:g} s'}"
+        )
+        routes += ", POST /v1/videos"
+    print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_body_bytes, videos=videos)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=None)
     return 0
+
+
+def _video_jobs(engine: Engine, args: Any) -> Any:
+    """The video job manager for a video model (None for an image model); locks its data dir now
+    so that a second server on the same dir fails before it binds a port."""
+    if not getattr(engine.loaded, "is_video", False):
+        return None
+    from .videos import VideoJobs
+
+    jobs = VideoJobs(
+        engine,
+        getattr(args, "data_dir", None),
+        job_timeout_s=getattr(args, "video_timeout", 3600.0),
+        max_stored=getattr(args, "max_stored_videos", 1000),
+        max_age_s=getattr(args, "video_ttl", 7 * 24 * 3600.0),
+    )
+    jobs.open()
+    return jobs
