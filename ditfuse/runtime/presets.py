@@ -421,3 +421,13 @@ def _load_video_dir(path: Path, cls_name: str, device: str, torch_dtype: Any) ->
         default_steps=info["default_steps"],
         default_guidance=info["default_guidance"],
     )
+
+
+def is_video_model(model: str) -> bool:
+    """Whether ``model`` (a preset name or a diffusers directory) makes videos, without loading it."""
+    if model in PRESET_TABLE:
+        return PRESET_TABLE[model].kind == "video"
+    path = Path(model).expanduser()
+    if not (path / "model_index.json").is_file():
+        return False
+    return pipeline_class(path) in VIDEO_PIPELINES

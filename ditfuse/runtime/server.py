@@ -362,8 +362,10 @@ def run(args: Any) -> int:
 
     import uvicorn
 
+    store = None
     try:
         Quality.parse(args.default_quality)
+        store = _video_store(args)  # before the (slow) model load: a locked data dir fails fast
         engine, summary = build_engine(
             args.model,
             device=args.device,
@@ -379,8 +381,10 @@ def run(args: Any) -> int:
             max_video_batch_size=getattr(args, "max_video_batch_size", 1),
             image_batches_per_video=getattr(args, "image_batches_per_video", 4),
         )
-        videos = _video_jobs(engine, args)
+        videos = _video_jobs(engine, args, store)
     except (ValueError, RuntimeError) as e:
+        if store is not None:
+            store.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
@@ -411,19 +415,31 @@ def run(args: Any) -> int:
     return 0
 
 
-def _video_jobs(engine: Engine, args: Any) -> Any:
-    """The video job manager for a video model (None for an image model); locks its data dir now
-    so that a second server on the same dir fails before it binds a port."""
+def _video_store(args: Any) -> Any:
+    """For a video model: its job store, opened now (which locks the data dir), so that a second
+    server on the same dir fails before loading the model or binding a port. None otherwise."""
+    from .presets import is_video_model
+
+    if not is_video_model(args.model):
+        return None
+    from .jobs import JobStore
+    from .videos import default_data_dir
+
+    data_dir = getattr(args, "data_dir", None)
+    return JobStore(data_dir if data_dir is not None else default_data_dir())
+
+
+def _video_jobs(engine: Engine, args: Any, store: Any) -> Any:
+    """The video job manager for a video model (None for an image model)."""
     if not getattr(engine.loaded, "is_video", False):
         return None
     from .videos import VideoJobs
 
-    jobs = VideoJobs(
+    return VideoJobs(
         engine,
-        getattr(args, "data_dir", None),
+        store.data_dir if store is not None else getattr(args, "data_dir", None),
         job_timeout_s=getattr(args, "video_timeout", 3600.0),
         max_stored=getattr(args, "max_stored_videos", 1000),
         max_age_s=getattr(args, "video_ttl", 7 * 24 * 3600.0),
+        store=store,
     )
-    jobs.open()
-    return jobs

@@ -216,6 +216,7 @@ class VideoJobs:
         max_stored: int | None = DEFAULT_MAX_STORED,
         max_age_s: float | None = DEFAULT_MAX_AGE_S,
         sweep_interval_s: float = 60.0,
+        store: JobStore | None = None,
     ) -> None:
         if not engine.loaded.is_video:
             raise ValueError(f"{engine.model_name!r} makes images, not videos")
@@ -225,7 +226,7 @@ class VideoJobs:
         self.max_stored = max_stored if max_stored is None or max_stored > 0 else None
         self.max_age_s = max_age_s if max_age_s else None
         self.sweep_interval_s = float(sweep_interval_s)
-        self.store: JobStore | None = None
+        self.store: JobStore | None = store  # opened (and the data dir locked) by open() if None
         self._live: dict[str, _Live] = {}
         self._sweeper: asyncio.Task | None = None
         self._closing = False
