@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ditfuse-installed
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu docs clean
+.PHONY: install demo demo-video test test-gpu docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,6 +21,10 @@ install: $(STAMP)
 # The main job on the built-in default: a tiny random-weight FLUX pipeline (its images are noise).
 demo: install
 	$(BIN)/ditfuse generate --model tiny-flux --prompt "a lighthouse at dusk" --size 256x256 --steps 8 --seed 0 --quality lossless --out out/demo.png
+
+# The video example: a tiny random-weight Wan pipeline (its video is noise) -> out/clip.mp4.
+demo-video: install
+	$(BIN)/ditfuse generate --model tiny-wan --prompt "a lighthouse at dusk" --frames 17 --size 832x480 --steps 8 --seed 0 --quality lossless --out out/clip.mp4
 
 test: install
 	$(BIN)/python -m pytest -q tests $(PYTEST_ARGS)

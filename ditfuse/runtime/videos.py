@@ -125,9 +125,14 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
     if fields.get("steps") is not None and fields.get("num_inference_steps") is not None:
         raise ParamError("steps", "give steps or num_inference_steps, not both")
     steps = fields.get("steps", fields.get("num_inference_steps"))
-    steps = loaded.default_steps if steps is None else _int_field("steps", steps)
-    if isinstance(steps, int) and not isinstance(steps, bool) and not 1 <= steps <= MAX_STEPS:
-        raise ParamError("steps", f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+    if steps is not None:
+        steps = _int_field("steps", steps)
+        if isinstance(steps, bool) or not isinstance(steps, int):
+            raise ParamError("steps", f"steps must be an integer, got {steps!r}")
+        if not 1 <= steps <= MAX_STEPS:
+            raise ParamError("steps", f"steps must be between 1 and {MAX_STEPS}, got {steps}")
+    else:
+        steps = loaded.default_steps
     guidance = fields.get("guidance_scale")
     guidance = loaded.default_guidance if guidance is None else _float_field("guidance_scale", guidance)
     quality = parse_quality(fields.get("quality"), engine.default_quality)
@@ -171,8 +176,10 @@ async def read_fields(request: Request) -> dict[str, Any]:
             if key in fields:
                 raise ParamError(key, f"field {key!r} is given more than once")
             if not isinstance(value, str):  # an uploaded file
-                fields[key] = "<file>"
                 await value.close()
+                if key not in UNSUPPORTED_FIELDS:
+                    raise ParamError(key, f"{key} must be a text field, not a file")
+                fields[key] = "<file>"
             else:
                 fields[key] = value
         return fields

@@ -192,6 +192,7 @@ def test_progress_goes_queued_in_progress_completed(vs):
         (dict(prompt="x" * 4001), "prompt", "longer than 4000"),
         (dict(prompt=""), "prompt", "non-empty"),
         (dict(extra_body={"steps": 0}), "steps", "between 1 and 200"),
+        (dict(extra_body={"steps": "many"}), "steps", "integer"),
         (dict(extra_body={"steps": 2, "num_inference_steps": 2}), "steps", "not both"),
         (dict(extra_body={"guidance_scale": "lots"}), "guidance_scale", "number"),
         (dict(extra_body={"fps": 24}), "fps", "unknown field 'fps'"),
@@ -226,6 +227,8 @@ def test_other_errors(vs):
     assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
     r = httpx.post(f"{vs.url}/v1/videos", data={"prompt": "x", "seed": "-3"}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = httpx.post(f"{vs.url}/v1/videos", files={"prompt": ("p.txt", b"a cat")}, headers=auth())
+    assert r.status_code == 400 and "text field, not a file" in r.json()["error"]["message"]
     r = httpx.post(f"{vs.url}/v1/videos", content=b"{bad", headers={**auth(), "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
     for q, param in [({"limit": "0"}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"), ({"after": "video_nope"}, "after")]:
@@ -308,8 +311,8 @@ def test_mixed_image_and_video_traffic_with_mixed_quality(vs):
     images = [(f"i{i}", "32x32", ["lossless", "high", "hd", "low"][i % 4], i) for i in range(8)]
 
     async def burst():
-        ac = aclient(vs)
-        return await asyncio.gather(*[_video(ac, *v) for v in videos], *[_image(ac, *i) for i in images])
+        async with aclient(vs) as ac:
+            return await asyncio.gather(*[_video(ac, *v) for v in videos], *[_image(ac, *i) for i in images])
 
     res = asyncio.run(burst())
     for (prompt, size, frames, quality, _), (v, data) in zip(videos, res[: len(videos)]):
@@ -339,12 +342,12 @@ def test_soak_120_mixed_requests_none_lost(vs):
     t0 = time.monotonic()
 
     async def soak():
-        ac = aclient(vs)
-        return await asyncio.gather(
-            *[_image(ac, f"s{i}", ["32x32", "48x32"][i % 2], ["lossless", "high", "auto"][i % 3], i) for i in range(n_img)],
-            *[_video(ac, f"sv{i}", "32x32", [5, 9][i % 2], ["lossless", "high"][i % 2], i) for i in range(n_vid)],
-            return_exceptions=True,
-        )
+        async with aclient(vs) as ac:
+            return await asyncio.gather(
+                *[_image(ac, f"s{i}", ["32x32", "48x32"][i % 2], ["lossless", "high", "auto"][i % 3], i) for i in range(n_img)],
+                *[_video(ac, f"sv{i}", "32x32", [5, 9][i % 2], ["lossless", "high"][i % 2], i) for i in range(n_vid)],
+                return_exceptions=True,
+            )
 
     res = asyncio.run(soak())
     errors = [r for r in res if isinstance(r, Exception)]
