@@ -382,7 +382,7 @@ def run(args: Any) -> int:
             image_batches_per_video=getattr(args, "image_batches_per_video", 4),
         )
         videos = _video_jobs(engine, args, store)
-    except (ValueError, RuntimeError) as e:
+    except (ValueError, RuntimeError, OSError) as e:
         if store is not None:
             store.close()
         print(f"error: {e}", file=sys.stderr)
