@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadgroup
 
-.PHONY: install demo test test-quick test-gpu docs clean
+.PHONY: install demo demo-video test test-quick test-gpu docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ install: $(STAMP)
 # The main job on the built-in default: a tiny random-weight FLUX pipeline (its images are noise).
 demo: install
 	$(BIN)/ditfuse generate --model tiny-flux --prompt "a lighthouse at dusk" --size 256x256 --steps 8 --seed 0 --quality lossless --out out/demo.png
+
+# The video example: a tiny random-weight Wan pipeline (its video is noise) -> out/clip.mp4.
+demo-video: install
+	$(BIN)/ditfuse generate --model tiny-wan --prompt "a lighthouse at dusk" --frames 17 --size 832x480 --steps 8 --seed 0 --quality lossless --out out/clip.mp4
 
 # The CI command: the whole CPU suite (GPU tests are skipped without CUDA).
 test: install

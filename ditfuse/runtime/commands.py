@@ -12,25 +12,34 @@ from pathlib import Path
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
+MODEL_HELP = ("'tiny-flux' (built-in image model) or 'tiny-wan' (built-in video model); both have random "
+              "weights: their images and videos are noise. Or a diffusers directory (a WanPipeline makes videos)")
+
+
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-flux", help="'tiny-flux' (built-in, random weights: images are noise) or a diffusers directory")
-    p.add_argument("--prompt", required=True, help="what to generate (the tiny preset ignores its meaning)")
-    p.add_argument("--negative-prompt", default=None, help="only used with --true-cfg-scale > 1")
+    p.add_argument("--model", default="tiny-flux", help=MODEL_HELP)
+    p.add_argument("--prompt", required=True, help="what to generate (the tiny presets ignore its meaning)")
+    p.add_argument("--negative-prompt", default=None, help="only used with --true-cfg-scale > 1 (FLUX) or Wan's CFG")
     p.add_argument("--true-cfg-scale", type=float, default=1.0, help="> 1 with --negative-prompt: true CFG (2 passes per step)")
     p.add_argument("--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default: the model's default)")
-    p.add_argument("--steps", type=int, default=28, dest="steps", help="denoising steps")
-    p.add_argument("--guidance", type=float, default=3.5, dest="guidance", help="FLUX's distilled guidance scale")
-    p.add_argument("--seed", type=int, default=0, help="seed of image 0; image i uses seed + i")
-    p.add_argument("--n", type=int, default=1, help="images to generate (out.png -> out-0.png, out-1.png, ...)")
+    p.add_argument("--steps", type=int, default=None, dest="steps", help="denoising steps (default: 28; tiny-wan 8, Wan 50)")
+    p.add_argument("--guidance", type=float, default=None, dest="guidance", help="guidance scale (default: 3.5; Wan 5.0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of output 0; output i uses seed + i")
+    p.add_argument("--n", type=int, default=1, help="outputs to generate (out.png -> out-0.png, out-1.png, ...)")
     p.add_argument("--quality", default="lossless", help="lossless (bit-exact kernels only, default) or high")
-    p.add_argument("--out", type=Path, default=Path("out.png"), help="output file; its suffix picks the format")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output file (default out.png; video models: out.mp4). Videos: .mp4 (H.264), .webp or .gif")
+    p.add_argument("--frames", type=int, default=None, dest="frames",
+                   help="video models: number of frames, 4k+1 (default: tiny-wan 17, Wan 81)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="video models: clip length instead of --frames (4k+1 frames nearest to seconds*fps+1)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-flux", help="'tiny-flux' (built-in, random weights: images are noise) or a diffusers directory")
+    p.add_argument("--model", default="tiny-flux", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: loopback only)")
     p.add_argument("--port", type=int, default=30000, help="TCP port")
     p.add_argument("--default-quality", default="lossless", help="quality for requests that send none/auto/standard")
@@ -49,6 +58,17 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
     p.add_argument("--no-access-log", action="store_true", help="no per-request log line (ditfuse.access logger, stderr)")
     p.add_argument("--log-prompts", action="store_true", help="include the prompt (first 200 characters) in access-log lines")
+    v = p.add_argument_group("videos (video models: POST /v1/videos and the other /v1/videos routes)")
+    v.add_argument("--data-dir", type=Path, default=None,
+                   help="video job store: SQLite rows + MP4s (default: $DITFUSE_CACHE/videos, i.e. ~/.cache/ditfuse/videos)")
+    v.add_argument("--max-video-batch-size", type=int, default=1,
+                   help="most video jobs per pipeline call (same shape, steps, guidance and quality)")
+    v.add_argument("--image-batches-per-video", type=int, default=4,
+                   help="while video jobs wait, at most this many image batches run before the next video batch")
+    v.add_argument("--video-timeout", type=float, default=3600.0, help="seconds from creation before a video job fails (queue + run)")
+    v.add_argument("--max-stored-videos", type=int, default=1000, help="finished video jobs kept (oldest deleted first); 0: no limit")
+    v.add_argument("--video-ttl", type=float, default=7 * 24 * 3600.0,
+                   help="seconds a finished video job is kept (its expires_at); 0: forever")
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import run
@@ -65,17 +85,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser(
         "generate",
-        help="generate images from a prompt (tiny-flux preset: random weights, the images are noise)",
-        description="Generate images with a diffusers pipeline accelerated by ditfuse. The built-in "
-        "tiny-flux preset has random weights: its images are noise (it exercises the code path).",
+        help="generate images or videos from a prompt (tiny-flux / tiny-wan presets: random weights, outputs are noise)",
+        description="Generate images (or, with a video model, an MP4/WebP/GIF clip) with a diffusers pipeline "
+        "accelerated by ditfuse. The built-in tiny-flux and tiny-wan presets have random weights: their images "
+        "and videos are noise (they exercise the code path).",
     )
     _generate_arguments(g)
     g.set_defaults(func=_cmd_generate)
     s = sub.add_parser(
         "serve",
-        help="OpenAI-compatible images server (POST /v1/images/generations)",
-        description="Serve POST /v1/images/generations with dynamic batching and per-request quality. "
-        "The built-in tiny-flux preset has random weights: its images are noise.",
+        help="OpenAI-compatible server (POST /v1/images/generations; video models also /v1/videos)",
+        description="Serve POST /v1/images/generations (and, for a video model, the /v1/videos job API) with "
+        "dynamic batching and per-request quality. The built-in tiny-flux and tiny-wan presets have random "
+        "weights: their images and videos are noise.",
     )
     _serve_arguments(s)
     s.set_defaults(func=_cmd_serve)

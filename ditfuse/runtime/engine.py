@@ -30,6 +30,17 @@ Quality
     first only once it has waited ``quality_switch_wait_ms`` (its fairness bound), so an
     alternating stream of lossless/high requests does not switch before every batch.
 
+Videos (the same engine serves video jobs)
+    A request whose params carry ``num_frames`` is a video; ``num_frames`` is in the signature, so
+    videos batch only with videos of the same shape, steps, guidance (CFG or not) and quality, up to
+    ``max_video_batch_size`` per call (padded to it like images). Kinds alternate so neither starves:
+    waiting image requests run before waiting video jobs (an image's client holds its connection; a
+    video is a job the client polls), but once ``image_batches_per_video`` image batches have run
+    while a video job waited, the next batch is a video batch. A pipeline call is never preempted,
+    so an image waits for at most one running video batch plus the image batches ahead of it.
+    Video batches report progress per denoising step (``on_progress``), and a batch whose requests
+    were all cancelled (:meth:`Engine.cancel`) or timed out stops at its next step.
+
 Shutdown
     :meth:`Engine.shutdown` stops accepting requests, lets the running batch finish and (by
     default) drains the queue before the worker stops.
@@ -86,6 +97,17 @@ class RequestDropped(EngineError):
     code = "client_closed_request"
 
 
+class RequestCancelled(EngineError):
+    """The request was cancelled (:meth:`Engine.cancel`) before it finished."""
+
+    status = 409
+    code = "cancelled"
+
+
+class BatchAbandoned(Exception):
+    """Raised from the step callback to stop a pipeline call whose requests are all abandoned."""
+
+
 @dataclass
 class GeneratedImage:
     image: Any  # PIL.Image.Image
@@ -115,7 +137,8 @@ def run_batch(
     pad_to: int | None = None,
     on_step: Callable[[int, int], None] | None = None,
 ) -> list[Any]:
-    """Run one pipeline call producing one image per slot; returns PIL images in slot order.
+    """Run one pipeline call producing one image per slot; returns PIL images in slot order
+    (for video params, ``num_frames`` set: one uint8 array ``(frames, height, width, 3)`` per slot).
 
     All slots must share a signature. ``pad_to`` appends copies of slot 0 until the call has that
     many images (their outputs are discarded); see the module docstring for why. ``on_step(i,
@@ -150,6 +173,17 @@ def run_batch(
     if p0.uses_true_cfg:
         kwargs["negative_prompt"] = [p.negative_prompt for p, _ in full]
         kwargs["true_cfg_scale"] = p0.true_cfg_scale
+    # -- video (WanPipeline): frames as float arrays, CFG's negative prompts per video ---------
+    # An image request on a video model is a one-frame clip (Wan is trained on images too).
+    video = p0.num_frames is not None
+    still = not video and getattr(loaded, "is_video", False)
+    if video or still:
+        del kwargs["num_images_per_prompt"]
+        kwargs.update(num_frames=p0.num_frames or 1, num_videos_per_prompt=1, output_type="np")
+        if any(p.negative_prompt for p, _ in full):
+            # Wan's default negative prompt is "" (used whenever guidance_scale > 1).
+            kwargs["negative_prompt"] = [p.negative_prompt or "" for p, _ in full]
+    # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
     if on_step is not None and "callback_on_step_end" in accepted:
         total = p0.num_inference_steps
@@ -168,6 +202,15 @@ def run_batch(
             kwargs.pop(k)
     with torch.inference_mode():
         out = pipe(**kwargs)
+    if video or still:
+        from .video_io import frames_to_uint8
+
+        clips = [frames_to_uint8(v) for v in out.frames[:real]]
+        if still:
+            from PIL import Image
+
+            return [Image.fromarray(c[0]) for c in clips]
+        return clips
     return list(out.images[:real])
 
 
@@ -199,11 +242,17 @@ class _Request:
     started: float | None = None  # when its first batch started (queue wait ends)
     next_index: int = 0
     results: dict[int, GeneratedImage] = field(default_factory=dict)
-    abandoned: str | None = None  # "disconnected" | "timeout"
+    abandoned: str | None = None  # "disconnected" | "timeout" | "cancelled" | ...
+    # Called on the event loop after each denoising step of a batch this request is in: (done, total).
+    on_progress: Callable[[int, int], None] | None = None
 
     @property
     def remaining(self) -> int:
         return self.params.n - self.next_index
+
+    @property
+    def is_video(self) -> bool:
+        return self.params.num_frames is not None
 
 
 class Engine:
@@ -223,9 +272,19 @@ class Engine:
         batch_log_limit: int = 10000,
         quality_switch_wait_ms: float = 500.0,
         runner: Callable[..., list[Any]] = run_batch,
+        max_video_batch_size: int = 1,
+        image_batches_per_video: int = 4,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
+        if max_video_batch_size < 1:
+            raise ValueError("max_video_batch_size must be >= 1")
+        if image_batches_per_video < 0:
+            raise ValueError("image_batches_per_video must be >= 0")
+        self.max_video_batch_size = int(max_video_batch_size)
+        self.image_batches_per_video = int(image_batches_per_video)
+        # Image batches run while a video job waited, since the last video batch (see "Videos").
+        self._image_batches_since_video = 0
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
         self.loaded = loaded
@@ -313,6 +372,18 @@ class Engine:
         Raises QueueFull, EngineClosed, RequestTimeout, RequestDropped (client went away) or the
         pipeline's own exception.
         """
+        return await self.wait(self.enqueue(params, timeout_s=timeout_s), is_disconnected)
+
+    def enqueue(
+        self,
+        params: SamplingParams,
+        timeout_s: float | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> _Request:
+        """Queue ``params`` now (raises QueueFull / EngineClosed at once); :meth:`wait` for it.
+
+        Must be called on the engine's event loop. ``on_progress(done, total)`` is called there
+        after each denoising step of the batch the request runs in."""
         if self._task is None:
             raise EngineClosed("engine is not running")
         if self._closing:
@@ -329,9 +400,18 @@ class Engine:
             future=loop.create_future(),
             enqueued=now,
             deadline=now + timeout,
+            on_progress=on_progress,
         )
         self._pending.append(req)
         self._wake.set()
+        return req
+
+    async def wait(
+        self, req: _Request, is_disconnected: Callable[[], Awaitable[bool]] | None = None
+    ) -> list[GeneratedImage]:
+        """Wait for a request from :meth:`enqueue`; raises as :meth:`submit` does, or
+        RequestCancelled after :meth:`cancel`."""
+        timeout = req.deadline - req.enqueued
         try:
             while True:
                 left = req.deadline - time.monotonic()
@@ -346,11 +426,28 @@ class Engine:
                     req.abandoned = "disconnected"
                     raise RequestDropped("client disconnected")
         except asyncio.CancelledError:
-            req.abandoned = "disconnected"
+            req.abandoned = req.abandoned or "disconnected"
             raise
         images = req.future.result()
         self.metrics.latency.observe(time.monotonic() - req.enqueued)
         return images
+
+    def cancel(self, req: _Request, reason: str = "cancelled") -> bool:
+        """Cancel a request from :meth:`enqueue`: a waiting one never runs; a running one's batch
+        stops at its next step once every request in it is cancelled or abandoned (batch-mates
+        still get their results). Its waiter gets RequestCancelled. False if it already finished."""
+        if req.future.done():
+            return False
+        req.abandoned = reason
+        req.future.set_exception(RequestCancelled(f"request {reason}"))
+        req.future.exception()  # retrieved: the waiter may be gone already
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def is_waiting(self, req: _Request) -> bool:
+        """True while ``req`` is queued and none of it has started running."""
+        return req.next_index == 0 and req in self._pending
 
     # -- scheduler ---------------------------------------------------------------------------
 
@@ -373,16 +470,28 @@ class Engine:
         return sum(r.remaining for r in self._pending if r.signature == sig)
 
     def _next_request(self) -> "_Request":
-        """The request whose signature the next batch takes: the oldest one, unless another tier
-        than the mounted one would force a switch while same-tier work waits and the oldest request
-        has not yet waited ``quality_switch_wait_ms``."""
-        oldest = self._pending[0]
+        """The request whose signature the next batch takes. First the kind (module docstring,
+        "Videos"): images while fewer than ``image_batches_per_video`` image batches ran since a
+        video job started waiting, else videos. Within the kind, the oldest request, unless another
+        tier than the mounted one would force a switch while same-tier work waits and the oldest
+        request has not yet waited ``quality_switch_wait_ms``."""
+        pool = self._pending
+        videos = [r for r in pool if r.is_video]
+        if videos and len(videos) < len(pool):  # both kinds wait
+            if self._image_batches_since_video >= self.image_batches_per_video:
+                pool = videos
+            else:
+                pool = [r for r in pool if not r.is_video]
+        oldest = pool[0]
         current = None if self.handle is None else self.handle.quality
         if current is None or oldest.params.quality is current:
             return oldest
         if time.monotonic() - oldest.enqueued >= self.quality_switch_wait_s:
             return oldest
-        return next((r for r in self._pending if r.params.quality is current), oldest)
+        return next((r for r in pool if r.params.quality is current), oldest)
+
+    def _batch_cap(self, params: SamplingParams) -> int:
+        return self.max_video_batch_size if params.num_frames is not None else self.max_batch_size
 
     async def _scheduler(self) -> None:
         assert self._wake is not None
@@ -396,8 +505,9 @@ class Engine:
                 continue
             first = self._next_request()
             sig = first.signature
+            cap = self._batch_cap(first.params)
             fill_deadline = first.enqueued + self.batch_wait_s
-            while not self._closing and self._available(sig) < self.max_batch_size:
+            while not self._closing and self._available(sig) < cap:
                 left = fill_deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -411,18 +521,23 @@ class Engine:
             for r in list(self._pending):
                 if r.signature != sig:
                     continue
-                while r.remaining and len(slots) < self.max_batch_size:
+                while r.remaining and len(slots) < cap:
                     slots.append((r, r.next_index))
                     r.next_index += 1
                 if r.remaining == 0:
                     self._pending.remove(r)
-                if len(slots) >= self.max_batch_size:
+                if len(slots) >= cap:
                     break
             if not slots:
                 continue
             await self._run(slots)
 
-    def _run_sync(self, quality: Quality, slots: list[tuple[SamplingParams, int]]) -> tuple[list[Any], dict]:
+    def _run_sync(
+        self,
+        quality: Quality,
+        slots: list[tuple[SamplingParams, int]],
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> tuple[list[Any], dict]:
         info: dict[str, Any] = {"transition": None}
         if self.handle is not None and self.handle.quality != quality:
             before = self.handle.quality
@@ -437,9 +552,10 @@ class Engine:
             self.metrics.observe_transition(res)
         info["mounted"] = mounted_sites(self.loaded.pipe)
         info["handle_quality"] = None if self.handle is None else self.handle.quality.value
-        pad_to = self.max_batch_size if self.pad_batches else None
+        pad_to = self._batch_cap(slots[0][0]) if self.pad_batches else None
         t0 = time.perf_counter()
-        images = self._runner(self.loaded, slots, pad_to=pad_to)
+        step_kw = {} if on_step is None else {"on_step": on_step}
+        images = self._runner(self.loaded, slots, pad_to=pad_to, **step_kw)
         info["seconds"] = time.perf_counter() - t0
         info["padded_to"] = max(len(slots), pad_to or 0)
         return images, info
@@ -462,11 +578,22 @@ class Engine:
             "requests": [r.id for r in reqs],
             "signature": list(slots[0][0].signature),
         }
+        is_video = slots[0][0].is_video
+        on_step = self._step_hook(reqs) if is_video else None
+        if is_video:  # progress 0 of N: the batch has started
+            for r in reqs:
+                if r.on_progress is not None:
+                    r.on_progress(0, r.params.num_inference_steps)
         try:
             images, info = await loop.run_in_executor(
-                self._executor, self._run_sync, quality, [(r.params, i) for r, i in slots]
+                self._executor, self._run_sync, quality, [(r.params, i) for r, i in slots], on_step
             )
         except Exception as e:  # the pipeline failed: fail every request of this batch
+            self._count_kind(is_video)
+            outcome = "error"
+            if isinstance(e, BatchAbandoned):  # every request in it was cancelled or timed out
+                e, outcome = RequestDropped(f"stopped while running ({e})"), "stopped_abandoned"
+                self.metrics.queue_dropped.labels(reason=outcome).inc(len(reqs))
             entry.update(error=f"{type(e).__name__}: {e}")
             self.batch_log.append(entry)
             for r in reqs:
@@ -475,10 +602,12 @@ class Engine:
                     r.future.exception()
                 if r in self._pending:
                     self._pending.remove(r)
-            self.metrics.batch_errors.inc()
+            if outcome == "error":
+                self.metrics.batch_errors.inc()
             return
         finally:
             self._in_flight -= len(slots)
+        self._count_kind(is_video)
         entry.update(
             mounted=info["mounted"],
             handle_quality=info["handle_quality"],
@@ -487,13 +616,34 @@ class Engine:
             seconds=round(info["seconds"], 6),
         )
         self.batch_log.append(entry)
-        self.metrics.observe_batch(len(slots), quality.value, info["seconds"])
+        self.metrics.observe_batch(len(slots), quality.value, info["seconds"], video=is_video)
         for (r, i), img in zip(slots, images):
             r.results[i] = GeneratedImage(
                 image=img, index=i, seed=r.params.seed + i, params=r.params, batch_id=batch_id, batch_size=len(slots)
             )
             if len(r.results) == r.params.n and not r.future.done():
                 r.future.set_result([r.results[k] for k in range(r.params.n)])
+
+    def _count_kind(self, was_video: bool) -> None:
+        """Fairness bookkeeping after a batch (module docstring, "Videos")."""
+        if was_video:
+            self._image_batches_since_video = 0
+        elif any(r.is_video for r in self._pending):
+            self._image_batches_since_video += 1
+
+    def _step_hook(self, reqs: list[_Request]) -> Callable[[int, int], None]:
+        """The per-step callback of a video batch (runs on the worker thread): forwards progress
+        to each live request on the loop, and stops the call once every request is abandoned."""
+        loop = self._loop
+
+        def on_step(i: int, total: int) -> None:
+            for r in reqs:
+                if r.on_progress is not None and r.abandoned is None:
+                    loop.call_soon_threadsafe(r.on_progress, i + 1, total)
+            if all(r.abandoned is not None for r in reqs):
+                raise BatchAbandoned(", ".join(sorted({str(r.abandoned) for r in reqs})))
+
+        return on_step
 
     # -- metrics -----------------------------------------------------------------------------
 

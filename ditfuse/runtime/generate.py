@@ -1,9 +1,13 @@
 """``ditfuse generate``: one request, from the command line, with timings.
 
-Loads the model (the built-in ``tiny-flux`` preset or a local diffusers directory), mounts ditfuse
-with ``ditfuse.models.accelerate``, runs the pipeline with a progress bar over the denoising steps
-and writes PNGs carrying the sampling parameters as PNG text metadata. With ``--n 2 --out out.png``
-the files are ``out-0.png`` and ``out-1.png``.
+Loads the model (a built-in preset, ``tiny-flux`` or ``tiny-wan``, or a local diffusers directory),
+mounts ditfuse with ``ditfuse.models.accelerate``, runs the pipeline with a progress bar over the
+denoising steps and writes PNGs carrying the sampling parameters as PNG text metadata. With
+``--n 2 --out out.png`` the files are ``out-0.png`` and ``out-1.png``.
+
+A video model (``tiny-wan``, a WanPipeline directory) writes one clip instead: ``--frames`` (4k+1)
+or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
+``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode.
 """
 
 from __future__ import annotations
@@ -54,38 +58,68 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    fmt = args.out.suffix.lower().lstrip(".") or "png"
-    fmt = {"jpg": "jpeg"}.get(fmt, fmt)
+    from .presets import PRESET_TABLE, load_model
 
-    from .presets import PRESET_GEOMETRY, load_model
+    def out_path(info: Any) -> Path:
+        if getattr(args, "out", None) is not None:
+            return args.out
+        return Path("out.mp4") if info.kind == "video" else Path("out.png")
 
-    def make_params(default_size: tuple[int, int], size_multiple: int) -> SamplingParams:
-        return SamplingParams.create(
+    def make_params(info: Any) -> SamplingParams:
+        """``info``: a Preset or LoadedModel (geometry, defaults, kind)."""
+        video = info.kind == "video"
+        frames, seconds = getattr(args, "frames", None), getattr(args, "seconds", None)
+        if not video and (frames is not None or seconds is not None):
+            raise ParamError("frames", f"--frames/--seconds need a video model (tiny-wan or a WanPipeline directory); {args.model} makes images")
+        out = out_path(info)
+        if video:
+            video_format(out)  # ValueError for anything but .mp4/.webp/.gif
+            if args.n != 1:
+                raise ParamError("n", "--n must be 1 for a video model (one clip per run)")
+            fmt = "png"
+        else:
+            fmt = out.suffix.lower().lstrip(".") or "png"
+            fmt = {"jpg": "jpeg"}.get(fmt, fmt)
+        steps = args.steps if args.steps is not None else (info.default_steps or 28)
+        guidance = args.guidance if args.guidance is not None else (
+            info.default_guidance if info.default_guidance is not None else 3.5
+        )
+        params = SamplingParams.create(
             args.prompt,
             size=args.size,
-            num_inference_steps=args.steps,
-            guidance_scale=args.guidance,
+            num_inference_steps=steps,
+            guidance_scale=guidance,
             seed=args.seed,
             n=args.n,
             quality=args.quality,
             negative_prompt=args.negative_prompt,
             true_cfg_scale=args.true_cfg_scale,
             output_format=fmt,
-            default_size=default_size,
-            size_multiple=size_multiple,
+            default_size=info.default_size,
+            size_multiple=info.size_multiple,
         )
+        if video:
+            params = params.with_(num_frames=resolve_num_frames(
+                seconds=seconds, num_frames=frames, fps=info.fps,
+                frame_multiple=info.frame_multiple, default_frames=info.default_frames,
+            ))
+        return params
+
+    from .params import resolve_num_frames
+    from .video_io import video_format
 
     try:
         # A preset's geometry is known without loading it, so bad arguments fail fast.
-        if args.model in PRESET_GEOMETRY:
-            make_params(*PRESET_GEOMETRY[args.model])
+        if args.model in PRESET_TABLE:
+            make_params(PRESET_TABLE[args.model])
         from .engine import run_batch
 
         loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-        params = make_params(loaded.default_size, loaded.size_multiple)
+        params = make_params(loaded)
     except (ParamError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    out = out_path(loaded)
 
     print(f"device: {loaded.device} ({str(loaded.dtype).replace('torch.', '')})")
     print(f"model: {loaded.name} ({type(loaded.pipe).__name__})")
@@ -102,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
         for line in summary:
             print(f"  {line}")
     t_loaded = time.perf_counter()
+    if params.num_frames is not None:
+        return _run_video(loaded, params, out, t_start, t_loaded)
 
     from tqdm import tqdm
 
@@ -119,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     t_done = time.perf_counter()
 
-    paths = output_paths(args.out, params.n)
+    paths = output_paths(out, params.n)
     for i, (img, path) in enumerate(zip(images, paths)):
         save_image(img, path, params.output_format, params.metadata(i, model=loaded.name))
     t_saved = time.perf_counter()
@@ -144,6 +180,60 @@ def run(args: argparse.Namespace) -> int:
     print(f"  total             : {t_saved - t_start:8.3f} s")
     for path in paths:
         print(f"wrote {path}")
+    if loaded.note:
+        print(f"NOTE: {loaded.note}")
+    return 0
+
+
+def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: float) -> int:
+    """One clip: progress over the denoising steps and the decode, then the video file."""
+    from tqdm import tqdm
+
+    from .engine import run_batch
+    from .params import seconds_for_frames
+    from .video_io import video_format, write_video
+
+    steps = params.num_inference_steps
+    stamps: list[float] = []
+    bar = tqdm(total=steps + 1, desc="denoising", unit="step", file=sys.stderr)
+
+    def on_step(i: int, total: int) -> None:
+        stamps.append(time.perf_counter())
+        bar.update(1)
+        if len(stamps) == steps:
+            bar.set_description("VAE decode")
+
+    t_call = time.perf_counter()
+    try:
+        clip = run_batch(loaded, [(params, 0)], on_step=on_step)[0]
+        bar.update(1)
+    finally:
+        bar.close()
+    t_done = time.perf_counter()
+    fmt = video_format(out)
+    size = write_video(out, clip, loaded.fps, fmt, params.metadata(0, model=loaded.name))
+    t_saved = time.perf_counter()
+
+    n, h, w = clip.shape[:3]
+    print(
+        f"sampling: {params.size}, {params.num_frames} frames ({seconds_for_frames(params.num_frames, loaded.fps)} s "
+        f"at {loaded.fps} fps), {steps} steps, guidance {params.guidance_scale:g}, seed {params.seed}, "
+        f"quality {params.quality.value}"
+    )
+    print("timings:")
+    print(f"  load + accelerate : {t_loaded - t_start:8.3f} s")
+    if stamps:
+        print(f"  encode + step 0   : {stamps[0] - t_call:8.3f} s")
+        if len(stamps) > 1:
+            diffs = [b - a for a, b in zip(stamps, stamps[1:])]
+            print(f"  per step (median) : {statistics.median(diffs) * 1000:8.1f} ms  (steps 1..{len(stamps) - 1})")
+        print(f"  VAE decode + post : {t_done - stamps[-1]:8.3f} s")
+    else:
+        print(f"  pipeline call     : {t_done - t_call:8.3f} s")
+    print(f"  {fmt} encode + save : {t_saved - t_done:6.3f} s")
+    print(f"  total             : {t_saved - t_start:8.3f} s")
+    codec = {"mp4": "H.264 MP4", "webp": "animated WebP", "gif": "GIF"}[fmt]
+    print(f"wrote {out} ({n} frames, {w}x{h}, {loaded.fps} fps, {codec}, {size} bytes)")
     if loaded.note:
         print(f"NOTE: {loaded.note}")
     return 0

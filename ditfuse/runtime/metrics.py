@@ -86,12 +86,14 @@ class EngineMetrics:
             registry=r,
         )
         self.images_total = Counter("ditfuse_images", "Images generated (padding slots not counted).", registry=r)
+        self.videos_total = Counter("ditfuse_videos", "Videos generated (padding slots not counted).", registry=r)
         self.batches_total = Counter("ditfuse_batches", "Pipeline calls (batches) that completed.", registry=r)
         self.batch_errors = Counter("ditfuse_batch_errors", "Pipeline calls that raised (every request in them failed).", registry=r)
         self.batch_size = Counter("ditfuse_batch_size", "Completed batches by number of real images in them.", ["size"], registry=r)
         self.queue_dropped = Counter(
             "ditfuse_queue_dropped",
-            "Requests dropped from the queue before they ran, by reason (timeout, disconnected).",
+            "Requests dropped before or while they ran, by reason (timeout, disconnected, cancelled, "
+            "stopped_abandoned: a running video batch stopped because all its jobs were cancelled).",
             ["reason"],
             registry=r,
         )
@@ -133,9 +135,9 @@ class EngineMetrics:
         """One HTTP request to the generation route, after its response (see the module docstring)."""
         self.requests.labels(outcome=outcome, status=str(status)).inc()
 
-    def observe_batch(self, size: int, quality: str, seconds: float) -> None:
+    def observe_batch(self, size: int, quality: str, seconds: float, video: bool = False) -> None:
         self.batches_total.inc()
-        self.images_total.inc(size)
+        (self.videos_total if video else self.images_total).inc(size)
         self.batch_size.labels(size=str(size)).inc()
         self.generation.labels(quality=quality).observe(seconds)
 
@@ -161,6 +163,11 @@ class EngineMetrics:
     def images(self) -> int:
         """Images generated so far."""
         return int(self.value("ditfuse_images_total"))
+
+    @property
+    def videos(self) -> int:
+        """Videos generated so far."""
+        return int(self.value("ditfuse_videos_total"))
 
     def value(self, name: str, **labels: str) -> float:
         """The current value of one sample (0 when it was never recorded); for tests and logs."""

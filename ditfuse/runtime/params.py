@@ -97,6 +97,8 @@ class SamplingParams:
     negative_prompt: str | None = None
     true_cfg_scale: float = 1.0
     output_format: str = "png"
+    # Video requests only (None for images): the clip's frame count; see resolve_num_frames.
+    num_frames: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -186,6 +188,7 @@ class SamplingParams:
             self.quality.value,
             self.uses_true_cfg,
             self.true_cfg_scale if self.uses_true_cfg else 1.0,
+            self.num_frames,
         )
 
     def with_(self, **changes: Any) -> "SamplingParams":
@@ -204,6 +207,8 @@ class SamplingParams:
         if self.negative_prompt is not None:
             meta["negative_prompt"] = self.negative_prompt
             meta["true_cfg_scale"] = repr(self.true_cfg_scale)
+        if self.num_frames is not None:
+            meta["num_frames"] = str(self.num_frames)
         if model is not None:
             meta["model"] = model
         return meta
@@ -213,3 +218,83 @@ class SamplingParams:
         d["quality"] = self.quality.value
         d.pop("extra")
         return d
+
+
+# ---------------------------------------------------------------------------------------------
+# Video: frame count from ``seconds`` or an explicit ``num_frames``.
+
+# The most frames a clip may have (15 s at Wan's 16 fps).
+MAX_FRAMES = 241
+
+
+def _parse_number(param: str, value: Any) -> float:
+    """A JSON number or a numeric string (form fields are strings), finite."""
+    if isinstance(value, bool):
+        raise ParamError(param, f"{param} must be a number, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            raise ParamError(param, f"{param} must be a number, got {value!r}") from None
+    if not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+        raise ParamError(param, f"{param} must be a number, got {value!r}")
+    return float(value)
+
+
+def frames_for_seconds(seconds: float, fps: int, frame_multiple: int = 4) -> int:
+    """The ``frame_multiple * k + 1`` frame count whose duration ``(frames - 1) / fps`` is nearest
+    to ``seconds`` (ties round up). Wan (16 fps, k*4+1): 1 s -> 17 frames, 4 s -> 65, 5 s -> 81."""
+    k = int(seconds * fps / frame_multiple + 0.5)
+    return frame_multiple * k + 1
+
+
+def seconds_for_frames(num_frames: int, fps: int) -> str:
+    """A clip's duration as the API reports it: ``(num_frames - 1) / fps`` seconds, e.g. '4', '1.25'."""
+    return f"{(num_frames - 1) / fps:g}"
+
+
+def resolve_num_frames(
+    *,
+    seconds: Any = None,
+    num_frames: Any = None,
+    fps: int,
+    frame_multiple: int = 4,
+    default_frames: int,
+    max_frames: int = MAX_FRAMES,
+) -> int:
+    """Validate ``seconds`` / ``num_frames`` into a frame count.
+
+    ``num_frames`` (if given) must be ``frame_multiple * k + 1`` in ``[1, max_frames]``;
+    ``seconds`` maps with :func:`frames_for_seconds` and must lie in
+    ``[frame_multiple / fps, (max_frames - 1) / fps]``; given both, they must agree; given neither,
+    ``default_frames``."""
+    rule = f"{frame_multiple}k+1"
+    frames = None
+    if num_frames is not None:
+        if isinstance(num_frames, str) and num_frames.strip().isdigit():
+            num_frames = int(num_frames.strip())
+        frames = _check_int("num_frames", num_frames, 1, max_frames)
+        if (frames - 1) % frame_multiple:
+            lo = (frames - 1) // frame_multiple * frame_multiple + 1
+            raise ParamError(
+                "num_frames",
+                f"num_frames must be {rule} (the VAE packs {frame_multiple} frames into one latent frame), "
+                f"got {frames}; nearest allowed: {lo} or {lo + frame_multiple}",
+            )
+    if seconds is not None:
+        s = _parse_number("seconds", seconds)
+        lo_s, hi_s = frame_multiple / fps, (max_frames - 1) / fps
+        if not lo_s <= s <= hi_s:
+            raise ParamError(
+                "seconds",
+                f"seconds must be between {lo_s:g} and {hi_s:g} ({fps} fps, at most {max_frames} frames), got {seconds!r}",
+            )
+        from_seconds = frames_for_seconds(s, fps, frame_multiple)
+        if frames is not None and frames != from_seconds:
+            raise ParamError(
+                "num_frames",
+                f"num_frames {frames} does not match seconds {seconds!r} ({from_seconds} frames at {fps} fps); "
+                "give one of them",
+            )
+        frames = from_seconds
+    return default_frames if frames is None else frames

@@ -1,21 +1,28 @@
-"""Pipelines the runtime can load: the built-in ``tiny-flux`` preset, or a local diffusers directory.
+"""Pipelines the runtime can load: a built-in preset (``tiny-flux``, ``tiny-wan``), or a local
+diffusers directory.
 
 ``tiny-flux`` is a complete diffusers ``FluxPipeline`` (FluxTransformer2DModel, AutoencoderKL,
 FlowMatchEulerDiscreteScheduler, CLIP and T5 text encoders, tokenizers) shrunk to a few thousand
-parameters with **random weights** from a fixed seed. It exists so that every command, test and
-server runs on a fresh machine with no download. Its images are noise: it exercises the code path
-(shapes, batching, schedulers, VAE decode, kernel mounting), not image quality.
+parameters with **random weights** from a fixed seed. ``tiny-wan`` is the same for video: a complete
+``WanPipeline`` (WanTransformer3DModel, AutoencoderKLWan, UMT5 text encoder, T5 tokenizer, UniPC
+scheduler; built by ``ditfuse.models.wan_configs.build_tiny_wan``). They exist so that every
+command, test and server runs on a fresh machine with no download. Their images and videos are
+noise: they exercise the code path (shapes, batching, schedulers, VAE decode, kernel mounting), not
+output quality.
 
-The preset is built offline from configs (tokenizers included), saved once with
-``save_pretrained`` into ``$DITFUSE_CACHE/presets/tiny-flux-v<N>`` (default cache:
-``~/.cache/ditfuse``) and loaded from there afterwards, so every process sees the same weights.
+A preset is built offline from configs (tokenizers included), saved once with ``save_pretrained``
+into ``$DITFUSE_CACHE/presets/<name>-v<N>`` (default cache: ``~/.cache/ditfuse``) and loaded from
+there afterwards, so every process sees the same weights. :data:`PRESET_TABLE` lists them.
 
 Anything else passed as a model is treated as a path to a diffusers-format directory and loaded
-with ``DiffusionPipeline.from_pretrained(path, dtype=...)``.
+with ``DiffusionPipeline.from_pretrained(path, dtype=...)``; the pipeline class named in its
+``model_index.json`` says whether it makes images or videos (:data:`VIDEO_PIPELINES`).
 """
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import shutil
 import tempfile
@@ -24,15 +31,67 @@ from pathlib import Path
 from typing import Any
 
 TINY_FLUX = "tiny-flux"
+TINY_WAN = "tiny-wan"
 # Bump when the preset's architecture or build recipe changes, so stale caches are not reused.
 _TINY_FLUX_VERSION = 2
 _TINY_SEED = 0
 
-PRESETS = (TINY_FLUX,)
-# (default size, size multiple) per preset, known without loading it.
-PRESET_GEOMETRY = {TINY_FLUX: ((256, 256), 16)}
-
 NOISE_NOTE = "tiny-flux has random weights: its images are noise (it exercises the pipeline, not image quality)"
+WAN_NOISE_NOTE = "tiny-wan has random weights: its videos are noise (it exercises the pipeline, not video quality)"
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A built-in pipeline: how to build it and what the runtime needs to know without loading it."""
+
+    name: str
+    builder: str  # "module:function" returning the diffusers pipeline (imported when building)
+    version: int  # part of the cache directory name: bump when the recipe changes
+    default_size: tuple[int, int]  # (width, height)
+    size_multiple: int
+    call_kwargs: dict[str, Any]
+    note: str
+    kind: str = "image"  # "image" | "video"
+    fps: int | None = None  # video: frames per second of the clips
+    frame_multiple: int = 1  # video: num_frames = frame_multiple * k + 1
+    default_frames: int | None = None
+    default_steps: int | None = None  # None: SamplingParams' default
+    default_guidance: float | None = None
+
+
+PRESET_TABLE: dict[str, Preset] = {
+    TINY_FLUX: Preset(
+        name=TINY_FLUX,
+        builder="ditfuse.runtime.presets:build_tiny_flux",
+        version=_TINY_FLUX_VERSION,
+        default_size=(256, 256),
+        size_multiple=16,
+        call_kwargs={"max_sequence_length": 128},
+        note=NOISE_NOTE,
+    ),
+    TINY_WAN: Preset(
+        name=TINY_WAN,
+        builder="ditfuse.models.wan_configs:build_tiny_wan",
+        version=1,
+        default_size=(832, 480),
+        size_multiple=16,
+        call_kwargs={"max_sequence_length": 128},
+        note=WAN_NOISE_NOTE,
+        kind="video",
+        fps=16,
+        frame_multiple=4,
+        default_frames=17,
+        default_steps=8,
+        default_guidance=5.0,
+    ),
+}
+PRESETS = tuple(PRESET_TABLE)
+# (default size, size multiple) per preset, known without loading it.
+PRESET_GEOMETRY = {name: (p.default_size, p.size_multiple) for name, p in PRESET_TABLE.items()}
+
+# Video pipelines a model directory may hold (the class named in its model_index.json), with
+# their clips' frame rate. Wan 2.1/2.2 generate 16 fps clips of 4k+1 frames (81 by default).
+VIDEO_PIPELINES = {"WanPipeline": {"fps": 16, "default_frames": 81, "default_steps": 50, "default_guidance": 5.0}}
 
 
 @dataclass
@@ -50,6 +109,16 @@ class LoadedModel:
     # Height and width must be multiples of this (VAE downsampling x latent patch size).
     size_multiple: int = 16
     note: str | None = None
+    kind: str = "image"  # "image" | "video"
+    fps: int | None = None
+    frame_multiple: int = 1
+    default_frames: int | None = None
+    default_steps: int | None = None
+    default_guidance: float | None = None
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind == "video"
 
 
 def cache_dir() -> Path:
@@ -203,20 +272,35 @@ def build_tiny_flux():
     )
 
 
+def preset_path(name: str) -> Path:
+    p = PRESET_TABLE[name]
+    return cache_dir() / "presets" / f"{p.name}-v{p.version}"
+
+
+def build_preset(name: str) -> Any:
+    """Build preset ``name``'s pipeline in memory (its builder, imported now)."""
+    module, _, attr = PRESET_TABLE[name].builder.partition(":")
+    return getattr(importlib.import_module(module), attr)()
+
+
 def tiny_flux_path() -> Path:
-    return cache_dir() / "presets" / f"{TINY_FLUX}-v{_TINY_FLUX_VERSION}"
+    return preset_path(TINY_FLUX)
 
 
 def ensure_tiny_flux() -> Path:
-    """Build and save the preset once; return its directory. Safe against concurrent builders:
+    return ensure_preset(TINY_FLUX)
+
+
+def ensure_preset(name: str) -> Path:
+    """Build and save a preset once; return its directory. Safe against concurrent builders:
     each builds into a private temporary directory and renames it into place atomically."""
-    path = tiny_flux_path()
+    path = preset_path(name)
     if (path / "model_index.json").is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
     try:
-        build_tiny_flux().save_pretrained(tmp, safe_serialization=True)
+        build_preset(name).save_pretrained(tmp, safe_serialization=True)
         try:
             os.rename(tmp, path)
         except OSError:
@@ -254,22 +338,28 @@ def _from_pretrained(path: Path, torch_dtype: Any) -> Any:
 
 
 def load_model(model: str, device: str | None = None, dtype: str | Any | None = None) -> LoadedModel:
-    """Load ``tiny-flux`` (built and cached on first use) or a local diffusers directory."""
+    """Load a preset (built and cached on first use) or a local diffusers directory."""
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
-    if model == TINY_FLUX:
-        path = ensure_tiny_flux()
-        pipe = _from_pretrained(path, torch_dtype)
+    if model in PRESET_TABLE:
+        p = PRESET_TABLE[model]
+        pipe = _from_pretrained(ensure_preset(model), torch_dtype)
         return LoadedModel(
-            name=TINY_FLUX,
+            name=p.name,
             pipe=pipe.to(device),
             device=device,
             dtype=torch_dtype,
             is_preset=True,
-            call_kwargs={"max_sequence_length": 128},
-            default_size=PRESET_GEOMETRY[TINY_FLUX][0],
-            size_multiple=PRESET_GEOMETRY[TINY_FLUX][1],
-            note=NOISE_NOTE,
+            call_kwargs=dict(p.call_kwargs),
+            default_size=p.default_size,
+            size_multiple=p.size_multiple,
+            note=p.note,
+            kind=p.kind,
+            fps=p.fps,
+            frame_multiple=p.frame_multiple,
+            default_frames=p.default_frames,
+            default_steps=p.default_steps,
+            default_guidance=p.default_guidance,
         )
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -278,6 +368,9 @@ def load_model(model: str, device: str | None = None, dtype: str | Any | None = 
         )
     if not (path / "model_index.json").is_file():
         raise ValueError(f"{path} is not a diffusers pipeline directory (no model_index.json)")
+    cls_name = pipeline_class(path)
+    if cls_name in VIDEO_PIPELINES:
+        return _load_video_dir(path, cls_name, device, torch_dtype)
     pipe = _from_pretrained(path, torch_dtype).to(device)
     vsf = int(getattr(pipe, "vae_scale_factor", 8))
     # Flux-style pipelines pack 2x2 latent patches, so sizes must be multiples of 2 * vae_scale_factor.
@@ -292,3 +385,49 @@ def load_model(model: str, device: str | None = None, dtype: str | Any | None = 
         default_size=(sample, sample),
         size_multiple=multiple,
     )
+
+
+def pipeline_class(path: Path) -> str | None:
+    """The pipeline class named in a diffusers directory's model_index.json (``_class_name``)."""
+    try:
+        index = json.loads((Path(path) / "model_index.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}/model_index.json is not readable JSON: {e}") from None
+    name = index.get("_class_name") if isinstance(index, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _load_video_dir(path: Path, cls_name: str, device: str, torch_dtype: Any) -> LoadedModel:
+    """A local text-to-video pipeline directory (e.g. Wan2.1-T2V-1.3B-Diffusers)."""
+    info = VIDEO_PIPELINES[cls_name]
+    pipe = _from_pretrained(path, torch_dtype).to(device)
+    transformer = pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.transformer_2
+    patch = tuple(transformer.config.patch_size)
+    spatial = int(pipe.vae_scale_factor_spatial)
+    return LoadedModel(
+        name=path.name,
+        pipe=pipe,
+        device=device,
+        dtype=torch_dtype,
+        is_preset=False,
+        # Wan's pipeline calls default to 480p (832x480); sizes must be multiples of the VAE's
+        # spatial factor times the patch size (8 * 2 = 16 for Wan 2.1).
+        default_size=(832, 480),
+        size_multiple=spatial * max(patch[1], patch[2]),
+        kind="video",
+        fps=info["fps"],
+        frame_multiple=int(pipe.vae_scale_factor_temporal),
+        default_frames=info["default_frames"],
+        default_steps=info["default_steps"],
+        default_guidance=info["default_guidance"],
+    )
+
+
+def is_video_model(model: str) -> bool:
+    """Whether ``model`` (a preset name or a diffusers directory) makes videos, without loading it."""
+    if model in PRESET_TABLE:
+        return PRESET_TABLE[model].kind == "video"
+    path = Path(model).expanduser()
+    if not (path / "model_index.json").is_file():
+        return False
+    return pipeline_class(path) in VIDEO_PIPELINES

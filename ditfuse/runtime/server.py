@@ -11,6 +11,7 @@ Routes
                                   sizes, quality mounts/unmounts (see runtime/metrics.py).
     GET  /v1/debug/batches        the engine's recent batch log (batch id, size, quality, mounted
                                   request-gated sites).
+    /v1/videos...                 the OpenAI videos API (video models): ditfuse/runtime/videos.py.
 
 quality
     ``lossless`` (bit-exact kernels only) and ``high`` (adds the request-gated close kernels) are
@@ -96,6 +97,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
     429: "rate_limit_error",
@@ -405,22 +407,38 @@ def create_app(
     *,
     access_log: bool = True,
     log_prompts: bool = False,
+    videos: Any = None,
 ) -> ObservedApp:
     """The ASGI app: FastAPI routes wrapped in :class:`GuardMiddleware`, wrapped in
     :class:`ObservedApp` (access log, request counts). Starts and drains ``engine`` with the app's
-    lifespan, and logs the shutdown line when it has drained."""
+    lifespan, and logs the shutdown line when it has drained. ``videos`` (a
+    :class:`ditfuse.runtime.videos.VideoJobs`) adds the videos API; without it a video-less server
+    answers /v1/videos with a clear 400."""
     started = int(time.time())
     observed: ObservedApp | None = None
 
     @asynccontextmanager
     async def lifespan(app: Any):
         await engine.start()
+        # -- videos: open the job store after the engine starts (it re-queues queued jobs);
+        # graceful stop: queued jobs leave the engine queue (they stay queued on disk), the
+        # running batch finishes and its files are written before the store closes.
+        if videos is not None:
+            try:
+                await videos.start()
+            except BaseException:
+                await engine.shutdown(drain=False)
+                raise
         try:
             yield
         finally:
             if observed is not None:
                 observed.begin_shutdown()
+            if videos is not None:
+                videos.detach_queued()
             await engine.shutdown(drain=True)
+            if videos is not None:
+                await videos.close()
             if observed is not None:
                 server_logger.info(observed.shutdown_report().line())
 
@@ -484,6 +502,13 @@ def create_app(
     async def batches(limit: int = 100) -> dict:
         log = list(engine.batch_log)[-max(0, limit):] if limit else []
         return {"object": "list", "data": log}
+
+    from . import videos as _videos
+
+    if videos is not None:
+        app.include_router(_videos.router(videos))
+    elif not getattr(engine.loaded, "is_video", False):
+        app.include_router(_videos.unsupported_router(engine.model_name))
 
     @app.post(GENERATIONS_PATH)
     async def generations(request: Request) -> JSONResponse:
@@ -593,8 +618,10 @@ def configure_logging(level: int = logging.INFO) -> None:
 def run(args: Any) -> int:
     import sys
 
+    store = None
     try:
         Quality.parse(args.default_quality)
+        store = _video_store(args)  # before the (slow) model load: a locked data dir fails fast
         engine, summary = build_engine(
             args.model,
             device=args.device,
@@ -607,8 +634,13 @@ def run(args: Any) -> int:
             max_queue=args.max_queue,
             request_timeout_s=args.request_timeout,
             pad_batches=not args.no_pad_batches,
+            max_video_batch_size=getattr(args, "max_video_batch_size", 1),
+            image_batches_per_video=getattr(args, "image_batches_per_video", 4),
         )
-    except ValueError as e:
+        videos = _video_jobs(engine, args, store)
+    except (ValueError, RuntimeError, OSError) as e:
+        if store is not None:
+            store.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
@@ -624,7 +656,16 @@ def run(args: Any) -> int:
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"WARNING: listening on {args.host} without --api-key", file=sys.stderr)
-    print(f"serving on http://{args.host}:{args.port}  (POST /v1/images/generations)", flush=True)
+    routes = "POST /v1/images/generations"
+    if videos is not None:
+        print(
+            f"videos: data dir {videos.data_dir}, up to {engine.max_video_batch_size} per call, "
+            f"{engine.image_batches_per_video} image batches per video batch while videos wait, "
+            f"timeout {videos.job_timeout_s:g} s, keep {videos.max_stored or 'all'} finished jobs"
+            f"{'' if videos.max_age_s is None else f' for {videos.max_age_s:g} s'}"
+        )
+        routes += ", POST /v1/videos"
+    print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)
     configure_logging()
     app = create_app(
         engine,
@@ -632,6 +673,7 @@ def run(args: Any) -> int:
         max_body_bytes=args.max_body_bytes,
         access_log=not args.no_access_log,
         log_prompts=args.log_prompts,
+        videos=videos,
     )
     try:
         make_server(app, args.host, args.port).run()
@@ -640,3 +682,33 @@ def run(args: Any) -> int:
         # uvicorn.run does, exit 0: the shutdown was the one asked for).
         pass
     return 0
+
+
+def _video_store(args: Any) -> Any:
+    """For a video model: its job store, opened now (which locks the data dir), so that a second
+    server on the same dir fails before loading the model or binding a port. None otherwise."""
+    from .presets import is_video_model
+
+    if not is_video_model(args.model):
+        return None
+    from .jobs import JobStore
+    from .videos import default_data_dir
+
+    data_dir = getattr(args, "data_dir", None)
+    return JobStore(data_dir if data_dir is not None else default_data_dir())
+
+
+def _video_jobs(engine: Engine, args: Any, store: Any) -> Any:
+    """The video job manager for a video model (None for an image model)."""
+    if not getattr(engine.loaded, "is_video", False):
+        return None
+    from .videos import VideoJobs
+
+    return VideoJobs(
+        engine,
+        store.data_dir if store is not None else getattr(args, "data_dir", None),
+        job_timeout_s=getattr(args, "video_timeout", 3600.0),
+        max_stored=getattr(args, "max_stored_videos", 1000),
+        max_age_s=getattr(args, "video_ttl", 7 * 24 * 3600.0),
+        store=store,
+    )
