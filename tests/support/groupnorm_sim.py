@@ -49,8 +49,10 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def rsqrt_cpu(z: torch.Tensor) -> torch.Tensor:
-    """``1 / sqrt(z)`` in fp32: what the Triton interpreter computes for ``rsqrt``."""
-    return 1.0 / torch.sqrt(z)
+    """``1 / sqrt(z)`` in fp32 through numpy: what the Triton interpreter computes for ``rsqrt``
+    (torch's CPU ``sqrt`` is not always correctly rounded for fp32; numpy's is)."""
+    zn = z.numpy()
+    return torch.from_numpy(np.float32(1.0) / np.sqrt(zn)).reshape(z.shape)
 
 
 def exp_numpy(x: torch.Tensor) -> torch.Tensor:
