@@ -79,13 +79,14 @@ DEFAULT_VARIANT = dict(MEAN_MODE=0, M2_FMA=True, CMB_MEAN_FMA=True, CMB_M2_MODE=
 
 
 @triton.jit
-def _load_steps(row_ptr, t, k0, L, THREADS: tl.constexpr, K: tl.constexpr):
-    """K chain steps ``k0 .. k0 + K - 1`` of threads ``t``: element ``k * THREADS + t`` of the
-    group, fp32 (0 past the end). A tuple of K [32] tensors, issued before any of them is used."""
+def _load_steps(ptr, rem, THREADS: tl.constexpr, K: tl.constexpr):
+    """K chain steps of 32 threads: ``ptr`` points at each thread's element of the first step,
+    ``rem`` is how many elements of the group remain from there (<= 0: none). Returns a tuple of
+    K [32] fp32 tensors (0 past the end); all K loads are issued before any value is used, and
+    share one base pointer (constant offsets ``kk * THREADS``)."""
     xs = ()
     for kk in tl.static_range(K):
-        j = tl.cast(k0 + kk, tl.int64) * THREADS + t
-        xs = xs + (load_f32(row_ptr + j, j < L),)
+        xs = xs + (load_f32(ptr + kk * THREADS, kk * THREADS < rem),)
     return xs
 
 
@@ -101,19 +102,22 @@ def _gn_chain_kernel(
     i = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
     t = w * 32 + tl.arange(0, 32)
-    row = x_ptr + i * L
+    ptr = x_ptr + i * L + t
+    rem = L - t  # elements of the group from this thread's current step on
+    STEP: tl.constexpr = K * THREADS
     mean = tl.zeros([32], dtype=tl.float32)
     m2 = tl.zeros([32], dtype=tl.float32)
-    cur = _load_steps(row, t, 0, L, THREADS, K)
+    cur = _load_steps(ptr, rem, THREADS, K)
     b = 0
     while b < NB:
-        nxt = _load_steps(row, t, (b + 1) * K, L, THREADS, K)
+        nxt = _load_steps(ptr + STEP, rem - STEP, THREADS, K)
         for kk in tl.static_range(K):
-            k = b * K + kk
-            valid = tl.cast(k, tl.int64) * THREADS + t < L
-            nf_new = tl.full([32], 1.0, tl.float32) * tl.cast(k + 1, tl.float32)
+            valid = kk * THREADS < rem
+            nf_new = tl.full([32], 1.0, tl.float32) * tl.cast(b * K + kk + 1, tl.float32)
             mean, m2 = wops_reduce(mean, m2, cur[kk], nf_new, valid, MEAN_MODE, M2_FMA)
         cur = nxt
+        ptr += STEP
+        rem -= STEP
         b += 1
     nf = tl.maximum((L - t + THREADS - 1) // THREADS, 0).to(tl.float32)
     mean, m2, nf = wops_fold(mean, m2, nf, 32, CMB_MEAN_FMA, CMB_M2_MODE)
@@ -165,6 +169,37 @@ def _gn_stats_fp32_kernel(x_ptr, ws_ptr, L, TPP, NGW, W: tl.constexpr, BLOCK: tl
 
 
 @triton.jit
+def _fold_group_states(ws_ptr, base, NGW, W: tl.constexpr, CMB_MEAN_FMA: tl.constexpr, CMB_M2_MODE: tl.constexpr):
+    """Load a group's W warp states (``ws[:, base:base+W]``) and fold them in BlockReduce's
+    second-stage order (offsets W/2, ..., 1; element j combines with j + offset, own first).
+    Unrolled over scalars: every thread computes the same fold from uniform loads, without the
+    layout conversions (or replicated per-register copies) a tensor-shaped fold costs."""
+    ms = ()
+    m2s = ()
+    ns = ()
+    for j in tl.static_range(W):
+        ms = ms + (tl.load(ws_ptr + base + j),)
+        m2s = m2s + (tl.load(ws_ptr + NGW + base + j),)
+        ns = ns + (tl.load(ws_ptr + 2 * NGW + base + j),)
+    for lvl in tl.static_range(5):  # offsets W/2, W/4, ..., 1 (W <= 32)
+        if (W >> (lvl + 1)) >= 1:
+            nm = ()
+            nm2 = ()
+            nn = ()
+            for j in tl.static_range(W >> (lvl + 1)):
+                m, q, n = wops_combine(ms[j], m2s[j], ns[j],
+                                       ms[j + (W >> (lvl + 1))], m2s[j + (W >> (lvl + 1))],
+                                       ns[j + (W >> (lvl + 1))], CMB_MEAN_FMA, CMB_M2_MODE)
+                nm = nm + (m,)
+                nm2 = nm2 + (q,)
+                nn = nn + (n,)
+            ms = nm
+            m2s = nm2
+            ns = nn
+    return ms[0], m2s[0], ns[0]
+
+
+@triton.jit
 def _exp(x, SILU_EXP: tl.constexpr):
     if INTERPRET:
         return tl.exp(x)
@@ -199,11 +234,20 @@ def _rstd(var, eps, RSQ: tl.constexpr):
 
 
 @triton.jit
+def _fma_b(a, mean, beta):
+    """``b = fma(-a, mean, beta)`` for a scalar or [BLOCK] ``a`` (mean a scalar, beta a scalar or
+    like ``a``): operands brought to one shape exactly first (``tl.fma`` does not broadcast)."""
+    na = neg(a)
+    return fma_exact(na, tl.broadcast_to(mean, na.shape), tl.broadcast_to(beta, na.shape))
+
+
+@triton.jit
 def _affine_exact(x, mean, rstd, gam, bet, BLOCK: tl.constexpr,
                   HAS_W: tl.constexpr, HAS_B: tl.constexpr, ONE_D: tl.constexpr,
                   B_FMA: tl.constexpr, Y_FMA: tl.constexpr, ONE_D_FMA: tl.constexpr):
-    """aten's GroupNorm epilogue in fp32 (before the store's rounding). mean, rstd: [1]; gam,
-    bet: [1] (one channel per program) or [BLOCK]; x: [BLOCK]."""
+    """aten's GroupNorm epilogue in fp32 (before the store's rounding). mean, rstd: scalars;
+    gam, bet: scalars (one channel per block) or [BLOCK]; x: [BLOCK]. Scalars reach [BLOCK]
+    through ``broadcast_to`` (a splat: exact, unlike adding a zero tensor, which turns -0 into +0)."""
     meanb = tl.broadcast_to(mean, [BLOCK])
     rstdb = tl.broadcast_to(rstd, [BLOCK])
     if ONE_D:  # GroupNorm1dForward: (x - mean) * rstd [* gamma] [+ beta]
@@ -234,7 +278,7 @@ def _affine_exact(x, mean, rstd, gam, bet, BLOCK: tl.constexpr,
         else:
             b0 = tl.zeros_like(a)  # the kernel adds a literal 0 (-0 products become +0)
         if B_FMA:
-            b = fma_exact(neg(a), tl.broadcast_to(mean, a.shape), b0)
+            b = _fma_b(a, mean, b0)
         else:
             b = neg(a) * mean + b0
         ab = tl.broadcast_to(a, [BLOCK])
@@ -248,7 +292,9 @@ def _affine_exact(x, mean, rstd, gam, bet, BLOCK: tl.constexpr,
     return y
 
 
-@triton.jit(do_not_specialize=["L", "HxW", "D", "G", "NGW", "NW", "ITERS", "eps"])
+# L and HxW stay specialised (divisibility by 16 lets the loads/stores of aligned rows vectorise);
+# the other scalars are not, so one compile serves every size of a given alignment.
+@triton.jit(do_not_specialize=["D", "G", "NGW", "NW", "ITERS", "eps"])
 def _gn_apply_kernel(
     x_ptr, w_ptr, b_ptr, ws_ptr, out_ptr,
     L, HxW, D, G, NGW, NW, ITERS, eps,
@@ -264,15 +310,12 @@ def _gn_apply_kernel(
     i = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     g = i % G
-    s = tl.arange(0, W)
-    src = i * W + s
     if EXACT:
-        mean = tl.load(ws_ptr + src)
-        m2 = tl.load(ws_ptr + NGW + src)
-        nf = tl.load(ws_ptr + 2 * NGW + src)
-        mean, m2, nf = wops_fold(mean, m2, nf, W, CMB_MEAN_FMA, CMB_M2_MODE)
+        mean, m2, nf = _fold_group_states(ws_ptr, i * W, NGW, W, CMB_MEAN_FMA, CMB_M2_MODE)
         rstd = _rstd(tl.math.div_rn(m2, nf), eps, RSQ)
     else:
+        s = tl.arange(0, W)
+        src = i * W + s
         ok = s < NW
         mean_s = tl.load(ws_ptr + src, mask=ok, other=0.0)
         m2_s = tl.load(ws_ptr + NGW + src, mask=ok, other=0.0)
@@ -290,20 +333,26 @@ def _gn_apply_kernel(
         offs = start + r
         mask = offs < L
         x = load_f32(row_in + offs, mask)
-        if CH_UNIFORM:  # the whole block lies in one channel
-            c = g * D + start // HxW + tl.arange(0, 1)
-            cmask = tl.full([1], 1, tl.int1)
+        if CH_UNIFORM:  # the whole block lies in one channel: scalar gamma/beta, a and b
+            c = g * D + start // HxW
+            if HAS_W:
+                gam = load_f32(w_ptr + c, True)
+            else:
+                gam = tl.cast(0.0, tl.float32)
+            if HAS_B:
+                bet = load_f32(b_ptr + c, True)
+            else:
+                bet = tl.cast(0.0, tl.float32)
         else:
             c = g * D + offs // HxW
-            cmask = mask
-        if HAS_W:
-            gam = tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-        else:
-            gam = tl.zeros(c.shape, tl.float32)
-        if HAS_B:
-            bet = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-        else:
-            bet = tl.zeros(c.shape, tl.float32)
+            if HAS_W:
+                gam = load_f32(w_ptr + c, mask)
+            else:
+                gam = tl.zeros([BLOCK], tl.float32)
+            if HAS_B:
+                bet = load_f32(b_ptr + c, mask)
+            else:
+                bet = tl.zeros([BLOCK], tl.float32)
         if EXACT:
             y = _affine_exact(x, mean, rstd, gam, bet, BLOCK, HAS_W, HAS_B, ONE_D, B_FMA, Y_FMA, ONE_D_FMA)
             if SILU:
@@ -318,6 +367,16 @@ def _gn_apply_kernel(
                 y = _silu(y, 0, 0)
         tl.store(row_out + offs, round_to(y, DTYPE), mask=mask)
         it += 1
+
+
+@triton.jit(do_not_specialize=["NGW", "eps"])
+def _gn_stats_out_kernel(ws_ptr, mean_ptr, rstd_ptr, NGW, eps, W: tl.constexpr,
+                         CMB_MEAN_FMA: tl.constexpr, CMB_M2_MODE: tl.constexpr, RSQ: tl.constexpr):
+    """(mean, rstd) of each group, folded exactly as the apply kernel does (tests and probe)."""
+    i = tl.program_id(0).to(tl.int64)
+    mean, m2, nf = _fold_group_states(ws_ptr, i * W, NGW, W, CMB_MEAN_FMA, CMB_M2_MODE)
+    tl.store(mean_ptr + i, mean)
+    tl.store(rstd_ptr + i, _rstd(tl.math.div_rn(m2, nf), eps, RSQ))
 
 
 # ----------------------------------------------------------------------------- host side
@@ -419,6 +478,44 @@ def _launch(
         num_warps=warps, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
+
+
+def group_stats(
+    x: torch.Tensor,
+    num_groups: int,
+    eps: float,
+    *,
+    chain_steps: int | None = None,
+    variant: dict[str, Any] | None = None,
+    eps_override: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact kernels' per-group (mean, rstd), fp32 ``[N, G]`` — what ``native_group_norm``
+    returns as its 2nd and 3rd outputs for an fp32 input (for bf16/fp16 it returns them rounded
+    to the input dtype). For tests and the GPU order probe; no checks."""
+    x = x.contiguous()
+    N, C = x.shape[0], x.shape[1]
+    G = int(num_groups)
+    L = (C // G) * (x.numel() // (N * C))
+    NG = N * G
+    v = dict(DEFAULT_VARIANT, **(variant or {}))
+    threads = _threads(L)
+    W = threads // LANES
+    J = triton.cdiv(L, threads)
+    K = min(chain_steps or CHAIN_STEPS, triton.next_power_of_2(J))
+    ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
+    _gn_chain_kernel[(NG, W)](
+        x, ws, L, triton.cdiv(J, K), NG * W,
+        THREADS=threads, K=K, **{k: v[k] for k in CHAIN_VARIANTS},
+        num_warps=1, enable_fp_fusion=False,
+    )
+    mean = torch.empty(NG, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(NG, dtype=torch.float32, device=x.device)
+    eps_k = _eps_for_kernel(x.dtype, eps) if eps_override is None else float(eps_override)
+    _gn_stats_out_kernel[(NG,)](
+        ws, mean, rstd, NG * W, eps_k, W=W, CMB_MEAN_FMA=v["CMB_MEAN_FMA"],
+        CMB_M2_MODE=v["CMB_M2_MODE"], RSQ=v["RSQ"], num_warps=1, enable_fp_fusion=False,
+    )
+    return mean.reshape(N, G), rstd.reshape(N, G)
 
 
 # ----------------------------------------------------------------------------- validation
