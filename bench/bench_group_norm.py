@@ -56,7 +56,7 @@ def copy_bandwidth_gbs() -> float:
     return 2 * n * 2 / (ms * 1e-3) / 1e9
 
 
-def _split_launchers(x, w, b, silu, chain_steps):
+def _split_launchers(x, w, b, silu, chain_steps, fast_div=False):
     """The two exact kernels as separate callables (same workspace), for per-kernel timing."""
     import triton
 
@@ -70,7 +70,7 @@ def _split_launchers(x, w, b, silu, chain_steps):
     K = min(chain_steps or gn.CHAIN_STEPS, triton.next_power_of_2(J))
     ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    v = gn.DEFAULT_VARIANT
+    v = dict(gn.DEFAULT_VARIANT, FAST_DIV=fast_div)
     block, iters, per_group, uniform, warps = gn._apply_tiling(NG, L, HxW)
 
     def stats():
@@ -149,6 +149,8 @@ def main() -> None:
                         cfn = torch.compile(lambda a, c, d, s=silu: ref.group_norm_silu(a, G, c, d, EPS, s), dynamic=False)
                         providers["compile"] = (lambda f: lambda: f(x, w, b))(cfn)
                     providers["ours"] = (lambda s: lambda: gn.group_norm_silu(x, G, w, b, EPS, s))(silu)
+                    providers["ours-fastdiv"] = (lambda s: lambda: gn._launch(x, G, w, b, EPS, s,
+                                                                              variant=dict(FAST_DIV=True)))(silu)
                     providers["ours-close"] = (lambda s: lambda: gn.group_norm_silu_fp32(x, G, w, b, EPS, s))(silu)
                     expected = eager()
                     for pname, fn in providers.items():
@@ -167,18 +169,20 @@ def main() -> None:
                              **{"GB/s": round(gbs, 1), "bytes_moved_GB/s": round(moved, 1)},
                              pct_of_copy=round(100 * gbs / copy_gbs, 1), bitwise_equal=eq)
                     steps = [None] + [int(k) for k in args.chain_steps.split(",") if k]
-                    for K in steps:
-                        stats, apply = _split_launchers(x, w, b, silu, K)
-                        stats()
-                        apply()
-                        for pname, fn, nbytes in (("ours:stats", stats, size), ("ours:apply", apply, 2 * size)):
-                            if K is not None and pname == "ours:apply":
-                                continue
-                            ms = triton.testing.do_bench(fn, return_mode="median")
-                            gbs = nbytes / (ms * 1e-3) / 1e9
-                            emit(op=op, provider=pname + (f"(K={K})" if K else ""), shape=label, dtype=dname,
-                                 ms=round(ms, 4), **{"GB/s": round(gbs, 1), "bytes_moved_GB/s": round(gbs, 1)},
-                                 pct_of_copy=round(100 * gbs / copy_gbs, 1), bitwise_equal="")
+                    for fast in (False, True):
+                        for K in steps:
+                            stats, apply = _split_launchers(x, w, b, silu, K, fast)
+                            stats()
+                            apply()
+                            for pname, fn, nbytes in (("ours:stats", stats, size), ("ours:apply", apply, 2 * size)):
+                                if (K is not None or fast) and pname == "ours:apply":
+                                    continue
+                                ms = triton.testing.do_bench(fn, return_mode="median")
+                                gbs = nbytes / (ms * 1e-3) / 1e9
+                                tag = ("(fast)" if fast else "") + (f"(K={K})" if K else "")
+                                emit(op=op, provider=pname + tag, shape=label, dtype=dname,
+                                     ms=round(ms, 4), **{"GB/s": round(gbs, 1), "bytes_moved_GB/s": round(gbs, 1)},
+                                     pct_of_copy=round(100 * gbs / copy_gbs, 1), bitwise_equal="")
                     del expected, providers
                 del x
                 torch.cuda.empty_cache()

@@ -20,7 +20,11 @@ D. epilogue: B_FMA (b = fma(-a, mean, beta) [default] vs rounded product + beta)
    [default]); GroupNorm output (no SiLU) vs F.group_norm, bf16/fp16/fp32.
 E. SiLU: SILU_EXP (0: libdevice expf [default]; 1: ex2.approx, i.e. __expf) x SILU_DIV (0: div.rn
    [default]; 1: x * rcp(1 + e)) on all 65536 bf16 and fp16 patterns and 4M fp32 values.
-F. the decoder shapes end to end (bitwise + eager/ours time).
+F. the decoder shapes end to end (bitwise + eager/ours time, FAST_DIV off and on).
+G. div.rn's fast path (FAST_DIV): ``div_fast(a, n, rcp_refined(n))`` vs ``div.rn(a, n)`` on 2^28
+   random (a, n) pairs, a over all fp32 exponents, n integer in [1, 2^24]; mismatches among the
+   pairs the kernel would accept (``div_fast_unsafe`` False, a != 0) must be 0 before FAST_DIV
+   can become the default.
 
 The last lines say, for each section, whether the defaults match and which switch to change if
 not (DEFAULT_VARIANT in ditfuse/kernels/norm/group_norm_silu_triton.py, or _eps_for_kernel).
@@ -46,6 +50,7 @@ import triton.language as tl  # noqa: E402
 
 from ditfuse.kernels import reference as ref  # noqa: E402
 from ditfuse.kernels.common.rounding import round_to  # noqa: E402
+from ditfuse.kernels.common.welford_ops import div_fast, div_fast_unsafe, rcp_refined  # noqa: E402
 from ditfuse.kernels.norm import group_norm_silu_triton as gn  # noqa: E402
 
 EPS = 1e-6
@@ -115,6 +120,7 @@ STATS_VARIANTS = [
     ("CMB_M2_MODE=2 fma(dd,na*w)", dict(CMB_M2_MODE=2)),
     ("RSQ=1 1/sqrt_rn", dict(RSQ=1)),
     ("RSQ=2 libdevice rsqrt", dict(RSQ=2)),
+    ("FAST_DIV=True (same bits?)", dict(FAST_DIV=True)),
 ]
 
 
@@ -201,6 +207,48 @@ def _silu_kernel(x_ptr, o_ptr, n, BLOCK: tl.constexpr, DTYPE: tl.constexpr, SE: 
     tl.store(o_ptr + offs, round_to(_silu(x, SE, SD), DTYPE), mask=m)
 
 
+@triton.jit
+def _div_kernel(a_ptr, n_ptr, fast_ptr, rn_ptr, unsafe_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < N
+    a = tl.load(a_ptr + offs, mask=m, other=1.0)
+    n = tl.load(n_ptr + offs, mask=m, other=1.0)
+    tl.store(fast_ptr + offs, div_fast(a, n, rcp_refined(n)), mask=m)
+    tl.store(rn_ptr + offs, tl.math.div_rn(a, n), mask=m)
+    tl.store(unsafe_ptr + offs, div_fast_unsafe(a).to(tl.int8), mask=m)
+
+
+def section_g(quick: bool) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    rounds = 4 if quick else 16
+    n_per = 1 << 24
+    res = dict(pairs=0, accepted=0, mismatched_accepted=0, mismatched_unsafe=0, first=None)
+    for r in range(rounds):
+        bits = torch.randint(-(2**31), 2**31 - 1, (n_per,), generator=gen, device="cuda", dtype=torch.int32)
+        if r % 2:  # half the rounds: exponents inside the safe range only (dense there)
+            e = torch.randint(127 - 60, 127 + 60, (n_per,), generator=gen, device="cuda", dtype=torch.int32)
+            bits = (bits & ~(0xFF << 23)) | (e << 23)
+        a = bits.view(torch.float32)
+        n = torch.floor(torch.exp2(torch.rand(n_per, generator=gen, device="cuda") * 24)).clamp(1, 2**24)
+        fast = torch.empty_like(a)
+        rn = torch.empty_like(a)
+        unsafe = torch.empty(n_per, dtype=torch.int8, device="cuda")
+        _div_kernel[(triton.cdiv(n_per, 1024),)](a, n, fast, rn, unsafe, n_per, BLOCK=1024,
+                                                 enable_fp_fusion=False)
+        diff = (fast.view(torch.int32) != rn.view(torch.int32)) & ~(torch.isnan(fast) & torch.isnan(rn))
+        acc = (unsafe == 0) & (a != 0)
+        res["pairs"] += n_per
+        res["accepted"] += int(acc.sum())
+        bad = diff & acc
+        res["mismatched_accepted"] += int(bad.sum())
+        res["mismatched_unsafe"] += int((diff & ~acc).sum())
+        if res["first"] is None and bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            res["first"] = [float(a[i]), float(n[i]), float(fast[i]), float(rn[i])]
+    print("G. div.rn fast path:", json.dumps(res))
+    return res
+
+
 def section_e() -> dict:
     k = _silu_kernel
     bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).cuda()
@@ -241,10 +289,14 @@ def section_f(quick: bool) -> dict:
         b = (torch.randn(shape[1], generator=gen, device="cuda") * 0.2).bfloat16()
         exp = ref.group_norm_silu(x, 32, w, b, EPS)
         got = gn.group_norm_silu(x, 32, w, b, EPS)
+        got_f = gn._launch(x, 32, w, b, EPS, True, variant=dict(FAST_DIV=True))
         t_e = triton.testing.do_bench(lambda: ref.group_norm_silu(x, 32, w, b, EPS), return_mode="median")
         t_o = triton.testing.do_bench(lambda: gn.group_norm_silu(x, 32, w, b, EPS), return_mode="median")
-        res[str(list(shape))] = dict(differ=_neq(got, exp), eager_ms=round(t_e, 4), ours_ms=round(t_o, 4))
-        del x, exp, got
+        t_f = triton.testing.do_bench(lambda: gn._launch(x, 32, w, b, EPS, True, variant=dict(FAST_DIV=True)),
+                                      return_mode="median")
+        res[str(list(shape))] = dict(differ=_neq(got, exp), differ_fast_div=_neq(got_f, exp), eager_ms=round(t_e, 4),
+                                     ours_ms=round(t_o, 4), ours_fast_div_ms=round(t_f, 4))
+        del x, exp, got, got_f
     print("F. decoder shapes, bf16 GN+SiLU:", json.dumps(res))
     return res
 
@@ -259,7 +311,7 @@ def main() -> int:
     report: dict = dict(torch=torch.__version__, triton=triton.__version__, gpu=torch.cuda.get_device_name())
     print(f"# {report['gpu']} torch {report['torch']} triton {report['triton']}")
     sections = dict(A=section_a, B=lambda: section_b(args.quick), C=section_c, D=section_d, E=section_e,
-                    F=lambda: section_f(args.quick))
+                    F=lambda: section_f(args.quick), G=lambda: section_g(args.quick))
     for key, fn in sections.items():  # one failing section must not cost the others (unattended run)
         try:
             report[key] = fn()
@@ -323,6 +375,16 @@ def main() -> int:
         f_ok = all(v["differ"] == 0 for v in report["F"].values())
         ok &= f_ok
         verdict.append("F: decoder shapes bitwise equal" if f_ok else "F: decoder shapes DIFFER")
+        ff_ok = all(v["differ_fast_div"] == 0 for v in report["F"].values())
+        verdict.append("F: FAST_DIV decoder shapes bitwise equal" if ff_ok else "F: FAST_DIV decoder shapes DIFFER")
+    if failed("G") or failed("B"):
+        verdict.append("G/B: FAST_DIV not judged (error)")
+    else:
+        fd = report["B"]["totals"].get("FAST_DIV=True (same bits?)", [0, 0, 1])
+        g_ok = report["G"]["mismatched_accepted"] == 0 and fd[0] == fd[1] == fd[2]
+        verdict.append("FAST_DIV: exact on every probe (stats, division, decoder shapes): the default may be "
+                       "switched on (DEFAULT_VARIANT['FAST_DIV'] = True) if bench shows the gain"
+                       if g_ok else f"FAST_DIV: NOT exact (G {report['G']}, B {fd}): keep it off")
     report["verdict"] = verdict
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "probe_group_norm.json"), "w") as fh:

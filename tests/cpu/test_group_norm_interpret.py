@@ -80,6 +80,27 @@ def test_group_stats_match_sim():
     assert not torch.equal(m1.view(torch.int32), m_sim.view(torch.int32))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_fast_division_chain_matches_sim():
+    """FAST_DIV (div.rn's fast path, block redone with div.rn on unsafe dividends): same stats
+    and outputs, through unmasked blocks, the masked last block and the redo path (1e-30, inf,
+    NaN force it)."""
+    g = torch.Generator().manual_seed(89)
+    x = torch.randn(1, 16, 12, 12, generator=g) * torch.exp(torch.randn(1, 16, 1, 1, generator=g) * 3)
+    x[0, 3, 0, 0] = 1e-30
+    x[0, 5, 2, 2] = float("inf")
+    x[0, 7, 1, 1] = float("nan")
+    x[0, 9] = 0.0
+    x[0, 11] *= 1e-25  # every delta below 2^-60: each block of this group is redone with div.rn
+    fast = dict(FAST_DIV=True)
+    for K in (2, 32):  # L = 144 (32 threads, 5 steps): K = 2 -> unmasked + masked blocks
+        mean, rstd = gn.group_stats(x, 16, EPS, variant=fast, chain_steps=K)
+        m_sim, r_sim = sim.group_stats(x, 16, EPS)
+        assert compare_outputs(mean, m_sim, "mean") is None and compare_outputs(rstd, r_sim, "rstd") is None
+    y = gn._launch(x.bfloat16(), 8, None, None, EPS, True, variant=fast, chain_steps=2)
+    assert compare_outputs(y, sim.group_norm_silu(x.bfloat16(), 8, None, None, EPS)) is None
+
+
 def test_chain_tiling_does_not_change_bits():
     """K (steps prefetched per thread) 1, 2 and the default; the apply kernel with one channel
     per block (CH_UNIFORM), several blocks per program (ITERS > 1) and per-element channels."""

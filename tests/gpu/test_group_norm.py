@@ -129,11 +129,36 @@ def test_statistics_bits(dtype):
         x[:, C // 2:] += 4.0
         eps_k = gn._eps_for_kernel(dtype, EPS)
         _, m_t, r_t = torch.native_group_norm(x, None, None, N, C, x[0, 0].numel(), 32, eps_k)
-        m_k, r_k = gn.group_stats(x, 32, EPS, eps_override=eps_k)
-        dm = int((m_k.view(torch.int32) != m_t.view(torch.int32)).sum())
-        dr = int((r_k.view(torch.int32) != r_t.view(torch.int32)).sum())
-        if dm or dr:
-            failures.append(f"{list(shape)} {dtype}: mean differs in {dm}, rstd in {dr} of {m_t.numel()} groups")
+        for fast in (False, True):
+            m_k, r_k = gn.group_stats(x, 32, EPS, eps_override=eps_k, variant=dict(FAST_DIV=fast))
+            dm = int((m_k.view(torch.int32) != m_t.view(torch.int32)).sum())
+            dr = int((r_k.view(torch.int32) != r_t.view(torch.int32)).sum())
+            if dm or dr:
+                failures.append(f"{list(shape)} {dtype} FAST_DIV={fast}: mean differs in {dm}, rstd in {dr} "
+                                f"of {m_t.numel()} groups")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_fast_division_variant(dtype):
+    """FAST_DIV (not the default yet): the decoder shapes and tiny / special inputs, bitwise."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    failures: list[str] = []
+    for C, H, W in DECODER[:2] + DECODER[-1:]:
+        x = _rand((1, C, H, W), dtype, gen, 2.0, 0.3)
+        w, b = _params(C, dtype, gen)
+        got = gn._launch(x, 32, w, b, EPS, True, variant=dict(FAST_DIV=True))
+        mm = compare_outputs(got, ref.group_norm_silu(x, 32, w, b, EPS), f"FAST_DIV [1,{C},{H},{W}] {dtype}")
+        if mm:
+            failures.append(str(mm))
+    x = _rand((2, 64, 40, 40), dtype, gen, 3.0)
+    x[0, 2:4] *= 1e-20  # tiny deltas: blocks redone with div.rn
+    x[0, 6, 0, 0] = float("inf")
+    x[1, 8:10] = 0.0
+    got = gn._launch(x, 32, None, None, EPS, True, variant=dict(FAST_DIV=True))
+    mm = compare_outputs(got, ref.group_norm_silu(x, 32, None, None, EPS), f"FAST_DIV special {dtype}")
+    if mm:
+        failures.append(str(mm))
     assert not failures, "\n".join(failures)
 
 

@@ -142,3 +142,57 @@ def wops_fold(mean, m2, nf, W: tl.constexpr, MEAN_FMA: tl.constexpr = True, M2_M
     if W >= 2:
         mean, m2, nf = wops_fold_half(mean, m2, nf, 2, MEAN_FMA, M2_MODE)
     return mean, m2, nf
+
+
+# ------------------------------------------------------------------ division without its branch
+#
+# ``div.rn.f32`` compiles (ptxas, sm_90) to a fast path and a guarded slow path:
+#
+#     r0 = MUFU.RCP(b);  t = fma(-b, r0, 1);  r = fma(r0, t, r0)        (depends on b only)
+#     q0 = fma(a, r, +0); e = fma(-b, q0, a);  q = fma(r, e, q0)
+#     FCHK P, a, b;  @P CALL slowpath                                     (special / extreme operands)
+#
+# In WelfordOps::reduce the divisor is the step's count, known before the data, but the branch
+# after every division keeps ptxas from computing the next step's reciprocal early, so the
+# reciprocal's latency sits on the chain's critical path. :func:`rcp_refined` computes ``r`` up
+# front and :func:`div_fast` is the fast path itself; :func:`div_fast_unsafe` flags the dividends
+# for which it is not used: non-finite, or nonzero with |a| outside [2^-60, 2^60] (with b in
+# [1, 2^24] that keeps quotient and remainder far from under/overflow, well inside the range the
+# fast path serves). For a zero dividend the fast path returns +0 where div.rn returns the
+# dividend's sign; in ``mean + q`` that cannot matter (a Welford mean starts at +0 and never
+# becomes -0, and x + (+0) == x + (-0) for every x other than -0). The chain kernel runs a block of
+# steps with div_fast and redoes the block with div.rn when any flagged dividend occurred, so the
+# states it produces are the div.rn chain's in every case.
+
+@triton.jit
+def rcp_approx_ftz(x):
+    """``MUFU.RCP`` (``rcp.approx.ftz.f32``); an exact division under the interpreter."""
+    if INTERPRET:
+        return 1.0 / x
+    else:
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
+
+
+@triton.jit
+def rcp_refined(b):
+    """The reciprocal div.rn's fast path uses for divisor ``b`` (a normal, positive fp32)."""
+    r0 = rcp_approx_ftz(b)
+    one = tl.full(b.shape, 1.0, tl.float32)
+    return fma_exact(r0, fma_exact(neg(b), r0, one), r0)
+
+
+@triton.jit
+def div_fast(a, b, r):
+    """div.rn's fast path for ``a / b`` given ``r = rcp_refined(b)`` (a zero quotient is +0)."""
+    q0 = fma_exact(a, r, tl.zeros_like(a))
+    e = fma_exact(neg(b), q0, a)
+    return fma_exact(r, e, q0)
+
+
+@triton.jit
+def div_fast_unsafe(a):
+    """True where :func:`div_fast` is not trusted to equal div.rn (see above)."""
+    m = tl.abs(a)
+    return (m != 0) & ~((m >= 8.673617379884035e-19) & (m <= 1.152921504606847e18))  # 2^-60, 2^60

@@ -58,7 +58,16 @@ from triton.language.extra import libdevice
 from ditfuse.kernels.common.elementwise import interpreter_on, load_f32
 from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
 from ditfuse.kernels.common.welford import rsqrt_approx
-from ditfuse.kernels.common.welford_ops import fma_exact, neg, wops_combine, wops_fold, wops_reduce
+from ditfuse.kernels.common.welford_ops import (
+    div_fast,
+    div_fast_unsafe,
+    fma_exact,
+    neg,
+    rcp_refined,
+    wops_combine,
+    wops_fold,
+    wops_reduce,
+)
 from ditfuse.kernels.errors import UnsupportedInput
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -69,9 +78,12 @@ CHAIN_STEPS = 32  # K: chain steps loaded ahead per thread (exact stats kernel)
 TARGET_PROGRAMS = 1024  # apply / close-stats kernels: enough programs to fill 132 SMs several times
 
 # Variant switches (constexprs) for the GPU order probe; defaults = torch's order as we read it.
-CHAIN_VARIANTS = ("MEAN_MODE", "M2_FMA", "CMB_MEAN_FMA", "CMB_M2_MODE")
+CHAIN_VARIANTS = ("MEAN_MODE", "M2_FMA", "CMB_MEAN_FMA", "CMB_M2_MODE", "FAST_DIV")
 APPLY_VARIANTS = ("CMB_MEAN_FMA", "CMB_M2_MODE", "RSQ", "B_FMA", "Y_FMA", "ONE_D_FMA", "SILU_EXP", "SILU_DIV")
-DEFAULT_VARIANT = dict(MEAN_MODE=0, M2_FMA=True, CMB_MEAN_FMA=True, CMB_M2_MODE=0,
+# FAST_DIV: the chain's division by its branch-free fast path, block redone with div.rn when a
+# dividend is outside the fast path's safe range (same bits by construction; off until the GPU
+# probe confirms it and the benchmark shows the gain, see notes/groupnorm.md).
+DEFAULT_VARIANT = dict(MEAN_MODE=0, M2_FMA=True, CMB_MEAN_FMA=True, CMB_M2_MODE=0, FAST_DIV=False,
                        RSQ=0, B_FMA=True, Y_FMA=True, ONE_D_FMA=True, SILU_EXP=0, SILU_DIV=0)
 
 
@@ -90,14 +102,61 @@ def _load_steps(ptr, rem, THREADS: tl.constexpr, K: tl.constexpr):
     return xs
 
 
+@triton.jit
+def _block_fast(mean, m2, cur, rem, b, THREADS: tl.constexpr, K: tl.constexpr, M2_FMA: tl.constexpr,
+                MASKED: tl.constexpr):
+    """K WelfordOps::reduce steps with div.rn's fast path; redone with div.rn if any step's
+    dividend is outside the fast path's safe range (ditfuse/kernels/common/welford_ops.py).
+    MASKED False: every step is valid for every lane (all blocks but the last), so the state
+    needs no select and the chain's critical path is sub -> 3 fma -> add per step."""
+    rs = ()
+    for kk in tl.static_range(K):
+        rs = rs + (rcp_refined(tl.full([32], 1.0, tl.float32) * tl.cast(b * K + kk + 1, tl.float32)),)
+    mean0 = mean
+    m20 = m2
+    bad = tl.zeros([32], dtype=tl.int1)
+    for kk in tl.static_range(K):
+        v = cur[kk]
+        nf_new = tl.full([32], 1.0, tl.float32) * tl.cast(b * K + kk + 1, tl.float32)
+        delta = v - mean
+        new_mean = mean + div_fast(delta, nf_new, rs[kk])
+        nd = v - new_mean
+        if M2_FMA:
+            new_m2 = fma_exact(delta, nd, m2)
+        else:
+            new_m2 = m2 + delta * nd
+        if MASKED:
+            valid = kk * THREADS < rem
+            bad = bad | (valid & div_fast_unsafe(delta))
+            mean = tl.where(valid, new_mean, mean)
+            m2 = tl.where(valid, new_m2, m2)
+        else:
+            bad = bad | div_fast_unsafe(delta)
+            mean = new_mean
+            m2 = new_m2
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        mean = mean0
+        m2 = m20
+        for kk in tl.static_range(K):
+            valid = kk * THREADS < rem
+            nf_new = tl.full([32], 1.0, tl.float32) * tl.cast(b * K + kk + 1, tl.float32)
+            mean, m2 = wops_reduce(mean, m2, cur[kk], nf_new, valid, 0, M2_FMA)
+    return mean, m2
+
+
 @triton.jit(do_not_specialize=["L", "NB", "NGW"])
 def _gn_chain_kernel(
     x_ptr, ws_ptr, L, NB, NGW,
     THREADS: tl.constexpr, K: tl.constexpr,
     MEAN_MODE: tl.constexpr, M2_FMA: tl.constexpr, CMB_MEAN_FMA: tl.constexpr, CMB_M2_MODE: tl.constexpr,
+    FAST_DIV: tl.constexpr,
 ):
     """Exact statistics, one program per aten warp: program (i, w) runs the chains of threads
-    ``t = 32 w + lane`` of group i and stores the warp's folded (mean, m2, nf) at ``ws[:, i*W + w]``."""
+    ``t = 32 w + lane`` of group i and stores the warp's folded (mean, m2, nf) at ``ws[:, i*W + w]``.
+
+    FAST_DIV: each block of K steps first runs with div.rn's fast path (reciprocals computed
+    before the block, off the chain's critical path); if any dividend of the block was outside
+    the fast path's safe range, the block is recomputed from its saved state with div.rn."""
     W: tl.constexpr = THREADS // 32
     i = tl.program_id(0).to(tl.int64)
     w = tl.program_id(1)
@@ -111,10 +170,16 @@ def _gn_chain_kernel(
     b = 0
     while b < NB:
         nxt = _load_steps(ptr + STEP, rem - STEP, THREADS, K)
-        for kk in tl.static_range(K):
-            valid = kk * THREADS < rem
-            nf_new = tl.full([32], 1.0, tl.float32) * tl.cast(b * K + kk + 1, tl.float32)
-            mean, m2 = wops_reduce(mean, m2, cur[kk], nf_new, valid, MEAN_MODE, M2_FMA)
+        if FAST_DIV:
+            if b < NB - 1:  # not the last block: every step of every lane is an element
+                mean, m2 = _block_fast(mean, m2, cur, rem, b, THREADS, K, M2_FMA, False)
+            else:
+                mean, m2 = _block_fast(mean, m2, cur, rem, b, THREADS, K, M2_FMA, True)
+        else:
+            for kk in tl.static_range(K):
+                valid = kk * THREADS < rem
+                nf_new = tl.full([32], 1.0, tl.float32) * tl.cast(b * K + kk + 1, tl.float32)
+                mean, m2 = wops_reduce(mean, m2, cur[kk], nf_new, valid, MEAN_MODE, M2_FMA)
         cur = nxt
         ptr += STEP
         rem -= STEP
