@@ -112,3 +112,33 @@ __all__ = [
     "qk_rmsnorm_rope_fp64",
     "qk_rmsnorm_across_heads_rope_fp64",
 ]
+
+
+# ---------------------------------------------------------------------- VAE (issue 10), appended
+
+
+def group_norm_silu_fp64(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-6,
+    silu: bool = True,
+) -> torch.Tensor:
+    """``silu(GN(x))`` (``GN(x)`` when ``silu`` is False) in fp64: per (sample, group) mean and
+    population variance, ``(x - mean) / sqrt(var + eps) * weight + bias``, ``y / (1 + exp(-y))``."""
+    x64 = _d(x)
+    N, C = x64.shape[:2]
+    g = x64.reshape(N, num_groups, -1)
+    mean = g.mean(-1, keepdim=True)
+    var = (g - mean).pow(2).mean(-1, keepdim=True)
+    y = ((g - mean) / torch.sqrt(var + eps)).reshape(x64.shape)
+    shape = [1, C] + [1] * (x64.dim() - 2)
+    if weight is not None:
+        y = y * _d(weight).reshape(shape)
+    if bias is not None:
+        y = y + _d(bias).reshape(shape)
+    return y / (1 + torch.exp(-y)) if silu else y
+
+
+__all__ += ["group_norm_silu_fp64"]

@@ -222,3 +222,37 @@ __all__ = [
     "gelu_tanh",
     "single_block_mlp_cat",
 ]
+
+
+# ---------------------------------------------------------------------- VAE (issue 10), appended
+
+
+def group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """``nn.GroupNorm(num_groups, C, eps)`` (``F.group_norm``): one rounding, ``out = r(GN(x))``.
+    diffusers' ResnetBlock2D norm1/norm2, the VAE decoder's conv_norm_out and the mid-block
+    Attention's group_norm (on a contiguous ``[B, C, H*W]`` view) run exactly this."""
+    return F.group_norm(x, num_groups, weight, bias, eps)
+
+
+def group_norm_silu(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-6,
+    silu: bool = True,
+) -> torch.Tensor:
+    """``out = r(silu(r(GN(x))))``: ``nn.GroupNorm`` then ``nn.SiLU`` as two eager ops
+    (ResnetBlock2D's ``norm1 -> nonlinearity``, ``norm2 -> nonlinearity``; the decoder's
+    ``conv_norm_out -> conv_act``). ``silu=False`` is :func:`group_norm`."""
+    y = group_norm(x, num_groups, weight, bias, eps)
+    return F.silu(y) if silu else y
+
+
+__all__ += ["group_norm", "group_norm_silu"]
