@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|flux|wan|drift|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|flux|wan|drift|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -9,6 +9,7 @@
 #   tests    the GPU tests (tests/gpu, bitwise)                                   -> suite.log
 #   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
 #   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
+#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes                    -> group_norm_h200.csv
 #   flux     FLUX.1-dev-size step (ditfuse bench flux)                            -> flux_{step,breakdown}_h200.csv
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
 #   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
@@ -50,7 +51,7 @@ run_phase() {  # name timeout cmd...
 want() { for p in "${phases[@]}"; do [[ $p == "$1" || $p == all ]] && return 0; done; return 1; }
 if want probes; then  # PROBES: the probe scripts to run (default: RMS order, attention backends, host cost)
   for p in ${PROBES:-bench/probes/probe_rms_order.py bench/probes/probe_attention.py bench/probes/probe_host_cost.py}; do
-    run_phase "$p" "${PROBE_TIMEOUT:-120}" env PROBE_ROWS=4096 python3 "$p"
+    run_phase "$p" "${PROBE_TIMEOUT:-120}" env PROBE_ROWS=4096 OUT=/tmp/probe_out python3 "$p" ${PROBE_ARGS:-}
   done
 fi
 if want tests; then
@@ -59,6 +60,7 @@ if want tests; then
 fi
 want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${ADMIT_ARGS:-}
 want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
+want vae && run_phase vae "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${VAE_ARGS:-}
 want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" ${FLUX_ARGS:-}
 want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" ${WAN_ARGS:-}
 want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null

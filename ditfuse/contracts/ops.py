@@ -63,6 +63,8 @@ class _KeyBinder:
                     part = (part, *(v.shape[d] for d in k.dims))
                 if k.rank:
                     part = (part, v.dim())
+                if k.tail_shape:
+                    part = (part, tuple(v.shape[1:]))
                 key.append(part)
             elif v is None:
                 key.append(None)

@@ -150,7 +150,8 @@ class KeyArg:
     A tensor contributes its dtype, device type and strides class (always), the sizes of
     ``dims`` (the dims its arithmetic depends on, e.g. the reduced width ``-1``) and, with
     ``rank``, its number of dims (per-sample ``[B, D]`` vs per-token ``[B, S, D]`` operands take
-    different code paths). ``None`` contributes ``None``. A non-tensor argument contributes its
+    different code paths); with ``tail_shape`` all its sizes but the first. ``None`` contributes
+    ``None``. A non-tensor argument contributes its
     value when ``value`` is set (eps, dtypes, flags), else nothing.
     """
 
@@ -158,6 +159,9 @@ class KeyArg:
     dims: tuple[int, ...] = ()
     rank: bool = False
     value: bool = False
+    # All sizes but the batch dim (ops whose reduction spans every non-batch dim, e.g. GroupNorm:
+    # the per-group element count fixes torch's chain lengths and tree).
+    tail_shape: bool = False
 
 
 @dataclass(frozen=True)

@@ -59,5 +59,30 @@ GATE_RESIDUAL_LAYERNORM_MODULATE_FP32 = OpDescriptor(
     lossless=GATE_RESIDUAL_LAYERNORM_MODULATE,
 )
 
+_GN = "norm.group_norm_silu_triton"
+
+GROUP_NORM_SILU = OpDescriptor(
+    op="norm.group_norm_silu",
+    contract=Contract.BIT_EXACT,
+    replaces="r(silu(r(GroupNorm(x))))",
+    summary="GroupNorm (aten's RowwiseMoments chains and block tree, one program per aten warp: "
+            "statistics over many SMs) + fused-params epilogue + the SiLU after it",
+    reference=f"{_REF}:group_norm_silu",
+    exact=f"{_EXACT}:group_norm_silu_fp64",
+    impls=(triton_impl(_GN, "group_norm_silu"),),
+    key=(K("x", tail_shape=True), K("num_groups", value=True), K("weight"), K("bias"), K("eps", value=True),
+         K("silu", value=True)),
+    key_note="the batch only changes the grid; channels, groups and spatial size fix every chain and tree",
+)
+
+GROUP_NORM_SILU_FP32 = OpDescriptor(
+    op="norm.group_norm_silu_fp32",
+    contract=Contract.CLOSE,
+    replaces="r(silu(r(GN(x)))) -> r(silu(GN32(x)))",
+    summary="the same kernels with the rounding switch off: fp32 tile statistics (Chan merge), one rounding",
+    impls=(triton_impl(_GN, "group_norm_silu_fp32"),),
+    lossless=GROUP_NORM_SILU,
+)
+
 DESCRIPTORS = (LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE_FP32,
-               GATE_RESIDUAL_LAYERNORM_MODULATE_FP32)
+               GATE_RESIDUAL_LAYERNORM_MODULATE_FP32, GROUP_NORM_SILU, GROUP_NORM_SILU_FP32)

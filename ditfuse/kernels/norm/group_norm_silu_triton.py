@@ -55,7 +55,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ditfuse.kernels.common.elementwise import interpreter_on, load_f32
+from ditfuse.kernels.common.elementwise import load_f32
+from ditfuse.kernels.common.host import interpreter_on
 from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
 from ditfuse.kernels.common.welford import rsqrt_approx
 from ditfuse.kernels.common.welford_ops import (
