@@ -55,7 +55,9 @@ if want probes; then  # PROBES: the probe scripts to run (default: RMS order, at
   done
 fi
 if want tests; then
-  run_phase tests "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rf --durations=15 ${PYTEST_ARGS:-}
+  # TESTS: test paths (default tests/gpu); PYTEST_K: a -k expression
+  run_phase tests "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --durations=15 \
+    ${PYTEST_K:+-k "$PYTEST_K"} ${TESTS:-tests/gpu} ${PYTEST_ARGS:-}
   summary+=("  tests: $(grep -E '(passed|failed)' "$LOG" | tail -n 1)")
 fi
 want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${ADMIT_ARGS:-}
