@@ -9,7 +9,8 @@
 #   tests    the GPU tests (tests/gpu, bitwise)                                   -> suite.log
 #   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
 #   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
-#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes                    -> group_norm_h200.csv
+#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes, AutoencoderKL decode -> group_norm_h200.csv,
+#            vae_decode_h200.csv
 #   flux     FLUX.1-dev-size step (ditfuse bench flux)                            -> flux_{step,breakdown}_h200.csv
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
 #   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
@@ -62,7 +63,10 @@ if want tests; then
 fi
 want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${ADMIT_ARGS:-}
 want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
-want vae && run_phase vae "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${VAE_ARGS:-}
+if want vae; then
+  run_phase group_norm "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${GN_ARGS:-}
+  run_phase vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --out "$OUT/vae_decode_h200.csv" ${VAE_ARGS:-}
+fi
 want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" ${FLUX_ARGS:-}
 want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" ${WAN_ARGS:-}
 want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null

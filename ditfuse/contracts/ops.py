@@ -99,7 +99,9 @@ class _RegisteredOp:
             if key not in self._loaded:
                 try:
                     self._loaded[key] = registry.select(self.op, device=key).load()
-                except (registry.KernelDisabledError, registry.CapabilityError) as e:
+                except registry.KernelDisabledError as e:
+                    return str(e)  # not cached: DITFUSE_DISABLE is read again on the next call
+                except registry.CapabilityError as e:
                     self._loaded[key] = str(e)
                     logger.info("ditfuse: %s runs eager on %s: %s", self.op, key, e)
                 except Exception as e:  # the kernel module failed to import: eager, loudly

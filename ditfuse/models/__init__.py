@@ -22,7 +22,9 @@ from .base import Adapter, AdapterMount, AdapterVersionError, capture_admission_
 logger = logging.getLogger("ditfuse.models")
 
 # Adapters, by module:attr; imported on first use.
-_ADAPTER_TARGETS: tuple[str, ...] = ("ditfuse.models.flux:ADAPTER", "ditfuse.models.wan:ADAPTER")
+_ADAPTER_TARGETS: tuple[str, ...] = (
+    "ditfuse.models.flux:ADAPTER", "ditfuse.models.wan:ADAPTER", "ditfuse.models.autoencoder_kl:ADAPTER",
+)
 
 
 def adapters() -> list[Adapter]:

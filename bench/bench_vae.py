@@ -1,0 +1,97 @@
+"""``ditfuse bench vae``: AutoencoderKL decode (the FLUX.1 VAE: 16 latent channels, blocks
+128/256/512/512, random bf16 weights) at 1024x1024 and 2048x2048, eager vs ditfuse lossless vs
+torch.compile; median ms over ``--steps`` decodes, bitwise check against eager; CSV.
+
+    PYTHONPATH=. python3 bench/bench_vae.py [--sizes 1024 2048] [--no-compile] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--batches", type=int, nargs="+", default=[1])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--out", default="bench/results/vae_decode_h200.csv")
+    args = p.parse_args(argv)
+
+    import torch
+    import triton
+    from diffusers import AutoencoderKL
+
+    import ditfuse
+    from ditfuse.kernels.compare import first_mismatch
+    from tests.gpu.test_vae_gpu import FLUX_VAE
+
+    torch.manual_seed(0)
+    vae = AutoencoderKL(**FLUX_VAE).to("cuda", torch.bfloat16).eval()
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                commit=os.environ.get("DITFUSE_COMMIT", "unknown"))
+    rows = []
+
+    def timed(fn):
+        fn()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(args.steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            out = fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b))
+        return statistics.median(ts), out
+
+    for size in args.sizes:
+        for batch in args.batches:
+            z = torch.randn(batch, 16, size // 8, size // 8, device="cuda").to(torch.bfloat16)
+            dec = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731
+            with torch.no_grad():
+                ms, ref = timed(dec)
+                rows.append(dict(size=size, batch=batch, provider="eager", median_ms=round(ms, 2), bitwise_equal=True, **meta))
+                print(f"[vae] {size} B={batch} eager {ms:.2f} ms", flush=True)
+                ditfuse.gate.reset()
+                h = ditfuse.accelerate(vae)
+                try:
+                    ms, out = timed(dec)
+                finally:
+                    h.unmount()
+                rep = ditfuse.gate.report()
+                ok = first_mismatch(out, ref) is None
+                rows.append(dict(size=size, batch=batch, provider="lossless", median_ms=round(ms, 2), bitwise_equal=ok, **meta))
+                print(f"[vae] {size} B={batch} lossless {ms:.2f} ms bitwise={ok} disabled={list(rep.disabled)}", flush=True)
+                if not args.no_compile:
+                    t0 = time.time()
+                    torch._dynamo.reset()
+                    cdec = torch.compile(vae.decode)
+                    ms, out = timed(lambda: cdec(z, return_dict=False)[0])
+                    rows.append(dict(size=size, batch=batch, provider="compile", median_ms=round(ms, 2),
+                                     bitwise_equal=first_mismatch(out, ref) is None, **meta))
+                    print(f"[vae] {size} B={batch} compile {ms:.2f} ms ({time.time() - t0:.0f}s)", flush=True)
+                    torch._dynamo.reset()
+            del z, ref, out
+            torch.cuda.empty_cache()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    for r in rows:
+        print(f"{r['size']:>5} B={r['batch']} {r['provider']:<9} {r['median_ms']:>9.2f} ms  bitwise={r['bitwise_equal']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
