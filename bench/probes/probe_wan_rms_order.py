@@ -100,7 +100,7 @@ def main() -> int:
             to = triton.testing.do_bench(lambda: wk.wan_rms_norm_silu(x, g), return_mode="median")
             tc = triton.testing.do_bench(lambda: wk.wan_rms_norm_silu_fp32(x, g), return_mode="median")
             res[f"{list(shape)} {dtype}"] = dict(differ=diff, eager_ms=round(te, 4), ours_ms=round(to, 4),
-                                                  close_ms=round(tc, 4), GBps_ours=round(2 * x.numel() * x.element_size() / (to * 1e-3) / 1e9, 1))
+                                                  close_ms=round(tc, 4), GBps_ours=round(2 * x.numel() * x.element_size() / (max(to, 1e-9) * 1e-3) / 1e9, 1))
             print("C.", f"{list(shape)} {dtype}", json.dumps(res[f"{list(shape)} {dtype}"]))
     rep["C"] = res
     ok_b = all(r["replica"] == 0 for r in rows.values())
