@@ -47,6 +47,25 @@ def test_kernel_matches_sim(shape, dtype, silu):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter
+def test_t_major_layout_from_wan_resample():
+    """WanResample returns ``x.view(b, t, c, h, w).permute(0, 2, 1, 3, 4)``: handled, output with
+    the same strides as eager's. HW = 12 (vec 4) and HW = 30 (vec 2; channels split over 8 warps)."""
+    for (T, Hh, Ww, C) in ((2, 3, 4, 64), (4, 3, 10, 256)):
+        mem = _rand((1, T, C, Hh, Ww), torch.bfloat16, 14)
+        x = mem.permute(0, 2, 1, 3, 4)
+        assert not x.is_contiguous()
+        gam = _gamma(C, 3, torch.bfloat16, 15)
+        assert wk.can_use_wan_rms_norm_silu(x, gam)
+        got = wk.wan_rms_norm_silu(x, gam)
+        exp = ref.wan_rms_norm_silu(x, gam)
+        assert got.stride() == exp.stride() == x.stride()
+        mm = compare_outputs(got, ws.rms_norm_silu(x, gam))
+        assert mm is None, str(mm)
+    # the layouts disagree on the vector width for HW = 6, T = 4: 4 for contiguous, 2 here
+    assert ws.output_vec_size(24, 256) == 4 and ws.output_vec_size(24, 256, 0, 6) == 2
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter
 def test_bias_tensor_and_special_values():
     x = _rand((1, 64, 1, 4, 16), torch.bfloat16, 3)
     x[0, :, 0, 0, 0] = 0.0  # zero vector: norm 0 -> clamp_min(1e-12); n = 0
@@ -109,7 +128,7 @@ def test_rejections():
     gam = _gamma(64, 3, torch.bfloat16, 11)
     assert wk.can_use_wan_rms_norm_silu(x, gam)
     bad = [
-        (x.transpose(3, 4), gam, 0.0),  # non-contiguous
+        (x.transpose(3, 4), gam, 0.0),  # a layout other than contiguous / WanResample's
         (x.float(), gam, 0.0),  # gamma dtype mismatch
         (x, gam[:32], 0.0),
         (x, gam, 0.5),  # a non-zero float bias is not WanRMS_norm's

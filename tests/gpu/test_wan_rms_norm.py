@@ -45,6 +45,25 @@ def test_wan_decoder_shapes(dtype):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_wan_resample_layout(dtype):
+    """The [B, C, T, H, W] view of [B, T, C, H, W] memory that WanResample returns (the next
+    block's norm1 input): same bits, same output strides as eager."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    failures = []
+    for B, T, C, Hh, Ww in ((1, 2, 384, 120, 208), (1, 4, 192, 240, 416), (2, 2, 96, 30, 50), (1, 4, 256, 3, 10)):
+        x = _rand((B, T, C, Hh, Ww), dtype, gen).permute(0, 2, 1, 3, 4)
+        gam = _rand((C, 1, 1, 1), dtype, gen, 0.3, 1.0)
+        assert wk.can_use_wan_rms_norm_silu(x, gam)
+        got, exp = wk.wan_rms_norm_silu(x, gam), ref.wan_rms_norm_silu(x, gam)
+        mm = compare_outputs(got, exp, f"T-major {[B, C, T, Hh, Ww]} {dtype}")
+        if mm:
+            failures.append(str(mm))
+        if got.stride() != exp.stride():
+            failures.append(f"T-major {[B, C, T, Hh, Ww]}: strides {got.stride()} vs eager {exp.stride()}")
+    assert not failures, "\n".join(failures)
+
+
 NORM_SHAPES = [(1, 384, 6240), (1, 96, 64), (2, 40, 63), (1, 256, 32), (1, 100, 4093), (3, 64, 6),
                (1, 192, 24960), (4, 17, 1000), (1, 128, 130), (1, 512, 2048)]
 

@@ -37,17 +37,27 @@ def last_pow2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def output_vec_size(S: int, C: int, elem_offset: int = 0) -> int:
+def output_vec_size(S: int, C: int, elem_offset: int = 0, t_major_hw: int | None = None) -> int:
+    """get_output_vec_size: 4, halved until it divides the base offset, the iterator's first
+    output dim and the other input strides. Contiguous [B, C, S]: first output dim S (all
+    spatial dims coalesce), strides S (C) and C*S (B). For the [B, C, T, H, W] view of
+    [B, T, C, H, W] memory (``t_major_hw`` = H*W): first output dim HW, strides HW (C) and C*HW
+    (T, with B merged into it)."""
     vec = 4
-    for n in (elem_offset, S, S * C):  # base address, output dim size, the other input strides
+    if t_major_hw is None:
+        checks = (elem_offset, S, S * C)
+    else:
+        checks = (elem_offset, t_major_hw, t_major_hw, C * t_major_hw)
+    for n in checks:
         while n % vec:
             vec //= 2
     return vec
 
 
-def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0) -> tuple[int, bool, int]:
+def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0,
+                  t_major_hw: int | None = None) -> tuple[int, bool, int]:
     """(H, split, vec): threads splitting the channels (1 when not split), and whether they do."""
-    vec = output_vec_size(S, C, elem_offset)
+    vec = output_vec_size(S, C, elem_offset, t_major_hw)
     max_threads = MAX_THREADS // vec
     dim0 = (B * S) // vec
     d0 = last_pow2(dim0) if dim0 < max_threads else max_threads
@@ -90,7 +100,9 @@ def rms_norm(
     B, C = x.shape[:2]
     S = x[0, 0].numel()
     x32 = x.float().reshape(B, C, S)
-    H, _, _ = reduce_layout(B, C, S, elem_offset if x.dtype == torch.float32 else 0)
+    t_major = x.dim() == 5 and x.shape[2] > 1 and not x.is_contiguous()
+    H, _, _ = reduce_layout(B, C, S, elem_offset if x.dtype == torch.float32 else 0,
+                            x.shape[3] * x.shape[4] if t_major else None)
     norm = torch.from_numpy(np.sqrt(sumsq(x32, H).numpy()))[:, None, :]  # torch's CPU sqrt is not always RN
     denom = torch.where(torch.isnan(norm), norm, torch.clamp_min(norm, norm_eps))
     n = (x32 / denom).to(x.dtype)

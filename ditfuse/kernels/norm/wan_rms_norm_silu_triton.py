@@ -51,12 +51,16 @@ def _last_pow2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
 
-def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0) -> tuple[int, bool, int, int]:
+def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0,
+                  vec_divides: tuple[int, ...] | None = None) -> tuple[int, bool, int, int]:
     """What ``setReduceConfig`` (torch 2.11, sm_90: 512 max threads, warp 32) picks for the norm
-    of a contiguous fp32 ``[B, C, S]`` tensor over C: returns ``(H, split, bh, values_per_thread)``
-    with H = bh when the channels are split over the block's bh warps, else 1."""
-    vec = 4  # get_output_vec_size: divides the base offset, the output dim size and the strides
-    for n in (elem_offset, S, S * C):
+    over C of an fp32 tensor with ``B * S`` output positions: returns
+    ``(H, split, bh, values_per_thread)`` with H = bh when the channels are split over the
+    block's bh warps, else 1. ``get_output_vec_size`` (4, halved until it divides the base
+    element offset, the size of the iterator's first output dim and every other input stride)
+    is computed from ``vec_divides``; the default is a contiguous ``[B, C, S]`` tensor."""
+    vec = 4
+    for n in (elem_offset, *(vec_divides if vec_divides is not None else (S, S * C))):
         while n % vec:
             vec //= 2
     max_threads = 512 // vec
@@ -68,6 +72,27 @@ def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0) -> tuple[int, bo
     split = C >= min(bh * 16, 256)
     H = bh if split else 1
     return H, split, bh, -(-C // H)
+
+
+def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, tuple[int, ...]] | None:
+    """(B, C, T, HW, sB, sC, sT, vec_divides) for the layouts handled: contiguous
+    ``[B, C, *spatial]`` (T = 1, HW = all spatial), and the 5-D ``[B, C, T, H, W]`` view of
+    ``[B, T, C, H, W]`` memory that WanResample's ``permute(0, 2, 1, 3, 4)`` returns. None for
+    anything else. ``vec_divides`` follows TensorIterator's dim coalescing for each layout (the
+    reduced C first, then output dims by stride, adjacent dims merged when their strides allow)."""
+    B, C = x.shape[0], x.shape[1]
+    if x.is_contiguous():
+        S = x.numel() // max(B * C, 1)
+        return B, C, 1, S, C * S, S, S, (S, S * C)
+    if x.dim() != 5:
+        return None
+    _, _, T, Hh, Ww = x.shape
+    HW = Hh * Ww
+    sb, sc, st, sh, sw = x.stride()
+    if (sw, sh, sc, st) == (1, Ww, HW, C * HW) and (B == 1 or sb == T * C * HW):
+        # iterator dims [C, HW, T (x B merged)]: vec divides HW, C's stride HW, T's stride C*HW
+        return B, C, T, HW, sb, sc, st, (HW, HW, C * HW)
+    return None
 
 
 @triton.jit
@@ -101,25 +126,30 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
     return tl.reshape(p, [BP])
 
 
-@triton.jit(do_not_specialize=["C", "NBLK", "scale", "eps"])
+@triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
 def _wan_rms_kernel(
-    x_ptr, g_ptr, b_ptr, out_ptr, C, S, NBLK, scale, eps,
+    x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, NBLK, scale, eps,
     DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
-    HAS_B: tl.constexpr, SILU: tl.constexpr,
+    HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr,
 ):
-    """Program (b, j): positions ``j*BP ..`` of sample b, all channels (two passes over them)."""
+    """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
+    Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw``, in x and in out alike."""
     R: tl.constexpr = 4 * H
     bi = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1) * BP + tl.arange(0, BP)
-    pmask = p < S
-    base = x_ptr + bi * C * S
+    pmask = p < T * HW
+    if TMAJOR:
+        poff = (p // HW).to(tl.int64) * sT + p % HW
+    else:
+        poff = p.to(tl.int64)  # T == 1 or sT == HW: positions are contiguous
+    base = x_ptr + bi * sB
     rows = tl.arange(0, R)
     acc = tl.zeros([R, BP], dtype=tl.float32)
     blk = 0
     while blk < NBLK:
         c = blk * R + rows
         m = (c < C)[:, None] & pmask[None, :]
-        v = load_f32(base + c.to(tl.int64)[:, None] * S + p[None, :], m)  # missing channels: +0
+        v = load_f32(base + c.to(tl.int64)[:, None] * sC + poff[None, :], m)  # missing channels: +0
         if EXACT:
             acc = fma_exact(v, v, acc)
         else:
@@ -142,7 +172,7 @@ def _wan_rms_kernel(
         c = blk * R + rows
         cm = c < C
         m = cm[:, None] & pmask[None, :]
-        offs = c.to(tl.int64)[:, None] * S + p[None, :]
+        offs = c.to(tl.int64)[:, None] * sC + poff[None, :]
         x = load_f32(base + offs, m)
         gam = load_f32(g_ptr + c, cm)[:, None]
         if HAS_B:
@@ -158,29 +188,35 @@ def _wan_rms_kernel(
             y = x * f[None, :] * gam + bet
         if SILU:
             y = _silu(y, 0, 0)
-        tl.store(out_ptr + bi * C * S + offs, round_to(y, DTYPE), mask=m)
+        tl.store(out_ptr + bi * sB + offs, round_to(y, DTYPE), mask=m)
         blk += 1
 
 
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
             block_positions: int | None = None) -> torch.Tensor:
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
+    (x.float(), the division and every later op keep a dense input's layout)."""
+    out = torch.empty_like(x)
     if x.numel() == 0:
         return out
-    B, C = x.shape[0], x.shape[1]
-    S = x.numel() // (B * C)
+    geo = _geometry(x)
+    assert geo is not None, "rejected by can_use_wan_rms_norm_silu"
+    B, C, T, HW, sB, sC, sT, vdiv = geo
+    assert out.stride() == x.stride()
     off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0  # bf16/fp16: fresh x.float()
-    H = reduce_layout(B, C, S, off)[0] if exact else 4
+    H = reduce_layout(B, C, T * HW, off, vdiv)[0] if exact else 4
     assert H <= MAX_H, "rejected by can_use_wan_rms_norm_silu"
     R = 4 * H
+    S = T * HW
     BP = block_positions or max(16, min(triton.next_power_of_2(S), 2048 // R))
     has_b = isinstance(bias, torch.Tensor)
     g = gamma.reshape(C).contiguous()
     b = bias.reshape(C).contiguous() if has_b else g
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
     _wan_rms_kernel[(B, triton.cdiv(S, BP))](
-        x, g, b, out, C, S, triton.cdiv(C, R), scale, NORM_EPS,
+        x, g, b, out, C, T, HW, sB, sC, sT, triton.cdiv(C, R), scale, NORM_EPS,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
+        TMAJOR=(T > 1 and sT != HW),
         num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
@@ -197,9 +233,9 @@ def _unsupported_reason(x, gamma, bias, silu) -> str | None:
         pass
     elif not (x.device.type == "cpu" and interpreter_on()):
         return f"device {x.device} not supported (CUDA; CPU only under TRITON_INTERPRET=1)"
-    if not x.is_contiguous():
-        return ("input not contiguous: x.float() would keep its strides and the norm's reduce "
-                "kernel would take another order (not reproduced)")
+    if _geometry(x) is None:
+        return ("input layout neither contiguous nor WanResample's [B, T, C, H, W] memory: x.float() "
+                "keeps its strides and the norm's reduce kernel would iterate another way (not reproduced)")
     if x.numel() >= 2**31:
         return "input has >= 2^31 elements: the reduce kernel splits into 32-bit sub-iterators (not reproduced)"
     C = x.shape[1]
@@ -214,10 +250,9 @@ def _unsupported_reason(x, gamma, bias, silu) -> str | None:
         return f"bias must be the float 0.0 (WanRMS_norm(bias=False)) or a [C] tensor, got {bias!r}"
     if not isinstance(silu, bool):
         return "silu must be a bool"
-    B = x.shape[0]
-    S = x.numel() // (B * C)
+    B, _, T, HW, _, _, _, vdiv = _geometry(x)
     off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0
-    H, split, bh, vpt = reduce_layout(B, C, S, off)
+    H, split, bh, vpt = reduce_layout(B, C, T * HW, off, vdiv)
     if H > MAX_H:
         return f"the reduce kernel would split the channels over {H} warps (few outputs); only <= {MAX_H} reproduced"
     if split and vpt >= 256:
@@ -236,7 +271,7 @@ def _wan_rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tens
 
 @_wan_rms_norm_silu_op.register_fake
 def _(x, gamma, bias, silu):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("ditfuse::wan_rms_norm_silu_fp32", mutates_args=())
@@ -246,7 +281,7 @@ def _wan_rms_norm_silu_fp32_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch
 
 @_wan_rms_norm_silu_fp32_op.register_fake
 def _(x, gamma, bias, silu):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.empty_like(x)
 
 
 def can_use_wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
@@ -254,8 +289,9 @@ def can_use_wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.
     """True when :func:`wan_rms_norm_silu` reproduces eager bit for bit.
 
     Rejected (False): not a tensor / fewer than 3 dims / dtype other than bf16, fp16, fp32; not
-    on CUDA (CPU only under TRITON_INTERPRET=1); a non-contiguous input (``x.float()`` keeps its
-    strides, so the norm's reduction would run in another layout and order); >= 2^31 elements
+    on CUDA (CPU only under TRITON_INTERPRET=1); a layout other than contiguous or the
+    ``[B, C, T, H, W]`` view of ``[B, T, C, H, W]`` memory that WanResample returns (``x.float()``
+    keeps the strides, so another layout makes the norm's reduction iterate another way); >= 2^31 elements
     (the reduction is split into 32-bit sub-iterators); gamma / bias not ``[C, ...]`` or of
     another dtype/device (eager would promote); a bias that is neither 0.0 nor a tensor; shapes
     for which torch's reduce config splits the channels over more than 16 warps (fewer than ~32
