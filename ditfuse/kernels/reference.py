@@ -256,3 +256,25 @@ def group_norm_silu(
 
 
 __all__ += ["group_norm", "group_norm_silu"]
+
+
+def wan_rms_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """diffusers 0.42.1 ``WanRMS_norm`` (channel_first=True, AutoencoderKLWan), op for op:
+    ``r(r(r(r(x32 / max(||x32||_2 over C, 1e-12)) * sqrt(C)) * gamma) + bias)`` with
+    ``x32 = x.float()`` for bf16/fp16 inputs (x itself for fp32); the ``+ bias`` is a real op even
+    when bias is the float 0.0 (it turns -0 into +0). x: [B, C, *spatial]; gamma [C, 1, ...]."""
+    needs_fp32 = x.dtype in (torch.float16, torch.bfloat16)
+    normalized = F.normalize(x.float() if needs_fp32 else x, dim=1).to(x.dtype)
+    return normalized * (x.shape[1] ** 0.5) * gamma + bias
+
+
+def wan_rms_norm_silu(
+    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0, silu: bool = True
+) -> torch.Tensor:
+    """``WanRMS_norm`` then ``nn.SiLU`` (WanResidualBlock's norm1/norm2 + nonlinearity, the Wan
+    decoder's norm_out + nonlinearity): ``r(silu(wan_rms_norm(x)))``."""
+    y = wan_rms_norm(x, gamma, bias)
+    return F.silu(y) if silu else y
+
+
+__all__ += ["wan_rms_norm", "wan_rms_norm_silu"]

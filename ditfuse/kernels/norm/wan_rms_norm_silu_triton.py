@@ -1,0 +1,323 @@
+"""diffusers' WanRMS_norm (+ the SiLU after it), bit-exact vs torch 2.11 CUDA eager, in one pass.
+
+``wan_rms_norm_silu(x, gamma, bias=0.0, silu=True)`` (AutoencoderKLWan; x ``[B, C, *spatial]``,
+normalised over the channels)::
+
+    x32 = x.float()                                    (x itself for fp32)
+    n   = r(x32 / max(||x32||_2 over C, 1e-12))         F.normalize(..., dim=1).to(x.dtype)
+    y   = r(r(r(n * float(sqrt(C))) * gamma) + bias)    "* self.scale * self.gamma + self.bias"
+    out = r(silu(y))                                   (silu=True; nn.SiLU)  /  y  (silu=False)
+
+``r`` rounds to x's dtype where an eager op stores; ``bias`` is the float 0.0 of
+``WanRMS_norm(bias=False)`` (still an op: it turns -0 into +0) or a ``[C, 1, ...]`` tensor. Eager
+runs 9 kernels for this (cast, norm reduction, clamp_min, div, cast, 3 elementwise, SiLU) and
+moves ~38 bytes per bf16 element; this kernel reads x once (plus an L2 re-read) and writes once.
+
+The norm reproduces ``gpu_reduce_kernel<NormTwoOps>`` (aten/src/ATen/native/cuda/Reduce.cuh) for a
+reduction over the strided channel dim (notes/wan_vae.md): the host replicates
+``setReduceConfig`` to get the block height ``bh`` and whether the channels are split across it;
+thread y of bh walks channels ``y, y + H, ...`` (H = bh, or 1 without the split) with 4
+interleaved accumulators (channel c -> accumulator ``(c // H) % 4``, ``fma(v, v, acc)``), combines
+them ``((a0 + a1) + a2) + a3``, the bh partials fold at offsets bh/2..1, then ``sqrt.rn``. Here a
+``[4H, BP]`` tile holds exactly those 4H chains for BP positions, channel block after channel block,
+and the two folds are spelled out. ``clamp_min`` keeps NaN, division is ``div.rn``, every later op
+rounds like eager; launched with ``enable_fp_fusion=False``.
+
+``EXACT`` False (``wan_rms_norm_silu_fp32``, quality="high"): fp32 sum of squares in any order,
+``y = x * (sqrt(C) / max(norm, 1e-12)) * gamma + bias`` and SiLU in fp32, one rounding.
+
+See :func:`can_use_wan_rms_norm_silu` for every rejection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ditfuse.kernels.common.elementwise import interpreter_on, load_f32
+from ditfuse.kernels.common.rounding import round_to, rround
+from ditfuse.kernels.common.welford_ops import fma_exact
+from ditfuse.kernels.errors import UnsupportedInput
+from ditfuse.kernels.norm.group_norm_silu_triton import _silu
+
+_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+VT0 = 4  # gpu_reduce_kernel's accumulators per thread
+MAX_H = 16  # largest channel split handled (bh <= 16 covers every shape with >= 32 outputs)
+NORM_EPS = 1e-12  # F.normalize's default
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0,
+                  vec_divides: tuple[int, ...] | None = None) -> tuple[int, bool, int, int]:
+    """What ``setReduceConfig`` (torch 2.11, sm_90: 512 max threads, warp 32) picks for the norm
+    over C of an fp32 tensor with ``B * S`` output positions: returns
+    ``(H, split, bh, values_per_thread)`` with H = bh when the channels are split over the
+    block's bh warps, else 1. ``get_output_vec_size`` (4, halved until it divides the base
+    element offset, the size of the iterator's first output dim and every other input stride)
+    is computed from ``vec_divides``; the default is a contiguous ``[B, C, S]`` tensor."""
+    vec = 4
+    for n in (elem_offset, *(vec_divides if vec_divides is not None else (S, S * C))):
+        while n % vec:
+            vec //= 2
+    max_threads = 512 // vec
+    dim0 = (B * S) // vec
+    d0 = _last_pow2(dim0) if dim0 < max_threads else max_threads
+    d1 = _last_pow2(C) if C < max_threads else max_threads
+    bw = min(d0, 32)
+    bh = min(d1, max_threads // bw)
+    split = C >= min(bh * 16, 256)
+    H = bh if split else 1
+    return H, split, bh, -(-C // H)
+
+
+def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, tuple[int, ...]] | None:
+    """(B, C, T, HW, sB, sC, sT, vec_divides) for the layouts handled: contiguous
+    ``[B, C, *spatial]`` (T = 1, HW = all spatial), and the 5-D ``[B, C, T, H, W]`` view of
+    ``[B, T, C, H, W]`` memory that WanResample's ``permute(0, 2, 1, 3, 4)`` returns. None for
+    anything else. ``vec_divides`` follows TensorIterator's dim coalescing for each layout (the
+    reduced C first, then output dims by stride, adjacent dims merged when their strides allow)."""
+    B, C = x.shape[0], x.shape[1]
+    if x.is_contiguous():
+        S = x.numel() // max(B * C, 1)
+        return B, C, 1, S, C * S, S, S, (S, S * C)
+    if x.dim() != 5:
+        return None
+    _, _, T, Hh, Ww = x.shape
+    HW = Hh * Ww
+    sb, sc, st, sh, sw = x.stride()
+    if (sw, sh, sc, st) == (1, Ww, HW, C * HW) and (B == 1 or sb == T * C * HW):
+        # iterator dims [C, HW, T (x B merged)]: vec divides HW, C's stride HW, T's stride C*HW
+        return B, C, T, HW, sb, sc, st, (HW, HW, C * HW)
+    return None
+
+
+@triton.jit
+def _split4(a, H: tl.constexpr, BP: tl.constexpr):
+    """[H, BP, 4] -> the four [H, BP] slices along the last axis (index 0, 1, 2, 3)."""
+    a = tl.reshape(a, [H, BP, 2, 2])  # last index i = 2 * hi + lo
+    even, odd = tl.split(a)  # lo = 0 (i = 0, 2), lo = 1 (i = 1, 3)
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _fold_half_rows(p, h: tl.constexpr, BP: tl.constexpr):
+    """[h, BP] -> [h/2, BP]: row y adds row y + h/2 (one block_y_reduce step)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(p, [2, h // 2, BP]), (1, 2, 0)))
+    return lo + hi
+
+
+@triton.jit
+def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
+    """block_y_reduce: [H, BP] -> [BP]; at offset o = H/2, ..., 1 row y (< o) adds row y + o."""
+    if H >= 16:
+        p = _fold_half_rows(p, 16, BP)
+    if H >= 8:
+        p = _fold_half_rows(p, 8, BP)
+    if H >= 4:
+        p = _fold_half_rows(p, 4, BP)
+    if H >= 2:
+        p = _fold_half_rows(p, 2, BP)
+    return tl.reshape(p, [BP])
+
+
+@triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
+def _wan_rms_kernel(
+    x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, NBLK, scale, eps,
+    DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
+    HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr,
+):
+    """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
+    Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw``, in x and in out alike."""
+    R: tl.constexpr = 4 * H
+    bi = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    pmask = p < T * HW
+    if TMAJOR:
+        poff = (p // HW).to(tl.int64) * sT + p % HW
+    else:
+        poff = p.to(tl.int64)  # T == 1 or sT == HW: positions are contiguous
+    base = x_ptr + bi * sB
+    rows = tl.arange(0, R)
+    acc = tl.zeros([R, BP], dtype=tl.float32)
+    blk = 0
+    while blk < NBLK:
+        c = blk * R + rows
+        m = (c < C)[:, None] & pmask[None, :]
+        v = load_f32(base + c.to(tl.int64)[:, None] * sC + poff[None, :], m)  # missing channels: +0
+        if EXACT:
+            acc = fma_exact(v, v, acc)
+        else:
+            acc = acc + v * v
+        blk += 1
+    if EXACT:
+        # row r = i * H + y: thread y's accumulator i; combine ((a0 + a1) + a2) + a3, then fold y
+        a0, a1, a2, a3 = _split4(tl.permute(tl.reshape(acc, [4, H, BP]), (1, 2, 0)), H, BP)
+        ssq = _fold_threads(((a0 + a1) + a2) + a3, H, BP)
+    else:
+        ssq = tl.sum(acc, axis=0)
+    norm = tl.math.sqrt_rn(ssq)
+    eps32 = tl.cast(eps, tl.float32)  # the interpreter keeps Python floats in fp64
+    scale32 = tl.cast(scale, tl.float32)
+    d = tl.where(norm != norm, norm, tl.where(norm < eps32, eps32, norm))  # clamp_min keeps NaN
+    if not EXACT:
+        f = scale32 / d
+    blk = 0
+    while blk < NBLK:
+        c = blk * R + rows
+        cm = c < C
+        m = cm[:, None] & pmask[None, :]
+        offs = c.to(tl.int64)[:, None] * sC + poff[None, :]
+        x = load_f32(base + offs, m)
+        gam = load_f32(g_ptr + c, cm)[:, None]
+        if HAS_B:
+            bet = load_f32(b_ptr + c, cm)[:, None]
+        else:
+            bet = tl.zeros([R, 1], dtype=tl.float32)
+        if EXACT:
+            n = rround(tl.math.div_rn(x, d[None, :]), DTYPE)
+            y = rround(n * scale32, DTYPE)
+            y = rround(y * gam, DTYPE)
+            y = rround(y + bet, DTYPE)
+        else:
+            y = x * f[None, :] * gam + bet
+        if SILU:
+            y = _silu(y, 0, 0)
+        tl.store(out_ptr + bi * sB + offs, round_to(y, DTYPE), mask=m)
+        blk += 1
+
+
+def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
+            block_positions: int | None = None) -> torch.Tensor:
+    """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
+    (x.float(), the division and every later op keep a dense input's layout)."""
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    geo = _geometry(x)
+    assert geo is not None, "rejected by can_use_wan_rms_norm_silu"
+    B, C, T, HW, sB, sC, sT, vdiv = geo
+    assert out.stride() == x.stride()
+    off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0  # bf16/fp16: fresh x.float()
+    H = reduce_layout(B, C, T * HW, off, vdiv)[0] if exact else 4
+    assert H <= MAX_H, "rejected by can_use_wan_rms_norm_silu"
+    R = 4 * H
+    S = T * HW
+    BP = block_positions or max(16, min(triton.next_power_of_2(S), 2048 // R))
+    has_b = isinstance(bias, torch.Tensor)
+    g = gamma.reshape(C).contiguous()
+    b = bias.reshape(C).contiguous() if has_b else g
+    scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
+    _wan_rms_kernel[(B, triton.cdiv(S, BP))](
+        x, g, b, out, C, T, HW, sB, sC, sT, triton.cdiv(C, R), scale, NORM_EPS,
+        DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
+        TMAJOR=(T > 1 and sT != HW),
+        num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
+    )
+    return out
+
+
+def _unsupported_reason(x, gamma, bias, silu) -> str | None:
+    if not isinstance(x, torch.Tensor):
+        return "input is not a tensor"
+    if x.dim() < 3:
+        return f"input must be [B, C, *spatial] with at least one spatial dim, got {tuple(x.shape)}"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype} not supported (bf16, fp16, fp32)"
+    if x.device.type == "cuda":
+        pass
+    elif not (x.device.type == "cpu" and interpreter_on()):
+        return f"device {x.device} not supported (CUDA; CPU only under TRITON_INTERPRET=1)"
+    if _geometry(x) is None:
+        return ("input layout neither contiguous nor WanResample's [B, T, C, H, W] memory: x.float() "
+                "keeps its strides and the norm's reduce kernel would iterate another way (not reproduced)")
+    if x.numel() >= 2**31:
+        return "input has >= 2^31 elements: the reduce kernel splits into 32-bit sub-iterators (not reproduced)"
+    C = x.shape[1]
+    if not isinstance(gamma, torch.Tensor) or gamma.numel() != C or gamma.shape[0] != C:
+        return f"gamma must be a [C={C}, 1, ...] tensor"
+    if gamma.dtype != x.dtype or gamma.device != x.device:
+        return f"gamma {gamma.dtype}/{gamma.device} must match the input {x.dtype}/{x.device} (eager would promote)"
+    if isinstance(bias, torch.Tensor):
+        if bias.numel() != C or bias.shape[0] != C or bias.dtype != x.dtype or bias.device != x.device:
+            return "bias tensor must be [C, 1, ...] with the input's dtype and device"
+    elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or float(bias) != 0.0:
+        return f"bias must be the float 0.0 (WanRMS_norm(bias=False)) or a [C] tensor, got {bias!r}"
+    if not isinstance(silu, bool):
+        return "silu must be a bool"
+    B, _, T, HW, _, _, _, vdiv = _geometry(x)
+    off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0
+    H, split, bh, vpt = reduce_layout(B, C, T * HW, off, vdiv)
+    if H > MAX_H:
+        return f"the reduce kernel would split the channels over {H} warps (few outputs); only <= {MAX_H} reproduced"
+    if split and vpt >= 256:
+        return "the reduce kernel would split each norm across thread blocks (global reduce; not reproduced)"
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (x, gamma, bias)):
+        return "an input requires grad and grad mode is on (no backward)"
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return "CUDA autocast is on (eager would run another chain)"
+    return None
+
+
+@torch.library.custom_op("ditfuse::wan_rms_norm_silu", mutates_args=())
+def _wan_rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True)
+
+
+@_wan_rms_norm_silu_op.register_fake
+def _(x, gamma, bias, silu):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("ditfuse::wan_rms_norm_silu_fp32", mutates_args=())
+def _wan_rms_norm_silu_fp32_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
+    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=False)
+
+
+@_wan_rms_norm_silu_fp32_op.register_fake
+def _(x, gamma, bias, silu):
+    return torch.empty_like(x)
+
+
+def can_use_wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
+                              silu: bool = True) -> bool:
+    """True when :func:`wan_rms_norm_silu` reproduces eager bit for bit.
+
+    Rejected (False): not a tensor / fewer than 3 dims / dtype other than bf16, fp16, fp32; not
+    on CUDA (CPU only under TRITON_INTERPRET=1); a layout other than contiguous or the
+    ``[B, C, T, H, W]`` view of ``[B, T, C, H, W]`` memory that WanResample returns (``x.float()``
+    keeps the strides, so another layout makes the norm's reduction iterate another way); >= 2^31 elements
+    (the reduction is split into 32-bit sub-iterators); gamma / bias not ``[C, ...]`` or of
+    another dtype/device (eager would promote); a bias that is neither 0.0 nor a tensor; shapes
+    for which torch's reduce config splits the channels over more than 16 warps (fewer than ~32
+    output positions) or across thread blocks (a global reduction); grad required with grad mode
+    on; CUDA autocast on."""
+    return _unsupported_reason(x, gamma, bias, silu) is None
+
+
+def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
+                      silu: bool = True) -> torch.Tensor:
+    """``r(silu(WanRMS_norm(x)))`` (or ``WanRMS_norm(x)`` with silu=False), bit-exact vs torch 2.11
+    CUDA eager diffusers 0.42.1. Raises UnsupportedInput where :func:`can_use_wan_rms_norm_silu`
+    is False."""
+    reason = _unsupported_reason(x, gamma, bias, silu)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu)
+
+
+def wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
+                           silu: bool = True) -> torch.Tensor:
+    """Close variant (quality="high"): one rounding at the end. Same rejections."""
+    reason = _unsupported_reason(x, gamma, bias, silu)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return torch.ops.ditfuse.wan_rms_norm_silu_fp32(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu)
+
+
+__all__ = ["wan_rms_norm_silu", "can_use_wan_rms_norm_silu", "wan_rms_norm_silu_fp32", "reduce_layout"]

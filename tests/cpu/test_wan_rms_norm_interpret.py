@@ -1,0 +1,144 @@
+"""norm.wan_rms_norm_silu under TRITON_INTERPRET=1, bitwise against tests/support/wan_rms_sim.py
+(the simulation of torch's CUDA reduce order for F.normalize + the eager elementwise chain); the
+reference chain against diffusers' WanRMS_norm module; the reduce-config replica's decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ditfuse.kernels import exact
+from ditfuse.kernels import reference as ref
+from ditfuse.kernels.compare import compare_outputs
+from ditfuse.kernels.errors import UnsupportedInput
+from ditfuse.kernels.norm import wan_rms_norm_silu_triton as wk
+from tests.support import wan_rms_sim as ws
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU only")
+
+
+def _rand(shape, dtype, seed, scale=2.0, offset=0.3):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale + offset).to(dtype)
+
+
+def _gamma(C, nd, dtype, seed):
+    return _rand((C, *([1] * nd)), dtype, seed, 0.3, 1.0)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((1, 384, 1, 8, 16), torch.bfloat16),  # channels split over 4 warps (the Wan case)
+        ((1, 96, 2, 4, 8), torch.float32),  # no split (few outputs): one thread per position
+        ((1, 256, 1, 2, 16), torch.float16),  # split over 16 warps
+        ((2, 40, 7, 9), torch.bfloat16),  # 4-D (the attention block's norm), odd sizes, batch 2
+        ((1, 100, 1, 3, 13), torch.float32),  # C not a multiple of the 4H chains, S odd
+    ],
+    ids=["384-split4", "96-nosplit", "256-split16", "4d-odd", "ragged"],
+)
+@pytest.mark.parametrize("silu", [True, False])
+def test_kernel_matches_sim(shape, dtype, silu):
+    x = _rand(shape, dtype, 1)
+    gam = _gamma(shape[1], len(shape) - 2, dtype, 2)
+    got = wk._launch(x, gam, 0.0, silu)
+    mm = compare_outputs(got, ws.rms_norm_silu(x, gam, 0.0, silu), f"{shape} {dtype}")
+    assert mm is None, str(mm)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter
+def test_t_major_layout_from_wan_resample():
+    """WanResample returns ``x.view(b, t, c, h, w).permute(0, 2, 1, 3, 4)``: handled, output with
+    the same strides as eager's. HW = 12 (vec 4) and HW = 30 (vec 2; channels split over 8 warps)."""
+    for (T, Hh, Ww, C) in ((2, 3, 4, 64), (4, 3, 10, 256)):
+        mem = _rand((1, T, C, Hh, Ww), torch.bfloat16, 14)
+        x = mem.permute(0, 2, 1, 3, 4)
+        assert not x.is_contiguous()
+        gam = _gamma(C, 3, torch.bfloat16, 15)
+        assert wk.can_use_wan_rms_norm_silu(x, gam)
+        got = wk.wan_rms_norm_silu(x, gam)
+        exp = ref.wan_rms_norm_silu(x, gam)
+        assert got.stride() == exp.stride() == x.stride()
+        mm = compare_outputs(got, ws.rms_norm_silu(x, gam))
+        assert mm is None, str(mm)
+    # the layouts disagree on the vector width for HW = 6, T = 4: 4 for contiguous, 2 here
+    assert ws.output_vec_size(24, 256) == 4 and ws.output_vec_size(24, 256, 0, 6) == 2
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter
+def test_bias_tensor_and_special_values():
+    x = _rand((1, 64, 1, 4, 16), torch.bfloat16, 3)
+    x[0, :, 0, 0, 0] = 0.0  # zero vector: norm 0 -> clamp_min(1e-12); n = 0
+    x[0, 5, 0, 1, 1] = float("nan")
+    x[0, 6, 0, 2, 2] = float("inf")
+    x[0, :, 0, 3, 3] = -0.0  # -0 / eps = -0; "+ 0.0" makes it +0
+    gam = _gamma(64, 3, torch.bfloat16, 4)
+    bias = _rand((64, 1, 1, 1), torch.bfloat16, 5, 0.2, 0.0)
+    for b in (0.0, bias):
+        for silu in (True, False):
+            got = wk._launch(x, gam, b, silu)
+            mm = compare_outputs(got, ws.rms_norm_silu(x, gam, b, silu))
+            assert mm is None, str(mm)
+    y = wk._launch(x, gam, 0.0, False)
+    assert (y[0, :, 0, 3, 3].view(torch.int16) == 0).all()  # +0, not -0
+
+
+def test_reduce_layout_replica():
+    """setReduceConfig's choices for the shapes that matter (notes/wan_vae.md)."""
+    assert wk.reduce_layout(1, 384, 60 * 104)[:2] == (4, True)  # Wan decoder, 480x832
+    assert wk.reduce_layout(1, 96, 480 * 832 * 4)[:2] == (4, True)
+    assert wk.reduce_layout(1, 96, 64)[:2] == (1, False)  # 16 vector outputs: no split
+    assert wk.reduce_layout(1, 256, 32)[:2] == (16, True)
+    assert wk.reduce_layout(1, 384, 15)[0] == 64 > wk.MAX_H  # odd S (vec 1), few outputs: rejected
+    for args in ((1, 384, 6240), (2, 40, 63), (1, 256, 32), (3, 17, 5)):
+        assert wk.reduce_layout(*args)[:2] == ws.reduce_layout(*args)[:2]
+
+
+def test_sim_norm_close_to_torch():
+    x = _rand((2, 96, 3, 5, 7), torch.float32, 6)
+    for H in (1, 4, 16):
+        n = torch.sqrt(ws.sumsq(x.reshape(2, 96, -1), H).double())
+        torch.testing.assert_close(n.float(), torch.linalg.vector_norm(x.reshape(2, 96, -1), dim=1), rtol=1e-6, atol=0)
+
+
+def test_reference_equals_diffusers_module():
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    for images, shape in ((False, (2, 48, 3, 5, 7)), (True, (3, 32, 5, 6))):
+        for dtype in (torch.bfloat16, torch.float32):
+            m = WanRMS_norm(shape[1], images=images).to(dtype)
+            with torch.no_grad():
+                m.gamma.normal_(1.0, 0.3)
+                x = _rand(shape, dtype, 7)
+                assert compare_outputs(ref.wan_rms_norm(x, m.gamma, m.bias), m(x)) is None
+                assert compare_outputs(ref.wan_rms_norm_silu(x, m.gamma, m.bias), torch.nn.SiLU()(m(x))) is None
+
+
+def test_close_variant_tracks_fp64():
+    x = _rand((1, 96, 1, 8, 16), torch.bfloat16, 8)
+    gam = _gamma(96, 3, torch.bfloat16, 9)
+    f64 = exact.wan_rms_norm_silu_fp64(x, gam)
+    err_c = wk._launch(x, gam, 0.0, True, exact=False).double() - f64
+    err_e = ws.rms_norm_silu(x, gam).double() - f64
+    assert float(err_c.pow(2).mean()) <= float(err_e.pow(2).mean())
+
+
+def test_rejections():
+    x = _rand((1, 64, 1, 4, 8), torch.bfloat16, 10)
+    gam = _gamma(64, 3, torch.bfloat16, 11)
+    assert wk.can_use_wan_rms_norm_silu(x, gam)
+    bad = [
+        (x.transpose(3, 4), gam, 0.0),  # a layout other than contiguous / WanResample's
+        (x.float(), gam, 0.0),  # gamma dtype mismatch
+        (x, gam[:32], 0.0),
+        (x, gam, 0.5),  # a non-zero float bias is not WanRMS_norm's
+        (x[0, 0], gam, 0.0),  # too few dims
+        (_rand((1, 384, 1, 3, 5), torch.bfloat16, 12), _gamma(384, 3, torch.bfloat16, 13), 0.0),  # 64-warp split
+        (x.double(), gam.double(), 0.0),
+    ]
+    for xx, gg, bb in bad:
+        assert not wk.can_use_wan_rms_norm_silu(xx, gg, bb)
+        with pytest.raises(UnsupportedInput):
+            wk.wan_rms_norm_silu(xx, gg, bb)
+    got = wk.wan_rms_norm_silu(x, gam)
+    assert compare_outputs(got, ws.rms_norm_silu(x, gam)) is None
