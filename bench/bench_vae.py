@@ -1,8 +1,12 @@
-"""``ditfuse bench vae``: AutoencoderKL decode (the FLUX.1 VAE: 16 latent channels, blocks
-128/256/512/512, random bf16 weights) at 1024x1024 and 2048x2048, eager vs ditfuse lossless vs
-torch.compile; median ms over ``--steps`` decodes, bitwise check against eager; CSV.
+"""``ditfuse bench vae``: VAE decode, eager vs ditfuse lossless vs torch.compile; median ms over
+``--steps`` decodes, bitwise check against eager; CSV. Random bf16 weights.
 
-    PYTHONPATH=. python3 bench/bench_vae.py [--sizes 1024 2048] [--no-compile] [--out PATH]
+``--model flux``: AutoencoderKL, the FLUX.1 VAE (16 latent channels, blocks 128/256/512/512) at
+``--sizes`` 1024 and 2048 (square). ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
+mults 1/2/4/4, two residual blocks per stage) at 480x832 with ``--frames`` 17 (5 latent frames).
+
+    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|wan] [--sizes 1024 2048 | 480x832]
+        [--frames 17] [--no-compile] [--out PATH]
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=int, nargs="+", default=[1024, 2048])
+    p.add_argument("--model", choices=("flux", "wan"), default="flux")
+    p.add_argument("--sizes", nargs="+", default=None, help="HxW or a square size (default 1024 2048 / 480x832)")
+    p.add_argument("--frames", type=int, default=17, help="wan: video frames (4k + 1)")
     p.add_argument("--batches", type=int, nargs="+", default=[1])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true")
@@ -29,16 +35,21 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import triton
-    from diffusers import AutoencoderKL
+    from diffusers import AutoencoderKL, AutoencoderKLWan
 
     import ditfuse
     from ditfuse.kernels.compare import first_mismatch
-    from tests.gpu.test_vae_gpu import FLUX_VAE
+    from tests.gpu.test_vae_gpu import FLUX_VAE, WAN_VAE
 
     torch.manual_seed(0)
-    vae = AutoencoderKL(**FLUX_VAE).to("cuda", torch.bfloat16).eval()
-    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                commit=os.environ.get("DITFUSE_COMMIT", "unknown"))
+    if args.model == "flux":
+        vae = AutoencoderKL(**FLUX_VAE).to("cuda", torch.bfloat16).eval()
+        sizes = args.sizes or ["1024", "2048"]
+    else:
+        vae = AutoencoderKLWan(**WAN_VAE).to("cuda", torch.bfloat16).eval()
+        sizes = args.sizes or ["480x832"]
+    meta = dict(model=args.model, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, commit=os.environ.get("DITFUSE_COMMIT", "unknown"))
     rows = []
 
     def timed(fn):
@@ -54,14 +65,19 @@ def main(argv: list[str] | None = None) -> int:
             ts.append(a.elapsed_time(b))
         return statistics.median(ts), out
 
-    for size in args.sizes:
+    for size in sizes:
+        H, _, W = size.partition("x")
+        H, W = int(H), int(W or H)
+        label = f"{H}x{W}" if args.model == "flux" else f"{H}x{W}x{args.frames}f"
         for batch in args.batches:
-            z = torch.randn(batch, 16, size // 8, size // 8, device="cuda").to(torch.bfloat16)
+            lat = (H // 8, W // 8) if args.model == "flux" else ((args.frames - 1) // 4 + 1, H // 8, W // 8)
+            z = torch.randn(batch, 16, *lat, device="cuda").to(torch.bfloat16)
+
             dec = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731
             with torch.no_grad():
                 ms, ref = timed(dec)
-                rows.append(dict(size=size, batch=batch, provider="eager", median_ms=round(ms, 2), bitwise_equal=True, **meta))
-                print(f"[vae] {size} B={batch} eager {ms:.2f} ms", flush=True)
+                rows.append(dict(size=label, batch=batch, provider="eager", median_ms=round(ms, 2), bitwise_equal=True, **meta))
+                print(f"[vae] {label} B={batch} eager {ms:.2f} ms", flush=True)
                 ditfuse.gate.reset()
                 h = ditfuse.accelerate(vae)
                 try:
@@ -70,16 +86,16 @@ def main(argv: list[str] | None = None) -> int:
                     h.unmount()
                 rep = ditfuse.gate.report()
                 ok = first_mismatch(out, ref) is None
-                rows.append(dict(size=size, batch=batch, provider="lossless", median_ms=round(ms, 2), bitwise_equal=ok, **meta))
-                print(f"[vae] {size} B={batch} lossless {ms:.2f} ms bitwise={ok} disabled={list(rep.disabled)}", flush=True)
+                rows.append(dict(size=label, batch=batch, provider="lossless", median_ms=round(ms, 2), bitwise_equal=ok, **meta))
+                print(f"[vae] {label} B={batch} lossless {ms:.2f} ms bitwise={ok} disabled={list(rep.disabled)}", flush=True)
                 if not args.no_compile:
                     t0 = time.time()
                     torch._dynamo.reset()
                     cdec = torch.compile(vae.decode)
                     ms, out = timed(lambda: cdec(z, return_dict=False)[0])
-                    rows.append(dict(size=size, batch=batch, provider="compile", median_ms=round(ms, 2),
+                    rows.append(dict(size=label, batch=batch, provider="compile", median_ms=round(ms, 2),
                                      bitwise_equal=first_mismatch(out, ref) is None, **meta))
-                    print(f"[vae] {size} B={batch} compile {ms:.2f} ms ({time.time() - t0:.0f}s)", flush=True)
+                    print(f"[vae] {label} B={batch} compile {ms:.2f} ms ({time.time() - t0:.0f}s)", flush=True)
                     torch._dynamo.reset()
             del z, ref, out
             torch.cuda.empty_cache()
@@ -89,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     for r in rows:
-        print(f"{r['size']:>5} B={r['batch']} {r['provider']:<9} {r['median_ms']:>9.2f} ms  bitwise={r['bitwise_equal']}")
+        print(f"{r['model']} {r['size']:>11} B={r['batch']} {r['provider']:<9} {r['median_ms']:>9.2f} ms  bitwise={r['bitwise_equal']}")
     return 0
 
 

@@ -10,7 +10,7 @@
 #   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
 #   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
 #   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes, AutoencoderKL decode -> group_norm_h200.csv,
-#            vae_decode_h200.csv
+#            vae_decode_h200.csv; AutoencoderKLWan decode -> wan_vae_decode_h200.csv
 #   flux     FLUX.1-dev-size step (ditfuse bench flux)                            -> flux_{step,breakdown}_h200.csv
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
 #   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
@@ -66,6 +66,7 @@ want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_
 if want vae; then
   run_phase group_norm "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${GN_ARGS:-}
   run_phase vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --out "$OUT/vae_decode_h200.csv" ${VAE_ARGS:-}
+  run_phase wan_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model wan --out "$OUT/wan_vae_decode_h200.csv" ${VAE_ARGS:-}
 fi
 want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" ${FLUX_ARGS:-}
 want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" ${WAN_ARGS:-}

@@ -1,11 +1,13 @@
-"""AutoencoderKL adapter on CUDA: accelerated decode bitwise equal to plain diffusers (tiny and
-FLUX.1-VAE-size configs, batch 1 and 2, odd latent sizes, tiled + sliced decode, bf16 and fp32),
-with the GroupNorm kernel verified and nothing fallen back."""
+"""VAE adapters on CUDA: accelerated decode bitwise equal to plain diffusers, with the kernels
+verified and nothing fallen back. AutoencoderKL (tiny and FLUX.1-VAE-size configs, batch 1 and
+2, odd latent sizes, tiled + sliced decode, bf16 and fp32) and AutoencoderKLWan (tiny and the
+Wan 2.1 VAE config, chunked cached decode over several latent frames)."""
 
 import pytest
 import torch
 
 from ditfuse.models.autoencoder_kl import ADAPTER
+from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_ADAPTER
 from tests.support.engaged import assert_engaged
 
 DEV = "cuda"
@@ -17,6 +19,12 @@ TINY = dict(FLUX_VAE, block_out_channels=(32, 64), down_block_types=("DownEncode
             up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, sample_size=64)
 
 
+# The Wan 2.1 VAE (AutoencoderKLWan's defaults spelled out), and a narrow one for many shapes.
+WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+               temperal_downsample=[False, True, True])
+WAN_TINY = dict(WAN_VAE, base_dim=32, num_res_blocks=1)
+
+
 def _vae(cfg, dtype):
     from diffusers import AutoencoderKL
 
@@ -24,7 +32,7 @@ def _vae(cfg, dtype):
     return AutoencoderKL(**cfg).to(DEV, dtype).eval()
 
 
-def _compare(vae, z, label):
+def _compare(vae, z, label, adapter=ADAPTER):
     import ditfuse
     from ditfuse.kernels.compare import assert_bitwise_equal
 
@@ -39,7 +47,7 @@ def _compare(vae, z, label):
             h.unmount()
     assert_bitwise_equal(first, base, f"{label} first")
     assert_bitwise_equal(second, base, f"{label} second (kernels only)")
-    assert_engaged(ADAPTER.ops())
+    assert_engaged(adapter.ops())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -71,3 +79,30 @@ def test_tiled_and_sliced_decode():
     vae.enable_slicing()
     z = torch.randn(2, 16, 72, 56, device=DEV).to(torch.bfloat16)
     _compare(vae, z, "tiled + sliced")
+
+
+def _wan_vae(cfg, dtype):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**cfg)
+    with torch.no_grad():
+        for m in vae.modules():
+            if type(m).__name__ == "WanRMS_norm":
+                m.gamma.normal_(1.0, 0.3)
+    return vae.to(DEV, dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("batch,lat", [(1, (3, 8, 8)), (2, (2, 9, 13)), (1, (1, 12, 20))],
+                         ids=["b1t3", "b2t2odd", "b1t1"])
+def test_wan_tiny(dtype, batch, lat):
+    vae = _wan_vae(WAN_TINY, dtype)
+    z = torch.randn(batch, 16, *lat, device=DEV).to(dtype)
+    _compare(vae, z, f"wan tiny {dtype} B={batch} {lat}", WAN_ADAPTER)
+
+
+def test_wan_vae_480x832():
+    vae = _wan_vae(WAN_VAE, torch.bfloat16)
+    z = torch.randn(1, 16, 3, 60, 104, device=DEV).to(torch.bfloat16)  # 9 frames at 480x832
+    _compare(vae, z, "Wan 2.1 VAE 480x832x9", WAN_ADAPTER)

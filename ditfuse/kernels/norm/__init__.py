@@ -1,7 +1,9 @@
-"""norm: LayerNorm (+ the residual before it, + adaLN modulate) — the op descriptors.
+"""norm: LayerNorm (+ the residual before it, + adaLN modulate), GroupNorm (+ SiLU), WanRMS_norm
+(+ SiLU) — the op descriptors.
 
 Data only (importing this imports neither torch nor triton). Kernels:
-layernorm_modulate_triton.py, one kernel body for both contracts (a constexpr rounding switch).
+layernorm_modulate_triton.py, group_norm_silu_triton.py, wan_rms_norm_silu_triton.py: each one
+kernel body for both contracts (a constexpr rounding switch).
 """
 
 from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
@@ -84,5 +86,30 @@ GROUP_NORM_SILU_FP32 = OpDescriptor(
     lossless=GROUP_NORM_SILU,
 )
 
+_WR = "norm.wan_rms_norm_silu_triton"
+
+WAN_RMS_NORM_SILU = OpDescriptor(
+    op="norm.wan_rms_norm_silu",
+    contract=Contract.BIT_EXACT,
+    replaces="r(silu(r(r(r(r(x32 / max(||x32||_C, 1e-12)) * sqrt(C)) * gamma) + bias)))",
+    summary="WanRMS_norm (F.normalize's CUDA reduce order: setReduceConfig replica, 4 interleaved "
+            "FMA accumulators, block-y fold) + its 4 elementwise ops + the SiLU after it, one pass",
+    reference=f"{_REF}:wan_rms_norm_silu",
+    exact=f"{_EXACT}:wan_rms_norm_silu_fp64",
+    impls=(triton_impl(_WR, "wan_rms_norm_silu"),),
+    key=(K("x", dims=(0,), tail_shape=True), K("gamma"), K("bias", value=True), K("silu", value=True)),
+    key_note="the whole shape: batch x positions pick torch's reduce config (vector size, block height)",
+)
+
+WAN_RMS_NORM_SILU_FP32 = OpDescriptor(
+    op="norm.wan_rms_norm_silu_fp32",
+    contract=Contract.CLOSE,
+    replaces="r(silu(r(r(r(r(x32 / ||x32||)) * sqrt(C)) * gamma) + b))) -> r(silu(x * sqrt(C) / ||x|| * gamma + b))",
+    summary="the same kernel with the rounding switch off: fp32 throughout, one rounding",
+    impls=(triton_impl(_WR, "wan_rms_norm_silu_fp32"),),
+    lossless=WAN_RMS_NORM_SILU,
+)
+
 DESCRIPTORS = (LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE_FP32,
-               GATE_RESIDUAL_LAYERNORM_MODULATE_FP32, GROUP_NORM_SILU, GROUP_NORM_SILU_FP32)
+               GATE_RESIDUAL_LAYERNORM_MODULATE_FP32, GROUP_NORM_SILU, GROUP_NORM_SILU_FP32,
+               WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_FP32)

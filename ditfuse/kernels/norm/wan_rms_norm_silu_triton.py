@@ -35,7 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ditfuse.kernels.common.elementwise import interpreter_on, load_f32
+from ditfuse.kernels.common.elementwise import load_f32
+from ditfuse.kernels.common.host import interpreter_on
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford_ops import fma_exact
 from ditfuse.kernels.errors import UnsupportedInput
@@ -311,6 +312,13 @@ def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor |
     return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu)
 
 
+def can_use_wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
+                                   silu: bool = True) -> bool:
+    """True when :func:`wan_rms_norm_silu_fp32` handles these arguments (the same rejections as
+    :func:`can_use_wan_rms_norm_silu`)."""
+    return _unsupported_reason(x, gamma, bias, silu) is None
+
+
 def wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
                            silu: bool = True) -> torch.Tensor:
     """Close variant (quality="high"): one rounding at the end. Same rejections."""
@@ -320,4 +328,5 @@ def wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Ten
     return torch.ops.ditfuse.wan_rms_norm_silu_fp32(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu)
 
 
-__all__ = ["wan_rms_norm_silu", "can_use_wan_rms_norm_silu", "wan_rms_norm_silu_fp32", "reduce_layout"]
+__all__ = ["wan_rms_norm_silu", "can_use_wan_rms_norm_silu", "wan_rms_norm_silu_fp32", "can_use_wan_rms_norm_silu_fp32",
+           "reduce_layout"]
