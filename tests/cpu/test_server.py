@@ -211,8 +211,9 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
     else:  # nothing can mount (fp32 model, or no fused ops at all): the tier switches count nothing
         assert (mounts, unmounts) == (0, 0)
         assert all(b["mounted"] == [] for b in new)
+        # Components without a high tier (the VAE) report no failure; the transformer's says why.
         failed = [r["failed"] for b in new if b["transition"] for r in b["transition"]["result"].values()
-                  if b["quality"] == "high"]
+                  if b["quality"] == "high" and r["failed"] is not None]
         assert "fused ops unavailable" in server.summary or (failed and all("dtype" in f for f in failed)), failed
     switches = [b for b in new if b["transition"] is not None]
     assert switches  # the tier did switch; what it mounted is what the counters say
