@@ -7,6 +7,7 @@ CUDA kernel it is there (on meta it decomposes). Copies CUDA kernels make intern
 non-viewable input) are counted as ``hidden_copy``.
 
     PYTHONPATH=. python notes/families_bytes.py [family ...] [--batch 1 2] [--top 40]
+    PYTHONPATH=. python notes/families_bytes.py --chains   # analytic per-chain eager vs fused
 
 Numbers feed notes/families.md. This is a static count: it says nothing about achieved bandwidth
 (the eager kernels on the H200 run well below copy bandwidth, so this is a lower bound on their
@@ -206,16 +207,138 @@ def report(name: str, batch: int, top: int, text_tokens: int | None = None) -> N
         print(f"| {key[0]} | {key[1]} | {key[2]} | {c.launches[key]} | {b * gb:.2f} |")
 
 
+# -- the analytic per-chain model -------------------------------------------------------------
+# Bytes per element of the [B, S, D] tensor a chain works on (bf16 activations), eager kernel by
+# kernel (reads + writes) and for a fused kernel (inputs once + outputs once):
+#   LayerNorm 2+2; x*(1+s) 2+2; +shift 2+2                                  -> LN_MOD 12 / 4
+#   gate*y 2+2; res + . 4+2                                                  -> GATE_RES 10 / 6
+#   diffusers RMSNorm: .float() 2+4, pow 4+4, mean 4, x*rstd 2+4, .to 4+2, *w 2+2 -> 34 / 4
+#   torch.nn.RMSNorm (one kernel) 2+2                                        -> 4
+#   FLUX RoPE: .float() 2+4, neg 1+1, stack 2+2, .float() 2+4, *cos 4+4, *sin 4+4, + 8+4, .to 4+2 -> 52
+#   complex RoPE: .float() 2+4, complex mul 4+4, .type_as 4+2                -> 20
+#   cat 2+2; GELU 2+2 per element of its input; SwiGLU per output element: silu 2+2, mul 4+2 -> 10 / 6
+LN_MOD, GATE_RES, GR_LN_MOD, RMS_D, RMS_T, ROPE_R, ROPE_C, CAT, SWIGLU = 12, 10, 22, 34, 4, 52, 20, 4, 10
+
+
+def analytic(name: str, batch: int, text_tokens: int | None = None) -> list[tuple[str, str, float, float]]:
+    """Rows (chain, ditfuse op, eager bytes per step, fused bytes per step) for a 1024x1024 step."""
+    from ditfuse.models import family_configs_draft as fc
+
+    cfg = fc.config(name, "real")
+    s_img = 4096
+    s_txt = text_tokens if text_tokens is not None else fc.TEXT_TOKENS[name]
+    rows: dict[tuple[str, str], list[float]] = {}
+
+    def add(chain, op, eager, fused, n):
+        r = rows.setdefault((chain, op), [0.0, 0.0])
+        r[0] += eager * n
+        r[1] += fused * n
+
+    B = batch
+    if name == "qwenimage":
+        D = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        N = B * (s_img + s_txt) * D
+        L = cfg["num_layers"]
+        add("norm1 LN + modulate (img, txt)", "layernorm_modulate", LN_MOD, 4, N * L)
+        add("QK diffusers-RMSNorm + complex RoPE per stream + cat", "NEW qk_rmsnorm_diffusers_rope_complex", 2 * RMS_D + 2 * ROPE_C + 2 * CAT, 8, N * L)
+        add("V cat", "(copy; keep)", CAT, CAT, N * L)
+        if B > 1:
+            add("attn-out .contiguous() of the split (B>1)", "(copy; keep)", 4, 4, N * L)
+        add("gate residual + norm2 LN + modulate", "gate_residual_layernorm_modulate", GR_LN_MOD, 8, N * L)
+        add("FF tanh-GELU (4D)", "(eager GELU; lossless as is)", 4 * 4, 4 * 4, N * L)
+        add("FF gate residual", "gate_residual", GATE_RES, 6, N * L)
+    elif name.startswith("sd3"):
+        D = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        L = cfg["num_layers"]
+        Ni, Nt = B * s_img * D, B * s_txt * D
+        N = Ni + Nt
+        qk = cfg["qk_norm"] is not None
+        dual = len(cfg["dual_attention_layers"])
+        add("norm1 / norm1_context LN + modulate", "layernorm_modulate", LN_MOD, 4, N * L)
+        if qk:
+            add("QK diffusers-RMSNorm ([B,H,S,D] views) + image-first cat", "NEW qk_rmsnorm_diffusers_cat", 2 * RMS_D + 2 * CAT, 8, N * L)
+        else:
+            add("Q, K cat (image first)", "(copy; keep)", 2 * CAT, 2 * CAT, N * L)
+        add("V cat", "(copy; keep)", CAT, CAT, N * L)
+        if B > 1:
+            add("reshape copy of the split in to_out / to_add_out (B>1)", "(copy; keep)", 4, 4, N * L)
+        # the last block (context_pre_only) has no text gate residuals / FF
+        Nff = N * L - Nt
+        add("gate residual + norm2 LN + modulate", "gate_residual_layernorm_modulate", GR_LN_MOD, 8, Nff)
+        add("FF tanh-GELU (4D)", "(eager GELU; lossless as is)", 16, 16, Nff)
+        add("FF gate residual", "gate_residual", GATE_RES, 6, Nff)
+        if dual:
+            add("dual: one LN, second modulate (SD35AdaLayerNormZeroX)", "NEW layernorm_dual_modulate", 8, 2, Ni * dual)
+            add("dual: attn2 QK diffusers-RMSNorm (no cat)", "NEW qk_rmsnorm_diffusers_cat (no text)", 2 * RMS_D, 8, Ni * dual)
+            add("dual: attn2 gate residual", "gate_residual", GATE_RES, 6, Ni * dual)
+    elif name == "flux2":
+        D = cfg["num_attention_heads"] * cfg["attention_head_dim"]
+        N = B * (s_img + s_txt) * D
+        Ld, Ls = cfg["num_layers"], cfg["num_single_layers"]
+        r = cfg["mlp_ratio"]
+        add("double: norm1 LN + modulate", "layernorm_modulate", LN_MOD, 4, N * Ld)
+        add("double: QK RMSNorm + text-first cat + interleaved RoPE", "qk_rmsnorm_rope", 2 * RMS_T + 2 * CAT + 2 * ROPE_R, 8, N * Ld)
+        add("double: V cat", "(copy; keep)", CAT, CAT, N * Ld)
+        if B > 1:
+            add("double: reshape copy of the split in to_out / to_add_out (B>1)", "(copy; keep)", 4, 4, N * Ld)
+        add("double: gate residual + norm2 LN + modulate", "gate_residual_layernorm_modulate", GR_LN_MOD, 8, N * Ld)
+        add("double: FF SwiGLU", "NEW swiglu", SWIGLU * r, 6 * r, N * Ld)
+        add("double: FF gate residual", "gate_residual", GATE_RES, 6, N * Ld)
+        add("single: LN + modulate", "layernorm_modulate", LN_MOD, 4, N * Ls)
+        add("single: QK RMSNorm (strided views: hidden copies) + RoPE", "qk_rmsnorm_rope", 2 * (4 + RMS_T + ROPE_R), 8, N * Ls)
+        add("single: SwiGLU of the MLP half", "NEW swiglu (into the cat buffer)", SWIGLU * r, 6 * r, N * Ls)
+        add("single: cat([attn, mlp])", "joint buffer (FLUX.1 single-block mechanism)", CAT * (1 + r), CAT, N * Ls)
+        add("single: gate residual", "gate_residual", GATE_RES, 6, N * Ls)
+    elif name == "zimage":
+        D = cfg["dim"]
+        I = int(D / 3 * 8)
+        L, R = cfg["n_layers"], cfg["n_refiner_layers"]
+        Nu, Ni, Nt = B * (s_img + s_txt) * D, B * s_img * D, B * s_txt * D
+        Nm = Nu * L + Ni * R  # modulated blocks (main + noise refiner)
+        Nall = Nm + Nt * R
+        f = I / D
+        add("attention_norm1 RMSNorm * (1 + scale)", "NEW rms_norm_diffusers_scale", RMS_D + 4, 4, Nm)
+        add("attention_norm1 RMSNorm (context refiner)", "NEW rms_norm_diffusers", RMS_D, 4, Nt * R)
+        add("QK diffusers-RMSNorm + complex RoPE", "NEW qk_rmsnorm_diffusers_rope_complex", 2 * RMS_D + 2 * ROPE_C, 8, Nall)
+        add("x + tanh(g) * RMSNorm(attn) ; ffn_norm1(x) * (1 + scale)", "NEW gate_residual_rms_norm_diffusers_scale", (RMS_D + GATE_RES) + (RMS_D + 4), 8, Nm)
+        add("x + RMSNorm(attn) ; ffn_norm1(x) (context refiner)", "NEW gate_residual_rms_norm_diffusers_scale", (RMS_D + 6) + RMS_D, 8, Nt * R)
+        add("SwiGLU silu(w1 x) * w3 x", "NEW swiglu", SWIGLU * f, 6 * f, Nall)
+        add("x + tanh(g) * ffn_norm2(ffn)", "NEW gate_residual_rms_norm_diffusers", RMS_D + GATE_RES, 6, Nm)
+        add("x + ffn_norm2(ffn) (context refiner)", "NEW gate_residual_rms_norm_diffusers", RMS_D + 6, 6, Nt * R)
+    else:
+        raise KeyError(name)
+    return [(c, o, e, fu) for (c, o), (e, fu) in rows.items()]
+
+
+def chains_report(name: str, batch: int) -> None:
+    rows = analytic(name, batch)
+    measured = sum(count(name, batch).rows.values())
+    eager = sum(r[2] for r in rows)
+    fused = sum(r[3] for r in rows)
+    gb = 1e-9
+    print(f"\n### {name}, B={batch}: eager {eager * gb:.1f} GB/step (meta count of the whole step: "
+          f"{measured * gb:.1f} GB), fused {fused * gb:.1f} GB/step, saved {(eager - fused) * gb:.1f} GB "
+          f"= {(eager - fused) / 4.18e12 * 1e3:.1f} ms at 4.18 TB/s")
+    print("| chain | ditfuse op | eager GB | fused GB | saved ms @4.18 TB/s |")
+    print("|---|---|---|---|---|")
+    for c, o, e, fu in sorted(rows, key=lambda r: r[3] - r[2]):
+        print(f"| {c} | {o} | {e * gb:.1f} | {fu * gb:.1f} | {(e - fu) / 4.18e12 * 1e3:.1f} |")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("families", nargs="*", default=["qwenimage", "sd35_large", "sd35_medium", "sd3_medium", "flux2", "zimage"])
     p.add_argument("--batch", type=int, nargs="*", default=[1, 2])
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--text-tokens", type=int, default=None)
+    p.add_argument("--chains", action="store_true", help="the analytic per-chain table instead")
     a = p.parse_args(argv)
     for name in a.families:
         for b in a.batch:
-            report(name, b, a.top, a.text_tokens)
+            if a.chains:
+                chains_report(name, b)
+            else:
+                report(name, b, a.top, a.text_tokens)
             sys.stdout.flush()
 
 
