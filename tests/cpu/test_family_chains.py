@@ -165,13 +165,18 @@ def test_complex_mul_rounding_models_on_cpu(shape):
 
 
 def test_fma32_is_single_rounding():
-    """fma32 against exact rational arithmetic on values built so that the fp64 sum is a tie."""
+    """fma32 against exact rational arithmetic. The last case is a double-rounding trap: the
+    exact result is 1 + 2^-24 + 2^-70, just above the fp32 midpoint between 1 and 1 + 2^-23;
+    rounding to fp64 first lands on the midpoint and ties-to-even would then give 1.0."""
     from fractions import Fraction
 
-    a = torch.tensor([1.0 + 2**-23, 3.0, -1.5, 2.0**-20, 1.0], dtype=torch.float32)
-    b = torch.tensor([1.0 - 2**-23, 1.0 / 3.0, 2.0**30, 2.0**-20, 1.0], dtype=torch.float32)
-    c = torch.tensor([-1.0, -1.0, 1.5 * 2.0**30, 2.0**-70, -(2.0**-60)], dtype=torch.float32)
+    a = torch.tensor([1.0 + 2**-23, 3.0, -1.5, 2.0**-20, 1.0, -(2.0**-24) * (1 - 2**-23)], dtype=torch.float32)
+    b = torch.tensor([1.0 - 2**-23, 1.0 / 3.0, 2.0**30, 2.0**-20, 1.0, 1.0 + 2**-23], dtype=torch.float32)
+    c = torch.tensor([-1.0, -1.0, 1.5 * 2.0**30, 2.0**-70, -(2.0**-60), 1.0 + 2**-23], dtype=torch.float32)
+    naive = (a.double() * b.double() + c.double()).float()
+    assert naive[-1].item() == 1.0  # the trap is real
     got = rf.fma32(a, b, c)
+    assert got[-1].item() == 1.0 + 2**-23
     for i in range(a.numel()):
         exact = Fraction(a[i].item()) * Fraction(b[i].item()) + Fraction(c[i].item())
         want = torch.tensor(float(exact), dtype=torch.float64)  # correctly rounded to fp64 ...
