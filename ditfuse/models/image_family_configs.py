@@ -1,10 +1,10 @@
-"""Draft configs for the issue-12 families (Qwen-Image, SD3/3.5, FLUX.2, Z-Image): constructor
+"""Configs for the issue-12 families (Qwen-Image, SD3/3.5, FLUX.2, Z-Image): constructor
 kwargs of diffusers 0.42.1's transformer classes, tiny (every block type, for CPU tests) and real
 size (random-weight step benchmarks), plus the 1024x1024 step-input shapes.
 
-Data only; diffusers is imported inside functions. The lead will move these next to the adapters
-(notes/families.md explains each choice). Real-size kwargs are the published ``config.json``
-values of the checkpoints named in the keys (architecture fields only; the weights are random).
+Data only; diffusers is imported inside functions (notes/families.md explains each choice).
+Real-size kwargs are the published ``config.json`` values of the checkpoints named in the keys
+(architecture fields only; the weights are random).
 """
 
 from __future__ import annotations
