@@ -106,10 +106,12 @@ def _run_bench_script(name: str, argv: list[str]) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "kernels":
         return _run_bench_script("bench_kernels.py", args.rest)
+    if args.target == "vae":
+        return _run_bench_script("bench_vae.py", args.rest)
     from ..models import families
 
     if args.target not in families.names():
-        print(f"unknown bench target {args.target!r}; targets: kernels, {', '.join(families.names())}",
+        print(f"unknown bench target {args.target!r}; targets: kernels, vae, {', '.join(families.names())}",
               file=sys.stderr)
         return 2
     return _run_bench_script("bench_step.py", ["--family", args.target, *args.rest])
@@ -169,13 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan`, `ditfuse bench kernels`",
+        help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan|vae|kernels`",
         description="`ditfuse bench FAMILY [args]` runs bench/bench_step.py --family FAMILY (one real-size "
         "transformer step: eager / lossless / +CUDA graph / high / torch.compile, profiler breakdown, CSV + "
-        "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench kernels [args]` runs "
-        "bench/bench_kernels.py.",
+        "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench vae [--model flux|wan]` runs "
+        "bench/bench_vae.py (VAE decode); `ditfuse bench kernels [args]` runs bench/bench_kernels.py.",
     )
-    b.add_argument("target", help="a model family (flux, wan) or 'kernels'")
+    b.add_argument("target", help="a model family (flux, wan), 'vae' or 'kernels'")
     b.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark script")
     b.set_defaults(func=_cmd_bench)
 

@@ -67,6 +67,18 @@ def test_bench_script_help_shows_defaults(capsys):
     assert "--family" in out and "(default: flux)" in out and "(default: 10)" in out
 
 
+def test_bench_vae_is_the_vae_decode_benchmark(capsys):
+    assert cli.main(["bench", "vae", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--model" in out and "{flux,wan}" in out and "--frames" in out
+
+
+def test_bench_unknown_target_lists_the_targets(capsys):
+    assert cli.main(["bench", "sdxl"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown bench target 'sdxl'" in err and "vae" in err and "flux" in err and "wan" in err
+
+
 def _rows():
     import contextlib
     import io
