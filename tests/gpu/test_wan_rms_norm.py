@@ -93,8 +93,9 @@ def test_awkward_and_special(dtype):
         gam = _rand((shape[1], *([1] * (len(shape) - 2))), dtype, gen, 0.3, 1.0)
         x.view(-1)[3] = float("nan")
         x.view(-1)[100] = float("inf")
-        x[0, :, 0, 0, 0] = 0.0
-        x[0, :, 0, 1, 1] = -0.0
+        sp = x[0].view(shape[1], -1)  # [C, positions] of sample 0 (x is contiguous; 4-D and 5-D)
+        sp[:, 0] = 0.0
+        sp[:, 1] = -0.0
         bias = _rand(gam.shape, dtype, gen, 0.2, 0.0)
         for b in (0.0, bias):
             if not wk.can_use_wan_rms_norm_silu(x, gam, b):

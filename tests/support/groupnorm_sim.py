@@ -167,6 +167,8 @@ def group_norm(
     D = C // G
     HxW = x[0, 0].numel() if x.dim() > 2 else 1
     mean, rstd = group_stats(x, G, eps, rsqrt)
+    # aten stores the statistics as T and the epilogue reads them back (rounded for bf16/fp16).
+    mean, rstd = mean.to(x.dtype).float(), rstd.to(x.dtype).float()
     xf = x.detach().contiguous().float().reshape(N, G, D, HxW)
     m = mean[:, :, None, None]
     r = rstd[:, :, None, None]

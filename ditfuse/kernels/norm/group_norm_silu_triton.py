@@ -19,6 +19,8 @@
   m2)``), lanes folded at shfl-down offsets 16..1 and warps at 8..1 with ``WelfordOps::combine``
   (ditfuse/kernels/common/welford_ops.py), ``var = m2 / n``, ``rstd = rsqrt.approx(var + T(eps))``
   — eps rounded to x's dtype first, as ``GroupNormKernelImpl`` does;
+- mean and rstd are stored in the input dtype (``T* mean_data``) and read back, so for bf16/fp16
+  the epilogue sees ``r(mean)``, ``r(rstd)`` (found on the H200: fp32 matched, bf16 did not);
 - epilogue (HxW > 1): ``a = rstd * gamma``, ``b = fma(-a, mean, beta)``, ``y = r(fma(a, x, b))``;
   without weight and bias ``r((x - mean) * rstd)``; for HxW == 1 ``GroupNorm1dForward``'s
   ``r(fma((x - mean) * rstd, gamma, beta))`` (and its weight-only / bias-only variants).
@@ -379,6 +381,10 @@ def _gn_apply_kernel(
     if EXACT:
         mean, m2, nf = _fold_group_states(ws_ptr, i * W, NGW, W, CMB_MEAN_FMA, CMB_M2_MODE)
         rstd = _rstd(tl.math.div_rn(m2, nf), eps, RSQ)
+        # torch 2.11's RowwiseMomentsCUDAKernel stores mean and rstd as T (the input dtype) and
+        # the epilogue reads them back: for bf16/fp16 both are rounded before the affine.
+        mean = round_to(mean, DTYPE).to(tl.float32)
+        rstd = round_to(rstd, DTYPE).to(tl.float32)
     else:
         s = tl.arange(0, W)
         src = i * W + s
