@@ -404,11 +404,16 @@ def layernorm_dual_modulate(
 # -- activations ------------------------------------------------------------------------------
 
 
-def swiglu(gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``out = r(r(silu(gate_in)) * up)`` — FLUX.2's ``Flux2SwiGLU`` (``gate_in`` = first half of
     the fused projection, ``up`` = second half) and Z-Image's ``F.silu(w1(x)) * w3(x)``.
-    SiLU is ``x / (1 + exp(-x))`` in fp32, one rounding; the product rounds again."""
-    return F.silu(gate_in) * up
+    SiLU is ``x / (1 + exp(-x))`` in fp32, one rounding; the product rounds again. With ``out``
+    the result is copied there (the copy a ``cat`` would make) and ``out`` is returned."""
+    y = F.silu(gate_in) * up
+    if out is None:
+        return y
+    out.copy_(y)
+    return out
 
 
 def swiglu_halves(x: torch.Tensor) -> torch.Tensor:

@@ -84,7 +84,10 @@ class Family:
         return model.eval().requires_grad_(False)
 
 
-_FAMILIES = {"flux": "ditfuse.models.flux_configs:FAMILY", "wan": "ditfuse.models.wan_configs:FAMILY"}
+_FAMILIES = {
+    "flux": "ditfuse.models.flux_configs:FAMILY", "wan": "ditfuse.models.wan_configs:FAMILY",
+    "flux2": "ditfuse.models.flux2_configs:FAMILY",
+}
 
 
 def names() -> list[str]:

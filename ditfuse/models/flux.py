@@ -23,26 +23,17 @@ from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer, cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
+from .adaln import norm_out_forward, norm_out_site, plain_layernorm  # noqa: F401 (re-exported)
 from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_flux"
 
 
-def _plain_layernorm(norm: torch.nn.Module) -> str | None:
-    if type(norm) is not torch.nn.LayerNorm:
-        return f"norm is {type(norm).__name__}, not torch.nn.LayerNorm"
-    if norm.elementwise_affine or getattr(norm, "bias", None) is not None:
-        return "LayerNorm has affine parameters (FLUX's are affine-free)"
-    if len(norm.normalized_shape) != 1:
-        return "LayerNorm over more than the last dim"
-    return None
-
-
 def _ada_zero_applies(norm: torch.nn.Module) -> str | None:
     if getattr(norm, "emb", None) is not None:
         return "AdaLayerNormZero with its own timestep embedding"
-    return _plain_layernorm(norm.norm)
+    return plain_layernorm(norm.norm)
 
 
 def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSet) -> torch.Tensor:
@@ -71,19 +62,6 @@ def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
     return _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps), gate_msa
-
-
-def norm_out_forward(
-    norm, original, x: torch.Tensor, conditioning_embedding: torch.Tensor, *, _ops: OpSet = LOSSLESS
-) -> torch.Tensor:
-    """AdaLayerNormContinuous: ``chunk(2)`` gives scale first, then shift."""
-    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    return _ops.layernorm_modulate(x, scale=scale, shift=shift, eps=norm.norm.eps)
-
-
-def _norm_out_applies(norm) -> str | None:
-    return _plain_layernorm(norm.norm)
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -224,7 +202,7 @@ def _dual_applies(block) -> str | None:
         if r is not None:
             return f"{name}: {r}"
     for name in ("norm2", "norm2_context"):
-        r = _plain_layernorm(getattr(block, name))
+        r = plain_layernorm(getattr(block, name))
         if r is not None:
             return f"{name}: {r}"
     return None
@@ -264,7 +242,7 @@ def single_block_forward(
 
 
 def _single_applies(block) -> str | None:
-    r = _plain_layernorm(block.norm.norm)
+    r = plain_layernorm(block.norm.norm)
     if r is not None:
         return f"norm: {r}"
     act = block.act_mlp
@@ -303,15 +281,7 @@ SITES = (
         applies=_attn_applies,
         description="attention: QK RMSNorm + text/image concat + RoPE in one pass",
     ),
-    Site(
-        name="flux.norm_out",
-        cls="diffusers.models.normalization:AdaLayerNormContinuous",
-        params=("self", "x", "conditioning_embedding"),
-        forward=norm_out_forward,
-        ops=(LAYERNORM_MODULATE,),
-        applies=_norm_out_applies,
-        description="norm_out (AdaLayerNormContinuous, scale first)",
-    ),
+    norm_out_site("flux"),
 )
 
 ADAPTER = Adapter(

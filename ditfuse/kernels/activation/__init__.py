@@ -1,4 +1,5 @@
-"""activation: tanh-GELU — the op descriptor. Data only. Kernel: gelu_tanh_triton.py."""
+"""activation: tanh-GELU and SwiGLU — the op descriptors. Data only. Kernels: gelu_tanh_triton.py,
+swiglu_triton.py."""
 
 from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
 
@@ -13,4 +14,16 @@ GELU_TANH = OpDescriptor(
     key_note="elementwise: no shape dim changes the arithmetic",
 )
 
-DESCRIPTORS = (GELU_TANH,)
+SWIGLU = OpDescriptor(
+    op="activation.swiglu",
+    contract=Contract.BIT_EXACT,
+    replaces="r(r(silu(gate_in)) * up) (then cat([attn, mlp], dim=-1))",
+    summary="SiLU-gated product of two strided halves in one pass, optionally written into a slice "
+            "of a preallocated buffer (FLUX.2's Flux2SwiGLU: the cat disappears)",
+    reference="ditfuse.kernels.reference:swiglu",
+    impls=(triton_impl("activation.swiglu_triton", "swiglu"),),
+    key=(K("gate_in"), K("up"), K("out")),
+    key_note="elementwise: no shape dim changes the arithmetic",
+)
+
+DESCRIPTORS = (GELU_TANH, SWIGLU)

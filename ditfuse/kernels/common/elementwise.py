@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from .rounding import INTERPRET
 
@@ -133,3 +134,17 @@ def load_row_tile(ptr, b, s, sb, ss, sd, vec, k4, valid):
     base = b * sb + s * ss
     offs = base[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * sd
     return load_f32(ptr + offs, valid)
+
+
+@triton.jit
+def silu_f32(y):
+    """aten's ActivationSiluKernel in fp32: ``y / (1 + expf(-y))`` with CUDA's precise ``expf``
+    (libdevice ``__nv_expf``, non-FTZ) and an IEEE division; no product feeds an add, so nvcc has
+    nothing to contract. ``-y`` is a sign flip (Triton lowers negation to ``0 - y``, which loses
+    -0). Under the interpreter, numpy's exp stands in for expf (agrees to an ulp or so)."""
+    ny = (y.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
+    if INTERPRET:
+        e = tl.exp(ny)
+    else:
+        e = libdevice.exp(ny)
+    return tl.math.div_rn(y, 1.0 + e)

@@ -1,0 +1,152 @@
+"""SwiGLU, bit-exact vs torch 2.11 CUDA eager ``F.silu(gate_in) * up``, optionally written into a
+strided slice of a preallocated buffer.
+
+What eager does (FLUX.2's ``Flux2SwiGLU``: ``gate_in = x[..., :I]``, ``up = x[..., I:]`` of the
+fused projection; Z-Image's ``F.silu(w1(x)) * w3(x)``): two elementwise kernels and two stores::
+
+    s   = r(silu(gate_in))           # ActivationSiluKernel: y / (1 + expf(-y)) in fp32, one rounding
+    out = r(f32(s) * f32(up))        # the binary mul in fp32 ("opmath"), one rounding
+
+so ``out = r(r(silu(a)) * b)``; for fp32 inputs both roundings are the identity of an fp32 op.
+Here one pass loads ``a`` and ``b`` (any strides: the two column halves of one projection output),
+keeps the intermediate rounding of ``s`` to the input dtype, and stores once: 6 bytes per output
+element in bf16 instead of eager's 10. ``out`` may be a strided view, e.g. the MLP columns of the
+FLUX.2 single block's ``[B, S, D + I]`` ``to_out`` input, so ``cat([attn, swiglu], -1)`` is never
+materialised. Launched with ``enable_reflect_ftz=False`` (libdevice's non-FTZ ``expf``, as torch
+is built) and ``enable_fp_fusion=False`` (there is nothing to contract; kept explicit).
+
+Under ``TRITON_INTERPRET=1`` numpy's exp replaces ``expf``, so CPU results agree with eager only to
+an ulp or so before the rounding (the gate then disables the kernel; the output stays eager's).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common.elementwise import as_3d, load_f32, overlap_reason, silu_f32, tile
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.rounding import round_to, rround
+from ..errors import UnsupportedInput
+
+
+@triton.jit
+def _swiglu_kernel(
+    a_ptr, b_ptr, out_ptr,
+    R, S, D,
+    sab, sas, sad,
+    sbb, sbs, sbd,
+    sob, sos, sod,
+    DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    b = rows // S
+    s = rows - b * S
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    c = cols[None, :].to(tl.int64)
+    a = load_f32(a_ptr + (b * sab + s * sas)[:, None] + c * sad, mask)
+    u = load_f32(b_ptr + (b * sbb + s * sbs)[:, None] + c * sbd, mask)
+    g = rround(silu_f32(a), DTYPE)  # eager stores silu's result before the multiply reads it
+    tl.store(out_ptr + (b * sob + s * sos)[:, None] + c * sod, round_to(g * u, DTYPE), mask=mask)
+
+
+def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    if out.numel() == 0:
+        return
+    view = as_3d(gate_in, up, out)
+    assert view is not None
+    (B, S, D), (sa, sb, so) = view
+    block_r, block_d, warps = tile(D, per_program=4096)
+    R = B * S
+    grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
+    _swiglu_kernel[grid](
+        gate_in, up, out,
+        R, S, D,
+        sa[0], sa[1], sa[2],
+        sb[0], sb[1], sb[2],
+        so[0], so[1], so[2],
+        DTYPE=tl_dtype(gate_in.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+
+
+def _unsupported_reason(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> str | None:
+    if not isinstance(gate_in, torch.Tensor) or not isinstance(up, torch.Tensor) or (
+        out is not None and not isinstance(out, torch.Tensor)
+    ):
+        return "gate_in, up (and out, when given) must be tensors"
+    if gate_in.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {gate_in.dtype} is not bf16, fp16 or fp32"
+    if up.dtype != gate_in.dtype:
+        return f"up dtype {up.dtype} differs from gate_in dtype {gate_in.dtype} (eager would promote)"
+    if tuple(up.shape) != tuple(gate_in.shape):
+        return f"up shape {tuple(up.shape)} differs from gate_in shape {tuple(gate_in.shape)} (no broadcasting)"
+    tensors = (gate_in, up) if out is None else (gate_in, up, out)
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
+    if out is not None:
+        if out.dtype != gate_in.dtype:
+            return f"out dtype {out.dtype} differs from the input dtype {gate_in.dtype}"
+        if tuple(out.shape) != tuple(gate_in.shape):
+            return f"out shape {tuple(out.shape)} differs from the input shape {tuple(gate_in.shape)}"
+        reason = overlap_reason(out, gate_in, up)
+        if reason:
+            return reason
+        if as_3d(gate_in, up, out) is None:
+            return "leading dims of gate_in/up/out cannot be viewed as two strided dims"
+    elif as_3d(gate_in, up) is None:
+        return "leading dims of gate_in/up cannot be viewed as two strided dims"
+    return None
+
+
+def can_use_swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> bool:
+    """True when :func:`swiglu` reproduces eager for these inputs. Rejected (False): non-tensors;
+    dtypes other than bf16/fp16/fp32; ``up`` with another dtype or shape than ``gate_in`` (eager
+    would promote or broadcast); ``out`` of another dtype or shape, or partially overlapping an
+    input (the same view as an input, i.e. in place, is fine); tensors on different devices or on
+    the CPU without TRITON_INTERPRET=1; an input that requires grad with grad mode on; leading
+    dims that cannot be expressed as two strided dims in every tensor."""
+    return _unsupported_reason(gate_in, up, out) is None
+
+
+@torch.library.custom_op("ditfuse::swiglu", mutates_args=("out",))
+def _swiglu_op(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    _launch(gate_in, up, out)
+
+
+@_swiglu_op.register_fake
+def _(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
+    return None
+
+
+def swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = r(r(gate_in / (1 + expf(-gate_in))) * up)``, bitwise equal to torch 2.11 CUDA
+    ``F.silu(gate_in) * up`` (r = round to the inputs' dtype, nearest-even; see module doc).
+
+    gate_in, up: same shape and dtype (bf16, fp16 or fp32), any strides whose leading dims form at
+    most two strided dims (``x[..., :I]`` and ``x[..., I:]`` of one projection output). ``out``:
+    None (a new contiguous tensor is returned) or a same-shape, same-dtype tensor, possibly a
+    strided slice of a larger buffer; it is written in place and returned. Runs as the custom op
+    ``ditfuse::swiglu`` (``mutates_args=("out",)``: torch.compile functionalises the write).
+    Raises :class:`UnsupportedInput` exactly where :func:`can_use_swiglu` is False.
+    """
+    reason = _unsupported_reason(gate_in, up, out)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if out is None:
+        out = torch.empty(gate_in.shape, dtype=gate_in.dtype, device=gate_in.device)
+    if use_custom_op():
+        torch.ops.ditfuse.swiglu(gate_in, up, out)
+    else:
+        _launch(gate_in, up, out)
+    return out
+
+
+__all__ = ["swiglu", "can_use_swiglu"]

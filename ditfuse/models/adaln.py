@@ -1,0 +1,51 @@
+"""Pieces every adaLN transformer adapter shares: the affine-free LayerNorm check and diffusers'
+``AdaLayerNormContinuous`` (the ``norm_out`` of FLUX.1, FLUX.2, SD3, Qwen-Image), whose fast
+forward is the same for each family — one :class:`~ditfuse.models.base.Site` per adapter is made
+with :func:`norm_out_site`, so the hook names stay per family."""
+
+from __future__ import annotations
+
+import torch
+
+from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.norm import LAYERNORM_MODULATE
+from .base import Site
+
+
+def plain_layernorm(norm: torch.nn.Module) -> str | None:
+    """None for ``nn.LayerNorm(D, elementwise_affine=False)`` over the last dim, else why not."""
+    if type(norm) is not torch.nn.LayerNorm:
+        return f"norm is {type(norm).__name__}, not torch.nn.LayerNorm"
+    if norm.elementwise_affine or getattr(norm, "bias", None) is not None:
+        return "LayerNorm has affine parameters (the adaLN norms are affine-free)"
+    if len(norm.normalized_shape) != 1:
+        return "LayerNorm over more than the last dim"
+    return None
+
+
+def norm_out_forward(
+    norm, original, x: torch.Tensor, conditioning_embedding: torch.Tensor, *, _ops: OpSet = LOSSLESS
+) -> torch.Tensor:
+    """AdaLayerNormContinuous: ``emb = linear(silu(c).to(x.dtype))``; ``chunk(2)`` gives scale
+    first, then shift; ``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``."""
+    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return _ops.layernorm_modulate(x, scale=scale, shift=shift, eps=norm.norm.eps)
+
+
+def _norm_out_applies(norm) -> str | None:
+    return plain_layernorm(norm.norm)
+
+
+def norm_out_site(family: str, high: bool = True) -> Site:
+    """The ``norm_out`` site of ``family``'s adapter (``high``: see :class:`Site`)."""
+    return Site(
+        name=f"{family}.norm_out",
+        cls="diffusers.models.normalization:AdaLayerNormContinuous",
+        params=("self", "x", "conditioning_embedding"),
+        forward=norm_out_forward,
+        ops=(LAYERNORM_MODULATE,),
+        applies=_norm_out_applies,
+        high=high,
+        description="norm_out (AdaLayerNormContinuous, scale first)",
+    )

@@ -1,0 +1,384 @@
+"""FLUX.2 adapter: fast forwards for diffusers 0.42.1's Flux2Transformer2DModel blocks.
+
+Each fast forward is diffusers' forward, line for line, with the eager elementwise chains replaced
+by ``_ops`` calls (see :mod:`ditfuse.models.flux`, the same pattern; notes/families.md §4 has the
+chain-by-chain reading of this model):
+
+- double block (Flux2TransformerBlock): ``(1 + scale) * LN(x) + shift`` -> ``layernorm_modulate``
+  (the product commutes bitwise), the gated residual + norm2 + modulate ->
+  ``gate_residual_layernorm_modulate``, the FF's gated residual -> ``gate_residual``. The
+  modulation tensors are the [B, 1, D] (or per-token [B, S, D]) chunks ``Flux2Modulation.split``
+  makes of the once-per-forward modulation output.
+- Flux2FeedForward: ``Flux2SwiGLU`` -> ``swiglu`` on the two column halves of ``linear_in``.
+- Flux2Attention: the four QK ``torch.nn.RMSNorm`` s, the text-first concat and the interleaved
+  fp32 RoPE -> ``qk_rmsnorm_rope`` (FLUX.1's op: the same chain).
+- Flux2ParallelSelfAttention (single blocks): QK RMSNorm + RoPE on the strided q/k column views of
+  the fused ``to_qkv_mlp_proj`` output (eager makes them contiguous first) -> ``qk_rmsnorm_rope``;
+  ``cat([attn, swiglu(mlp)], -1)`` -> one preallocated buffer, the attention copied in and the
+  SwiGLU written straight into its MLP columns.
+- single block (Flux2SingleTransformerBlock): LN + modulate, the gated residual.
+- norm_out (AdaLayerNormContinuous): as FLUX.1's.
+
+Everything else stays diffusers' own (Linear layers, ``dispatch_attention_fn`` with the backend
+chosen through diffusers). No quality="high" tier yet (every site ``high=False``): the close
+kernels' admission records were measured on FLUX.1 and Wan activations, not FLUX.2's. The
+KV-cache processors (reference-image editing) and any extra
+attention kwargs run diffusers' own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.activation import SWIGLU
+from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer
+from ..kernels.modulate import GATE_RESIDUAL
+from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
+from ..kernels.rope import QK_RMSNORM_ROPE
+from .adaln import norm_out_site, plain_layernorm
+from .base import Adapter, Site
+
+DIFFUSERS_VERSIONS = ("0.42.1",)
+_TF = "diffusers.models.transformers.transformer_flux2"
+
+
+def _tf():
+    from diffusers.models.transformers import transformer_flux2
+
+    return transformer_flux2
+
+
+# -- blocks -----------------------------------------------------------------------------------
+
+
+def double_block_forward(
+    block,
+    original,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb_mod_img: torch.Tensor,
+    temb_mod_txt: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+):
+    """Flux2TransformerBlock: fused LN + modulate for both streams, attention, then per stream the
+    fused gate-residual + norm2 + modulate, the FF and its gated residual."""
+    split = _tf().Flux2Modulation.split
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
+    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
+
+    norm_hidden_states = _ops.layernorm_modulate(hidden_states, scale_msa, shift_msa, block.norm1.eps)
+    norm_encoder_hidden_states = _ops.layernorm_modulate(
+        encoder_hidden_states, c_scale_msa, c_shift_msa, block.norm1_context.eps
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+
+    hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
+        hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
+    )
+    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, block.ff(norm_hidden_states))
+
+    encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
+        encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
+    )
+    encoder_hidden_states = _ops.gate_residual(
+        encoder_hidden_states, c_gate_mlp, block.ff_context(norm_encoder_hidden_states)
+    )
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _double_applies(block) -> str | None:
+    for name in ("norm1", "norm1_context", "norm2", "norm2_context"):
+        r = plain_layernorm(getattr(block, name))
+        if r is not None:
+            return f"{name}: {r}"
+    return None
+
+
+def single_block_forward(
+    block,
+    original,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None,
+    temb_mod: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+    split_hidden_states: bool = False,
+    text_seq_len: int | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+):
+    """Flux2SingleTransformerBlock: fused LN + modulate, the parallel attention+MLP, fused gated
+    residual."""
+    if encoder_hidden_states is not None:
+        text_seq_len = encoder_hidden_states.shape[1]
+        hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    mod_shift, mod_scale, mod_gate = _tf().Flux2Modulation.split(temb_mod, 1)[0]
+    norm_hidden_states = _ops.layernorm_modulate(hidden_states, mod_scale, mod_shift, block.norm.eps)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output = block.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    hidden_states = _ops.gate_residual(hidden_states, mod_gate, attn_output)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    if split_hidden_states:
+        return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    return hidden_states
+
+
+def _single_applies(block) -> str | None:
+    r = plain_layernorm(block.norm)
+    return None if r is None else f"norm: {r}"
+
+
+# -- feed-forward -----------------------------------------------------------------------------
+
+
+def feed_forward_forward(ff, original, x: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """Flux2FeedForward: ``linear_out(swiglu(linear_in(x)))``, the SwiGLU over the two column
+    halves of ``linear_in``'s output (gate first) in one pass."""
+    x = ff.linear_in(x)
+    half = x.shape[-1] // 2
+    x = _ops.swiglu(x[..., :half], x[..., half:])
+    return ff.linear_out(x)
+
+
+def _swiglu_module(act) -> str | None:
+    if type(act) is not _tf().Flux2SwiGLU:
+        return f"activation is {type(act).__name__}, not Flux2SwiGLU"
+    if type(act.gate_fn) is not torch.nn.SiLU:
+        return f"Flux2SwiGLU.gate_fn is {type(act.gate_fn).__name__}, not nn.SiLU"
+    return None
+
+
+def _ff_applies(ff) -> str | None:
+    return _swiglu_module(ff.act_fn)
+
+
+# -- attention --------------------------------------------------------------------------------
+
+
+def _rms_norms_reason(attn, names: tuple[str, ...]) -> str | None:
+    """The QK norms are torch.nn.RMSNorm over the head dim with one eps (the op takes one)."""
+    eps = set()
+    for name in names:
+        n = getattr(attn, name)
+        if type(n) is not torch.nn.RMSNorm:
+            return f"{name} is {type(n).__name__}, not torch.nn.RMSNorm"
+        if n.eps is None:
+            return f"{name} has eps=None (torch's dtype-dependent default)"
+        if tuple(n.normalized_shape) != (attn.head_dim,):
+            return f"{name} normalises {tuple(n.normalized_shape)}, not the head dim"
+        eps.add(n.eps)
+    if len(eps) > 1:
+        return f"the QK norms have different eps {sorted(eps)}"
+    return None
+
+
+def _attn_applies(attn) -> str | None:
+    if type(attn.processor) is not _tf().Flux2AttnProcessor:
+        return f"processor is {type(attn.processor).__name__}, not Flux2AttnProcessor"
+    names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.added_kv_proj_dim is not None else ())
+    return _rms_norms_reason(attn, names)
+
+
+def attention_forward(
+    attn,
+    original,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+    **kwargs: Any,
+):
+    """Flux2Attention + Flux2AttnProcessor with the QK RMSNorms, the text-first concat and RoPE in
+    one gated op writing the joint q/k."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    tf = _tf()
+    processor = attn.processor
+    if kwargs or type(processor) is not tf.Flux2AttnProcessor:
+        return original(hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, **kwargs)
+
+    query, key, value, encoder_query, encoder_key, encoder_value = tf._get_qkv_projections(
+        attn, hidden_states, encoder_hidden_states
+    )
+    query = query.unflatten(-1, (-1, attn.head_dim))
+    key = key.unflatten(-1, (-1, attn.head_dim))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+    cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+    if attn.added_kv_proj_dim is not None:
+        encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+        encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+        query, key = _ops.qk_rmsnorm_rope(
+            query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
+            encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight,
+        )
+        value = torch.cat([encoder_value, value], dim=1)
+    else:
+        query, key = _ops.qk_rmsnorm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps)
+
+    hidden_states = dispatch_attention_fn(
+        query, key, value,
+        attn_mask=attention_mask,
+        backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+    hidden_states = hidden_states.flatten(2, 3)
+    hidden_states = hidden_states.to(query.dtype)
+
+    if encoder_hidden_states is not None:
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [encoder_hidden_states.shape[1], hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1
+        )
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    hidden_states = attn.to_out[0](hidden_states)
+    hidden_states = attn.to_out[1](hidden_states)
+    if encoder_hidden_states is not None:
+        return hidden_states, encoder_hidden_states
+    return hidden_states
+
+
+def _parallel_applies(attn) -> str | None:
+    if type(attn.processor) is not _tf().Flux2ParallelSelfAttnProcessor:
+        return f"processor is {type(attn.processor).__name__}, not Flux2ParallelSelfAttnProcessor"
+    if attn.mlp_mult_factor != 2:
+        return f"mlp_mult_factor is {attn.mlp_mult_factor}, not 2 (SwiGLU halves)"
+    return _rms_norms_reason(attn, ("norm_q", "norm_k")) or _swiglu_module(attn.mlp_act_fn)
+
+
+def parallel_attention_forward(
+    attn,
+    original,
+    hidden_states: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Flux2ParallelSelfAttention + Flux2ParallelSelfAttnProcessor: QK RMSNorm + RoPE on the
+    strided q/k views in one op; ``cat([attn, swiglu(mlp)], -1)`` replaced by one buffer that the
+    attention output is copied into and the SwiGLU written into."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    processor = attn.processor
+    if kwargs or type(processor) is not _tf().Flux2ParallelSelfAttnProcessor:
+        return original(hidden_states, attention_mask, image_rotary_emb, **kwargs)
+
+    hidden_states = attn.to_qkv_mlp_proj(hidden_states)
+    qkv_dim = 3 * attn.inner_dim
+    mlp_dim = attn.mlp_hidden_dim * attn.mlp_mult_factor
+    local_qkv = hidden_states.shape[-1] * qkv_dim // (qkv_dim + mlp_dim)
+    qkv, mlp_hidden_states = torch.split(hidden_states, [local_qkv, hidden_states.shape[-1] - local_qkv], dim=-1)
+    query, key, value = qkv.chunk(3, dim=-1)
+    query = query.unflatten(-1, (-1, attn.head_dim))
+    key = key.unflatten(-1, (-1, attn.head_dim))
+    value = value.unflatten(-1, (-1, attn.head_dim))
+    cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+    query, key = _ops.qk_rmsnorm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps)
+
+    attn_output = dispatch_attention_fn(
+        query, key, value,
+        attn_mask=attention_mask,
+        backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+    attn_output = attn_output.flatten(2, 3)
+    attn_output = attn_output.to(query.dtype)
+
+    half = mlp_hidden_states.shape[-1] // 2
+    buf = SingleBlockBuffer.allocate(
+        attn_output.shape[0], attn_output.shape[1], attn_output.shape[-1], half, attn_output.dtype, attn_output.device
+    )
+    buf.write_attention(attn_output)
+    _ops.swiglu(mlp_hidden_states[..., :half], mlp_hidden_states[..., half:], out=buf.mlp)
+    return attn.to_out(buf.buf)
+
+
+# -- the table --------------------------------------------------------------------------------
+
+_ATTN_PARAMS = ("self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs")
+
+SITES = (
+    Site(
+        name="flux2.double_block",
+        cls=f"{_TF}:Flux2TransformerBlock",
+        params=("self", "hidden_states", "encoder_hidden_states", "temb_mod_img", "temb_mod_txt",
+                "image_rotary_emb", "joint_attention_kwargs"),
+        forward=double_block_forward,
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
+        applies=_double_applies,
+        high=False,
+        description="double block: LN + modulate, gate+residual+norm2+modulate, FF gate residual",
+    ),
+    Site(
+        name="flux2.single_block",
+        cls=f"{_TF}:Flux2SingleTransformerBlock",
+        params=("self", "hidden_states", "encoder_hidden_states", "temb_mod", "image_rotary_emb",
+                "joint_attention_kwargs", "split_hidden_states", "text_seq_len"),
+        forward=single_block_forward,
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL),
+        applies=_single_applies,
+        high=False,
+        description="single block: LN + modulate, gate residual",
+    ),
+    Site(
+        name="flux2.feed_forward",
+        cls=f"{_TF}:Flux2FeedForward",
+        params=("self", "x"),
+        forward=feed_forward_forward,
+        ops=(SWIGLU,),
+        applies=_ff_applies,
+        high=False,
+        description="feed-forward: SwiGLU of the two halves of linear_in in one pass",
+    ),
+    Site(
+        name="flux2.attention",
+        cls=f"{_TF}:Flux2Attention",
+        params=_ATTN_PARAMS,
+        forward=attention_forward,
+        ops=(QK_RMSNORM_ROPE,),
+        applies=_attn_applies,
+        high=False,
+        description="double-block attention: QK RMSNorm + text/image concat + RoPE in one pass",
+    ),
+    Site(
+        name="flux2.parallel_attention",
+        cls=f"{_TF}:Flux2ParallelSelfAttention",
+        params=("self", "hidden_states", "attention_mask", "image_rotary_emb", "kwargs"),
+        forward=parallel_attention_forward,
+        ops=(QK_RMSNORM_ROPE, SWIGLU),
+        applies=_parallel_applies,
+        high=False,
+        description="single-block attention + MLP: QK RMSNorm + RoPE on the fused projection's views, "
+                    "SwiGLU into the to_out buffer (no cat)",
+    ),
+    norm_out_site("flux2", high=False),
+)
+
+ADAPTER = Adapter(
+    family="flux2",
+    model_classes=("Flux2Transformer2DModel",),
+    diffusers_versions=DIFFUSERS_VERSIONS,
+    sites=SITES,
+)
