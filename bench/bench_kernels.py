@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from ditfuse.kernels import reference as ref  # noqa: E402
 from ditfuse.kernels.compare import compare_outputs  # noqa: E402
 
-SHAPES = {"image": (1, 4608, 3072), "large": (2, 32760, 5120), "wan": (1, 32760, 1536), "wan2": (2, 32760, 1536)}
+SHAPES = {"image": (1, 4608, 3072), "large": (2, 32760, 5120), "wan": (1, 32760, 1536), "wan2": (2, 32760, 1536),
+          "flux2": (1, 4608, 6144)}
 HEADS = {3072: 24, 5120: 40}
 S_TXT = 512
 DT = torch.bfloat16
@@ -110,10 +111,39 @@ def make_wan_cases(B: int, S: int, D: int) -> list[Case]:
     return cases
 
 
+def make_flux2_cases(B: int, S: int, D: int) -> list[Case]:
+    """FLUX.2-dev's SwiGLU (mlp hidden I = 3 D = 18432): the feed-forward's ``silu(x[..., :I]) *
+    x[..., I:]`` on the fused projection's halves (strided views, no chunk copies), and the single
+    block's SwiGLU written straight into the [attn | mlp] buffer its ``cat`` would build."""
+    label = f"{B}x{S}x{D}"
+    inner = 3 * D
+    proj = _rand((B, S, 2 * inner), 2.0)
+    cases = [Case("activation.swiglu", "activation.swiglu", f"{label} (halves of {2 * inner})", (proj,),
+                  ref.swiglu_halves, lambda k: (lambda x: k(x[..., :inner], x[..., inner:])), _nbytes(proj) * 3 // 2)]
+    attn = _rand((B, S, D), 1.0)
+
+    def eager_cat(a, x):
+        return torch.cat([a, ref.swiglu_halves(x)], dim=2)
+
+    def ours_cat(k):
+        def run(a, x):
+            buf = torch.empty(B, S, D + inner, device="cuda", dtype=DT)
+            buf[:, :, :D].copy_(a)
+            k(x[..., :inner], x[..., inner:], out=buf[:, :, D:])
+            return buf
+        return run
+
+    cases.append(Case("activation.swiglu+cat", "activation.swiglu", f"{label} (single block)", (attn, proj),
+                      eager_cat, ours_cat, _nbytes(attn) * 2 + _nbytes(proj) * 3 // 2))
+    return cases
+
+
 def make_cases(shape_name: str) -> list[Case]:
     B, S, D = SHAPES[shape_name]
     if shape_name.startswith("wan"):
         return make_wan_cases(B, S, D)
+    if shape_name == "flux2":
+        return make_flux2_cases(B, S, D)
     label = "x".join(map(str, (B, S, D)))
     cases: list[Case] = []
     x = _rand((B, S, D), 2.0)
