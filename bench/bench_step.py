@@ -121,8 +121,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     providers = args.providers
 
     for batch in args.batches:
-        inp = fam.make_inputs(model, batch, size, txt_tokens=args.txt_tokens)
+        inp = fam.make_inputs(model, batch, size, **({} if args.txt_tokens is None else {"txt_tokens": args.txt_tokens}))
         step = lambda: model(**inp)[0]
+        ehs = inp.get("encoder_hidden_states")
+        txt = args.txt_tokens if args.txt_tokens is not None else (ehs.shape[1] if hasattr(ehs, "shape") else "")
         with torch.no_grad():
             times, ref_out = time_steps(step, args.steps, args.warmup)
             ref_out = ref_out.clone()
@@ -183,7 +185,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for prov, (times, bitwise, rel) in results.items():
             rows.append(
                 dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
-                     txt_tokens=args.txt_tokens, median_ms=round(statistics.median(times), 3),
+                     txt_tokens=txt, median_ms=round(statistics.median(times), 3),
                      min_ms=round(min(times), 3), steps=len(times), bitwise_equal=bitwise,
                      rel_diff_vs_eager=f"{rel:.3e}", **meta)
             )
@@ -241,7 +243,7 @@ PROVIDERS = ["eager", "lossless", "lossless_graph", "compile", "high"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2)")
+    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2, sd3)")
     p.add_argument("--config", default="dev", help="the family's transformer config (dev = its real size)")
     p.add_argument("--load", default="pretrained", choices=["pretrained", "plain"],
                    help="dtypes as from_pretrained(torch_dtype=bf16) leaves them, or all bf16")
@@ -249,7 +251,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2])
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--txt-tokens", type=int, default=512)
+    p.add_argument("--txt-tokens", type=int, default=None,
+                   help="text tokens (default: the family's: 512 for FLUX/FLUX.2, 333 for SD3, Wan's 512)")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="override block counts (flux: DUAL SINGLE; wan: BLOCKS)")
     p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)

@@ -15,7 +15,7 @@ B. statistics: per-group mean and rstd (fp32 bits) of ``group_stats`` under ever
    2: libdevice rsqrt).
 C. eps: eps rounded to the input dtype (default, GroupNormKernelImpl's static_cast<scalar_t>) vs
    eps in fp32, on bf16/fp16 groups whose variance is below eps (rstd depends on eps there).
-D. epilogue: B_FMA (b = fma(-a, mean, beta) [default] vs rounded product + beta), Y_FMA
+D. epilogue: B_FMA (b = fma(-a, mean, beta) vs rounded product + beta [default]), Y_FMA
    (y = fma(a, x, b) [default] vs a*x + b), ONE_D_FMA (HxW == 1: fma((x-mean)*rstd, gamma, beta)
    [default]); GroupNorm output (no SiLU) vs F.group_norm, bf16/fp16/fp32.
 E. SiLU: SILU_EXP (0: libdevice expf [default]; 1: ex2.approx, i.e. __expf) x SILU_DIV (0: div.rn

@@ -24,7 +24,7 @@ logger = logging.getLogger("ditfuse.models")
 # Adapters, by module:attr; imported on first use.
 _ADAPTER_TARGETS: tuple[str, ...] = (
     "ditfuse.models.flux:ADAPTER", "ditfuse.models.wan:ADAPTER", "ditfuse.models.autoencoder_kl:ADAPTER",
-    "ditfuse.models.autoencoder_kl_wan:ADAPTER", "ditfuse.models.flux2:ADAPTER",
+    "ditfuse.models.autoencoder_kl_wan:ADAPTER", "ditfuse.models.flux2:ADAPTER", "ditfuse.models.sd3:ADAPTER",
 )
 
 

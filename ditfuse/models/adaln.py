@@ -1,5 +1,5 @@
-"""Pieces every adaLN transformer adapter shares: the affine-free LayerNorm check and diffusers'
-``AdaLayerNormContinuous`` (the ``norm_out`` of FLUX.1, FLUX.2, SD3, Qwen-Image), whose fast
+"""Pieces every adaLN transformer adapter shares: the affine-free LayerNorm check, diffusers'
+``AdaLayerNormZero`` (FLUX.1's and SD3's norm1 / norm1_context) and ``AdaLayerNormContinuous`` (the ``norm_out`` of FLUX.1, FLUX.2, SD3, Qwen-Image), whose fast
 forward is the same for each family — one :class:`~ditfuse.models.base.Site` per adapter is made
 with :func:`norm_out_site`, so the hook names stay per family."""
 
@@ -21,6 +21,22 @@ def plain_layernorm(norm: torch.nn.Module) -> str | None:
     if len(norm.normalized_shape) != 1:
         return "LayerNorm over more than the last dim"
     return None
+
+
+def ada_zero_applies(norm: torch.nn.Module) -> str | None:
+    """None when :func:`ada_zero` reproduces this AdaLayerNormZero instance, else why not."""
+    if getattr(norm, "emb", None) is not None:
+        return "AdaLayerNormZero with its own timestep embedding"
+    return plain_layernorm(norm.norm)
+
+
+def ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
+    """AdaLayerNormZero(x, emb=emb): ``emb = linear(silu(emb))``, ``chunk(6)`` = shift, scale,
+    gate (msa), shift, scale, gate (mlp); ``x = r(r(r(LN(x)) * r(1 + scale_msa)) + shift_msa)``."""
+    emb = norm.linear(norm.silu(emb))
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+    x = _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps)
+    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
 def norm_out_forward(

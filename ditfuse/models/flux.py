@@ -23,17 +23,11 @@ from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer, cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
-from .adaln import norm_out_forward, norm_out_site, plain_layernorm  # noqa: F401 (re-exported)
+from .adaln import ada_zero, ada_zero_applies, norm_out_forward, norm_out_site, plain_layernorm  # noqa: F401 (re-exported)
 from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_flux"
-
-
-def _ada_zero_applies(norm: torch.nn.Module) -> str | None:
-    if getattr(norm, "emb", None) is not None:
-        return "AdaLayerNormZero with its own timestep embedding"
-    return plain_layernorm(norm.norm)
 
 
 def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSet) -> torch.Tensor:
@@ -48,14 +42,7 @@ def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpS
     return buf.buf
 
 
-# -- AdaLayerNormZero / AdaLayerNormZeroSingle / AdaLayerNormContinuous --------------------------
-
-
-def _ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
-    emb = norm.linear(norm.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps)
-    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+# -- AdaLayerNormZeroSingle (AdaLayerNormZero and AdaLayerNormContinuous: models/adaln.py) -------
 
 
 def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
@@ -161,8 +148,8 @@ def dual_block_forward(
 ):
     """FluxTransformerBlock: adaLN-Zero (fused LN+modulate), attention, then the fused
     gate-residual + norm2 + modulate, FeedForward, gated residual — for both streams."""
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = _ada_zero(block.norm1, hidden_states, temb, _ops)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_zero(
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_zero(block.norm1, hidden_states, temb, _ops)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = ada_zero(
         block.norm1_context, encoder_hidden_states, temb, _ops
     )
     joint_attention_kwargs = joint_attention_kwargs or {}
@@ -198,7 +185,7 @@ def dual_block_forward(
 
 def _dual_applies(block) -> str | None:
     for name in ("norm1", "norm1_context"):
-        r = _ada_zero_applies(getattr(block, name))
+        r = ada_zero_applies(getattr(block, name))
         if r is not None:
             return f"{name}: {r}"
     for name in ("norm2", "norm2_context"):

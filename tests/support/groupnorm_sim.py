@@ -11,7 +11,7 @@ Independent of Triton. It follows aten/src/ATen/native/cuda/group_norm_kernel.cu
 - ``combine(a, b)``: early returns when a or b is empty, else ``w = b.nf / nf``,
   ``mean = fma(delta, w, a.mean)``, ``m2 = fma(delta*delta*a.nf, w, a.m2 + b.m2)``;
 - ``var = m2 / nf``, ``rstd = rsqrt(var + float(T(eps)))``;
-- epilogue ``r(fma(rstd*gamma, x, fma(-rstd*gamma, mean, beta)))`` (HxW > 1), the 1-d variants
+- epilogue ``r(fma(a, x, r(r(-a*mean) + beta)))`` with ``a = r(rstd*gamma)`` (HxW > 1), the 1-d variants
   for HxW == 1; optional SiLU ``r(y / (1 + exp(-y)))`` on the rounded output.
 
 Divisions are torch's fp32 divisions (IEEE, like ``div.rn.f32``). FMAs are exact: the fp32
@@ -189,7 +189,8 @@ def group_norm(
     else:  # ComputeFusedParamsCUDAKernel + gpu_kernel(a * x + b)
         a = r * gam if gam is not None else r.expand(N, G, D, 1)
         b0 = bet if bet is not None else torch.zeros(1, G, D, 1)
-        b = fma(-a, m.expand_as(a), b0)  # without beta the kernel adds 0.0: fma(., ., +0) does too
+        # ComputeFusedParams' -a*mean + beta is NOT contracted on torch 2.11 CUDA (H200 probe).
+        b = (-a * m.expand_as(a)) + b0  # without beta the kernel adds 0.0 (-0 -> +0)
         y = fma(a.expand_as(xf), xf, b.expand_as(xf))
     return y.to(x.dtype).reshape(x.shape)
 

@@ -21,7 +21,8 @@
   — eps rounded to x's dtype first, as ``GroupNormKernelImpl`` does;
 - mean and rstd are stored in the input dtype (``T* mean_data``) and read back, so for bf16/fp16
   the epilogue sees ``r(mean)``, ``r(rstd)`` (found on the H200: fp32 matched, bf16 did not);
-- epilogue (HxW > 1): ``a = rstd * gamma``, ``b = fma(-a, mean, beta)``, ``y = r(fma(a, x, b))``;
+- epilogue (HxW > 1): ``a = rstd * gamma``, ``b = r(r(-a * mean) + beta)`` (ComputeFusedParams is
+  not contracted: an H200 probe, bench/probes/probe_group_norm_epilogue.py, found it), ``y = r(fma(a, x, b))``;
   without weight and bias ``r((x - mean) * rstd)``; for HxW == 1 ``GroupNorm1dForward``'s
   ``r(fma((x - mean) * rstd, gamma, beta))`` (and its weight-only / bias-only variants).
 
@@ -87,7 +88,7 @@ APPLY_VARIANTS = ("CMB_MEAN_FMA", "CMB_M2_MODE", "RSQ", "B_FMA", "Y_FMA", "ONE_D
 # dividend is outside the fast path's safe range (same bits by construction; off until the GPU
 # probe confirms it and the benchmark shows the gain, see notes/groupnorm.md).
 DEFAULT_VARIANT = dict(MEAN_MODE=0, M2_FMA=True, CMB_MEAN_FMA=True, CMB_M2_MODE=0, FAST_DIV=False,
-                       RSQ=0, B_FMA=True, Y_FMA=True, ONE_D_FMA=True, SILU_EXP=0, SILU_DIV=0)
+                       RSQ=0, B_FMA=False, Y_FMA=True, ONE_D_FMA=True, SILU_EXP=0, SILU_DIV=0)
 
 
 # ----------------------------------------------------------------------------- device code
