@@ -243,7 +243,7 @@ PROVIDERS = ["eager", "lossless", "lossless_graph", "compile", "high"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2, sd3)")
+    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2, sd3, qwenimage)")
     p.add_argument("--config", default="dev", help="the family's transformer config (dev = its real size)")
     p.add_argument("--load", default="pretrained", choices=["pretrained", "plain"],
                    help="dtypes as from_pretrained(torch_dtype=bf16) leaves them, or all bf16")

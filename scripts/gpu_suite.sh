@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|flux|wan|flux2|sd3|drift|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|flux|wan|flux2|sd3|qwenimage|drift|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -15,6 +15,7 @@
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
 #   flux2    FLUX.2-dev-size step at 1024x1024 (ditfuse bench flux2)              -> flux2_{step,breakdown}_h200.csv
 #   sd3      SD3.5-large-size step at 1024x1024 (ditfuse bench sd3)               -> sd3_{step,breakdown}_h200.csv
+#   qwenimage  Qwen-Image-size step at 1024x1024 (ditfuse bench qwenimage)        -> qwenimage_{step,breakdown}_h200.csv
 #   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
 # Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above (at most
 # 8 files: the device tool's limit; PNGs are drawn afterwards from the CSVs by bench/plot_results.py).
@@ -74,6 +75,7 @@ want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py -
 want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" ${WAN_ARGS:-}
 want flux2 && run_phase flux2 "${FLUX2_TIMEOUT:-400}" python3 bench/bench_step.py --family flux2 --out-dir "$OUT" ${FLUX2_ARGS:-}
 want sd3 && run_phase sd3 "${SD3_TIMEOUT:-300}" python3 bench/bench_step.py --family sd3 --out-dir "$OUT" ${SD3_ARGS:-}
+want qwenimage && run_phase qwenimage "${QWEN_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage --out-dir "$OUT" ${QWEN_ARGS:-}
 want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null
 echo "== summary ==" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"
