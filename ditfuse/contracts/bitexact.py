@@ -29,8 +29,8 @@ verification passes), so an ``out`` buffer ends up holding correct values either
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Hashable
@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from ..kernels.compare import Mismatch, compare_outputs
+from ..kernels.env import env
 from ..kernels.errors import UnsupportedInput
 
 logger = logging.getLogger("ditfuse.gate")
@@ -51,10 +52,19 @@ class BitExactMismatch(AssertionError):
     """Raised in DITFUSE_VERIFY=strict when a kernel differs from its reference."""
 
 
+_verify_cache: tuple[str, str] | None = None
+
+
 def verify_mode() -> str:
-    mode = os.environ.get("DITFUSE_VERIFY", "first").strip().lower() or "first"
+    global _verify_cache
+    raw = env("DITFUSE_VERIFY", "first")
+    cached = _verify_cache
+    if cached is not None and cached[0] == raw:
+        return cached[1]
+    mode = raw.strip().lower() or "first"
     if mode not in VERIFY_MODES:
         raise ValueError(f"DITFUSE_VERIFY={mode!r} is not one of {', '.join(VERIFY_MODES)}")
+    _verify_cache = (raw, mode)
     return mode
 
 
@@ -65,9 +75,14 @@ def _is_compiling() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
 def _is_capturing() -> bool:
     try:
-        return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        return _cuda_available() and torch.cuda.is_current_stream_capturing()
     except Exception:  # pragma: no cover
         return False
 
@@ -83,7 +98,13 @@ def tensor_signature(t: torch.Tensor | None) -> tuple[Any, ...] | None:
         layout = "rows-strided"
     else:
         layout = "strided"
-    return (str(t.dtype).replace("torch.", ""), t.device.type, layout)
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        name = _DTYPE_NAMES.setdefault(t.dtype, str(t.dtype).replace("torch.", ""))
+    return (name, t.device.type, layout)
+
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
 
 
 @dataclass

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from .env import env
 from .spec import Backend, Capability, KernelSpec
 
 # Preference when no backend is requested or pinned: hand-written GPU code first.
@@ -64,7 +65,7 @@ class DeviceInfo:
 
 
 def _interpreter_on() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def current_device(device: str | None = None) -> DeviceInfo:
@@ -127,7 +128,7 @@ class Registry:
 
     # -- environment -----------------------------------------------------------------------
     def _parse_env(self) -> tuple[frozenset[str], dict[str, Backend]]:
-        raw = (os.environ.get("DITFUSE_DISABLE", ""), os.environ.get("DITFUSE_BACKEND", ""))
+        raw = (env("DITFUSE_DISABLE"), env("DITFUSE_BACKEND"))
         cached = self._env_cache
         if cached is not None and cached[0] == raw:
             return cached[1]
@@ -177,7 +178,8 @@ class Registry:
         self._parse_env()
 
     def is_disabled(self, op: str) -> bool:
-        self.get(op)
+        if op not in self._specs:  # on every fused call: no list copy of the specs just to check
+            self.get(op)
         return op in self._parse_env()[0]
 
     def pinned_backend(self, op: str) -> Backend | None:

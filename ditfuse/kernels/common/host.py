@@ -3,10 +3,10 @@ grad checks, torch's type promotion. One place for what each kernel's predicate 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton.language as tl
+
+from ..env import env
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -19,7 +19,7 @@ def tl_dtype(dtype: torch.dtype) -> tl.dtype:
 
 def interpreter_on() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels on the CPU with numpy (the CPU tests)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return env("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def promote(*dtypes: torch.dtype) -> torch.dtype:
