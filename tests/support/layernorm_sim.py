@@ -95,7 +95,10 @@ def row_stats(
     mean_f, m2_f, _ = combine(lo, hi, mean_mode, m2_fma)
     var = m2_f / torch.tensor(float(N), device=dev)
     z = var + torch.tensor(eps, dtype=torch.float32, device=dev)
-    rstd = rsqrt(z) if rsqrt is not None else 1.0 / torch.sqrt(z)
+    # fp32 sqrt through fp64 (correctly rounded; exact for sqrt), then an fp32 division: what the
+    # interpreter's numpy and CUDA's IEEE sqrtf give. torch's CPU sqrt is not correctly rounded
+    # on AVX512 machines (SLEEF), which made this simulation machine-dependent.
+    rstd = rsqrt(z) if rsqrt is not None else 1.0 / torch.sqrt(z.double()).float()
     return mean_f, rstd
 
 
