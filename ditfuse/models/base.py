@@ -13,6 +13,9 @@ Mounting: one diffusers ``ModelHook`` per module (``ditfuse.<site>``, through
 ``LOSSLESS`` when mounted, ``HIGH`` after :meth:`Adapter.set_quality` checked every guard of every
 site of the model (all or nothing, contracts/quality.py), back to ``LOSSLESS`` on the way down.
 Swapping the table is the only difference between the tiers: there is one fast forward per site.
+The hook goes to the bottom of the module's hook chain (:func:`register_innermost`): it replaces
+the module's own forward, and hooks the user applied before or after ``accelerate`` (diffusers'
+context parallelism, group offloading, caches) keep running around it.
 
 Admission capture (:func:`capture_admission_batches`): one forward with a recording table, which
 clones the arguments of every op that has a close variant and runs the lossless op. The inputs are
@@ -202,6 +205,81 @@ def mounted_high(model: torch.nn.Module) -> list[str]:
     return [f"{p}:{h.site.name}" for p, _, h in site_hooks(model) if h.ops is HIGH and h.site.close_ops()]
 
 
+# ------------------------------------------------------------------------------ the hook chain
+#
+# diffusers' HookRegistry chains hooks in registration order: each new hook wraps the module's
+# forward as it is then, so the last one registered runs first. A hook with ``new_forward`` (ours)
+# does not call the chain below it. Appended after a foreign hook (diffusers' context-parallel
+# split/gather hooks from ``enable_parallelism``, group offloading's onload, a cache hook), our
+# fast forward would therefore skip that hook's pre/post work: the sequence would not be split,
+# the weights not onloaded, the cache not consulted. A ditfuse hook replaces the module's own
+# forward body, so it belongs at the bottom of the chain, under every other hook, whichever
+# order the user applied them in. The registry has no insert, so these two functions place and
+# unlink our hook the way ``register_hook`` / ``remove_hook`` do (diffusers is pinned: the
+# adapters refuse any version but the one they mirror).
+
+
+def _inner_forward(fn_ref: Any) -> Callable:
+    """The forward a hook's chain entry calls below itself."""
+    return fn_ref.original_forward if fn_ref.original_forward is not None else fn_ref.forward
+
+
+def _set_inner_forward(fn_ref: Any, forward: Callable) -> None:
+    if fn_ref.original_forward is not None:  # a new_forward hook reaches below via original_forward
+        fn_ref.original_forward = forward
+    else:
+        fn_ref.forward = forward
+
+
+def register_innermost(reg: Any, hook: SiteHook, name: str) -> None:
+    """Register ``hook`` on ``reg`` (a diffusers HookRegistry) under every hook already there:
+    it replaces the module's own forward, and the other hooks keep running around it."""
+    import functools
+
+    from diffusers.hooks.hooks import HookFunctionReference
+
+    if not reg._fn_refs:
+        reg.register_hook(hook, name)
+        return
+    if name in reg.hooks:
+        raise ValueError(f"hook {name} is already registered")
+    module = hook.initialize_hook(reg._module_ref)
+    bottom = reg._fn_refs[0]
+    base = _inner_forward(bottom)
+    fn_ref = HookFunctionReference()
+    fn_ref.pre_forward = hook.pre_forward
+    fn_ref.post_forward = hook.post_forward
+    fn_ref.original_forward = base
+    fn_ref.forward = functools.update_wrapper(functools.partial(hook.new_forward, module), hook.new_forward)
+
+    def rewritten(module: Any, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = fn_ref.pre_forward(module, *args, **kwargs)
+        return fn_ref.post_forward(module, fn_ref.forward(*args, **kwargs))
+
+    _set_inner_forward(bottom, functools.update_wrapper(functools.partial(rewritten, module), base))
+    hook.fn_ref = fn_ref
+    reg.hooks[name] = hook
+    reg._hook_order.insert(0, name)
+    reg._fn_refs.insert(0, fn_ref)
+
+
+def remove_hook(reg: Any, name: str) -> None:
+    """Unlink hook ``name`` from ``reg``'s chain, keeping the hooks above it intact (diffusers'
+    ``remove_hook`` relinks the next hook's ``forward`` even when that hook is a ``new_forward``
+    hook, whose link below is ``original_forward``)."""
+    index = reg._hook_order.index(name)
+    fn_ref = reg._fn_refs[index]
+    below = _inner_forward(fn_ref)
+    if index == len(reg._hook_order) - 1:
+        reg._module_ref.forward = below
+    else:
+        _set_inner_forward(reg._fn_refs[index + 1], below)
+    reg._module_ref = reg.hooks[name].deinitalize_hook(reg._module_ref)
+    del reg.hooks[name]
+    reg._hook_order.pop(index)
+    reg._fn_refs.pop(index)
+
+
 # ------------------------------------------------------------------------------ the adapter
 
 
@@ -279,7 +357,7 @@ class Adapter:
                 continue
             reg = HookRegistry.check_if_exists_or_initialize(mod)
             if reg.get_hook(site.hook_name) is None:
-                reg.register_hook(_make_hook(site), site.hook_name)
+                register_innermost(reg, _make_hook(site), site.hook_name)
             result.mounted.append(MountedSite(path, site.name, tuple(d.op for d in site.ops)))
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
         return result
@@ -323,7 +401,7 @@ class Adapter:
                 continue
             for name in list(reg.hooks):
                 if name in names:
-                    reg.remove_hook(name, recurse=False)
+                    remove_hook(reg, name)
                     removed += 1
         if hasattr(model, "_diffusers_hook"):
             model._diffusers_hook.invalidate_child_registries_cache()
