@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|flux|wan|flux2|sd3|qwenimage|drift|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|flux|wan|flux2|sd3|qwenimage|drift|parallel|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -17,6 +17,9 @@
 #   sd3      SD3.5-large-size step at 1024x1024 (ditfuse bench sd3)               -> sd3_{step,breakdown}_h200.csv
 #   qwenimage  Qwen-Image-size step at 1024x1024 (ditfuse bench qwenimage)        -> qwenimage_{step,breakdown}_h200.csv
 #   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
+#   parallel (>= 2 GPUs; not in `all`) context parallelism: the 2-GPU bitwise tests
+#            (tests/gpu/test_context_parallel_gpu.py) and FLUX.1-dev / Wan-1.3B step time on 1 GPU
+#            and on NGPUS (default 2) GPUs, eager vs lossless, Ulysses and ring     -> parallel_h200.csv
 # Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above (at most
 # 8 files: the device tool's limit; PNGs are drawn afterwards from the CSVs by bench/plot_results.py).
 # Per-phase time limits: *_TIMEOUT variables; extra arguments: *_ARGS variables.
@@ -77,6 +80,20 @@ want flux2 && run_phase flux2 "${FLUX2_TIMEOUT:-400}" python3 bench/bench_step.p
 want sd3 && run_phase sd3 "${SD3_TIMEOUT:-300}" python3 bench/bench_step.py --family sd3 --out-dir "$OUT" ${SD3_ARGS:-}
 want qwenimage && run_phase qwenimage "${QWEN_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage --out-dir "$OUT" ${QWEN_ARGS:-}
 want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null
+if [[ " ${phases[*]} " == *" parallel "* ]]; then  # explicit only: needs a multi-GPU machine
+  n="${NGPUS:-2}"
+  run_phase parallel_tests "${PARALLEL_TIMEOUT:-600}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf \
+    tests/gpu/test_context_parallel_gpu.py ${PYTEST_ARGS:-}
+  for fam in flux wan; do
+    run_phase "parallel_${fam}_1gpu" "${PARALLEL_TIMEOUT:-600}" python3 bench/bench_parallel.py --family "$fam" \
+      --out "$OUT/parallel_h200.csv"
+    for mode in ulysses ring; do
+      run_phase "parallel_${fam}_${n}gpu_${mode}" "${PARALLEL_TIMEOUT:-600}" python3 -m torch.distributed.run --standalone \
+        --nproc-per-node "$n" bench/bench_parallel.py --family "$fam" --mode "$mode" --out "$OUT/parallel_h200.csv"
+    done
+  done
+  python3 bench/bench_parallel.py --summarize "$OUT/parallel_h200.csv" 2>&1 | tee -a "$LOG"
+fi
 echo "== summary ==" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"
 exit $status

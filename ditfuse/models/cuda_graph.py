@@ -67,6 +67,7 @@ class GraphRunner:
         self.signature = inspect.signature(type(model).forward)
         self.replays = 0
         self.captures = 0
+        self.parallel_noted = False
 
     def invalidate(self) -> None:
         """Drop every captured graph (the forward changed: another quality tier was mounted)."""
@@ -90,6 +91,14 @@ class GraphRunner:
     def new_forward(self, module, *args, **kwargs):
         original = self.fn_ref.original_forward
         if torch.is_grad_enabled() or torch.cuda.is_current_stream_capturing():
+            return original(*args, **kwargs)
+        if getattr(module, "_parallel_config", None) is not None:
+            # Context parallelism: the forward runs NCCL collectives (all-to-all / ring) inside;
+            # capturing them is not verified here, so such a model stays eager (said once).
+            if not self.parallel_noted:
+                self.parallel_noted = True
+                logger.warning("ditfuse: CUDA graphs are off for %s: context parallelism is enabled "
+                               "(collectives inside a captured graph are not verified)", type(module).__name__)
             return original(*args, **kwargs)
         bound = self.signature.bind(module, *args, **kwargs)
         bound.apply_defaults()

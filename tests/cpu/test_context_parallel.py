@@ -24,7 +24,7 @@ from ditfuse.models import families
 ROOT = Path(__file__).resolve().parents[2]
 HARNESS = ROOT / "tests" / "support" / "context_parallel.py"
 
-pytestmark = pytest.mark.slow
+
 
 
 def _run_ranks(tmp_path: Path, *args: str, world: int = 2) -> list[dict]:
@@ -45,6 +45,7 @@ def _adapter_ops(family: str) -> tuple[str, ...]:
     return next(a for a in adapters() if a.family == family).ops()
 
 
+@pytest.mark.slow  # 2 torchrun ranks, the kernels under the interpreter: ~12 s each
 @pytest.mark.parametrize(
     "family,config,batch",
     [("flux", "tiny", 2), ("wan", "tiny", 1), ("wan", "tiny-i2v", 1)],
@@ -87,3 +88,29 @@ def test_harness_sizes_split_evenly():
         for world in (2, 4):
             assert tokens % world == 0 and txt % world == 0, (family, config, tokens, txt, world)
     assert torch  # imported for the family fixtures' lazy torch use
+
+
+@pytest.mark.parametrize("provider", ["eager", "lossless"])
+def test_bench_parallel_scaling_efficiency(tmp_path, provider):
+    """bench/bench_parallel.py --summarize: speed-up t1/tN and efficiency t1/(N tN) against the
+    1-GPU row of the same family, size, batch and provider (other rows are left without)."""
+    import csv
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_parallel", ROOT / "bench" / "bench_parallel.py")
+    bp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bp)
+    path = tmp_path / "p.csv"
+    rows = [
+        dict(family="flux", config="dev", size="1024x1024", batch=1, world=1, mode="none", provider=provider, median_ms=130.0),
+        dict(family="flux", config="dev", size="1024x1024", batch=1, world=2, mode="ulysses", provider=provider, median_ms=80.0),
+        dict(family="flux", config="dev", size="1024x1024", batch=2, world=2, mode="ring", provider=provider, median_ms=150.0),
+    ]
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=bp.FIELDS, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    out = bp.summarize(path)
+    assert (out[0]["speedup"], out[0]["efficiency"]) == (1.0, 1.0)
+    assert (out[1]["speedup"], out[1]["efficiency"]) == (1.625, 0.812)
+    assert (out[2]["speedup"], out[2]["efficiency"]) == ("", "")  # no 1-GPU row at batch 2
