@@ -202,6 +202,8 @@ _EXTRA_COMMANDS: list = [_register_drift]
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The command line as given: `generate --gpus N` re-runs it under torchrun.
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return int(args.func(args) or 0)
 
 

@@ -36,6 +36,13 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")
+    par = p.add_argument_group("several GPUs (one generation spread over them: diffusers' context parallelism, "
+                               "one process per device under torchrun; docs/parallel.md)")
+    par.add_argument("--gpus", type=int, default=1, help="GPUs to spread the generation over (cuda:0..N-1)")
+    par.add_argument("--devices", default=None, metavar="LIST",
+                     help="comma-separated devices instead of --gpus, e.g. cuda:0,cuda:2 (or cpu,cpu: gloo, for testing)")
+    par.add_argument("--parallel-mode", choices=("ulysses", "ring"), default="ulysses",
+                     help="attention across the devices: ulysses (all-to-all over heads) or ring (GPUs only)")
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:

@@ -8,11 +8,17 @@ denoising steps and writes PNGs carrying the sampling parameters as PNG text met
 A video model (``tiny-wan``, a WanPipeline directory) writes one clip instead: ``--frames`` (4k+1)
 or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode.
+
+``--gpus N`` (or ``--devices``) spreads the one generation over N devices with diffusers' context
+parallelism: the command re-runs itself under torchrun, one process per device, and rank 0 prints
+and writes the output (ditfuse/runtime/distributed.py, docs/parallel.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -47,17 +53,47 @@ def save_image(image: Any, path: "Path | IO[bytes]", fmt: str, metadata: dict[st
 
 
 def run(args: argparse.Namespace) -> int:
-    from .params import ParamError, SamplingParams
-
     t_start = time.perf_counter()
     # Validate what can be checked before the (slow) model load.
+    from .distributed import finish, in_launched_rank, init_rank, launch, plan_from_args
+
     try:
         from ..contracts.quality import Quality
 
         Quality.parse(args.quality)
+        plan = plan_from_args(getattr(args, "gpus", None), getattr(args, "devices", None),
+                              getattr(args, "parallel_mode", "ulysses"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if plan is None:
+        return _run(args, None, t_start)
+    if not in_launched_rank():
+        argv = getattr(args, "argv", None)
+        if argv is None:
+            print("error: --gpus/--devices re-run the command under torchrun: call it through the "
+                  "ditfuse command line (ditfuse.runtime.cli.main)", file=sys.stderr)
+            return 2
+        from .presets import PRESET_TABLE, ensure_preset
+
+        if args.model in PRESET_TABLE:
+            # Build a preset once, here: inside torchrun's ranks transformers' save_pretrained
+            # writes no weights on ranks other than 0, and a rank's empty build could win the race.
+            ensure_preset(args.model)
+        return launch(plan, argv)
+    rank = init_rank(plan)
+    try:
+        if rank.main:
+            return _run(args, rank, t_start)
+        with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):  # rank 0 reports
+            return _run(args, rank, t_start)
+    finally:
+        finish(rank)
+
+
+def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
+    """One generation in this process; ``rank`` (distributed.Rank) when it is one of several."""
+    from .params import ParamError, SamplingParams
     from .presets import PRESET_TABLE, load_model
 
     def out_path(info: Any) -> Path:
@@ -114,14 +150,21 @@ def run(args: argparse.Namespace) -> int:
             make_params(PRESET_TABLE[args.model])
         from .engine import run_batch
 
-        loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+        loaded = load_model(args.model, device=args.device if rank is None else rank.device, dtype=args.dtype)
         params = make_params(loaded)
+        if rank is not None:
+            from .distributed import enable_context_parallel
+
+            parallel = enable_context_parallel(loaded.pipe, rank)
     except (ParamError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out = out_path(loaded)
 
     print(f"device: {loaded.device} ({str(loaded.dtype).replace('torch.', '')})")
+    if rank is not None:
+        print(f"parallel: context parallelism ({rank.plan.mode}) over {rank.world} ranks "
+              f"({', '.join(rank.plan.devices)}) on {', '.join(parallel)}; rank 0 writes the output")
     print(f"model: {loaded.name} ({type(loaded.pipe).__name__})")
     if loaded.note:
         print(f"NOTE: {loaded.note}")
@@ -136,13 +179,14 @@ def run(args: argparse.Namespace) -> int:
         for line in summary:
             print(f"  {line}")
     t_loaded = time.perf_counter()
+    quiet = rank is not None and not rank.main
     if params.num_frames is not None:
-        return _run_video(loaded, params, out, t_start, t_loaded)
+        return _run_video(loaded, params, out, t_start, t_loaded, quiet)
 
     from tqdm import tqdm
 
     stamps: list[float] = []
-    bar = tqdm(total=params.num_inference_steps, desc="denoising", unit="step", file=sys.stderr)
+    bar = tqdm(total=params.num_inference_steps, desc="denoising", unit="step", file=sys.stderr, disable=quiet)
 
     def on_step(i: int, total: int) -> None:
         stamps.append(time.perf_counter())
@@ -157,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
 
     paths = output_paths(out, params.n)
     for i, (img, path) in enumerate(zip(images, paths)):
-        save_image(img, path, params.output_format, params.metadata(i, model=loaded.name))
+        if not quiet:  # every rank computed the same images; rank 0 writes them
+            save_image(img, path, params.output_format, params.metadata(i, model=loaded.name))
     t_saved = time.perf_counter()
 
     print(
@@ -185,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: float) -> int:
-    """One clip: progress over the denoising steps and the decode, then the video file."""
+def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: float, quiet: bool = False) -> int:
+    """One clip: progress over the denoising steps and the decode, then the video file (not
+    written when ``quiet``: another rank of a parallel run writes it)."""
     from tqdm import tqdm
 
     from .engine import run_batch
@@ -195,7 +241,7 @@ def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: fl
 
     steps = params.num_inference_steps
     stamps: list[float] = []
-    bar = tqdm(total=steps + 1, desc="denoising", unit="step", file=sys.stderr)
+    bar = tqdm(total=steps + 1, desc="denoising", unit="step", file=sys.stderr, disable=quiet)
 
     def on_step(i: int, total: int) -> None:
         stamps.append(time.perf_counter())
@@ -211,6 +257,8 @@ def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: fl
         bar.close()
     t_done = time.perf_counter()
     fmt = video_format(out)
+    if quiet:
+        return 0
     size = write_video(out, clip, loaded.fps, fmt, params.metadata(0, model=loaded.name))
     t_saved = time.perf_counter()
 
