@@ -61,6 +61,17 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest accepted request body")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    par = p.add_argument_group("several GPUs (data parallel: one worker process and pipeline per device, "
+                               "one queue; docs/serving.md)")
+    par.add_argument("--gpus", type=int, default=1,
+                     help="GPUs to serve on: N > 1 starts one worker process per GPU (cuda:0..N-1), each with its "
+                          "own copy of the pipeline, fed from one queue")
+    par.add_argument("--devices", default=None, metavar="LIST",
+                     help="comma-separated devices, one worker process each (e.g. cuda:0,cuda:2 or cpu,cpu); "
+                          "overrides --gpus")
+    par.add_argument("--parallel", choices=("data", "context"), default="data",
+                     help="how several GPUs share the work: data (one pipeline per GPU, whole requests each); "
+                          "context is not implemented in serve yet (see docs/parallel.md)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
     p.add_argument("--no-access-log", action="store_true", help="no per-request log line (ditfuse.access logger, stderr)")

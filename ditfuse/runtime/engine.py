@@ -41,9 +41,24 @@ Videos (the same engine serves video jobs)
     Video batches report progress per denoising step (``on_progress``), and a batch whose requests
     were all cancelled (:meth:`Engine.cancel`) or timed out stops at its next step.
 
+Several devices: data parallel (``pool=``)
+    With a :class:`~ditfuse.runtime.workers.WorkerPool`, each worker process holds its own copy of
+    the pipeline on its own device and is one *lane*: the scheduler runs up to one batch per idle
+    live lane at a time, so N workers run N batches concurrently, all taken from the one queue
+    above (same signatures, padding, fairness between kinds). Each lane has its own mounted tier
+    and the quality policy above holds per lane: an idle lane takes the oldest waiting request
+    whose tier it has mounted, unless the oldest request of the other tier has waited
+    ``quality_switch_wait_ms``; with no work of its tier waiting it switches at once. When the
+    oldest request's tier is mounted on some idle lane, that lane takes it. A lane whose worker
+    died fails its running batch (:class:`~ditfuse.runtime.workers.WorkerDied`) and gets no more
+    work; with no live lane left, waiting and new requests fail with :class:`NoLiveWorkers` (503).
+    Without a pool the engine runs one batch at a time on a thread of this process, as it always
+    did.
+
 Shutdown
     :meth:`Engine.shutdown` stops accepting requests, lets the running batch finish and (by
-    default) drains the queue before the worker stops.
+    default) drains the queue before the worker stops; with a pool it then stops and joins every
+    worker process.
 
 Metrics
     :attr:`Engine.metrics` (:class:`~ditfuse.runtime.metrics.EngineMetrics`) records what only the
@@ -57,15 +72,22 @@ import asyncio
 import collections
 import inspect
 import itertools
+import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from ..contracts.quality import Quality
-from .metrics import EngineMetrics, LiveState
+from .metrics import EngineMetrics, LiveState, WorkerState
 from .params import SamplingParams
+
+if TYPE_CHECKING:
+    from .workers import Worker, WorkerPool
+
+logger = logging.getLogger("ditfuse.engine")
 
 
 class EngineError(Exception):
@@ -102,6 +124,13 @@ class RequestCancelled(EngineError):
 
     status = 409
     code = "cancelled"
+
+
+class NoLiveWorkers(EngineError):
+    """Every worker process of the engine's pool has died: nothing can run a batch."""
+
+    status = 503
+    code = "no_live_workers"
 
 
 class BatchAbandoned(Exception):
@@ -228,6 +257,26 @@ def mounted_sites(pipe: Any) -> list[str]:
     return sorted(out)
 
 
+def transition_info(before: Quality, to: Quality, results: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The batch log's record of a tier switch from ``handle.set_quality``'s results (one
+    ``MountResult`` per component): what each component mounted, unmounted or why it failed.
+    Plain data, so a worker process can send it to the engine as it is."""
+    return {
+        "from": before.value,
+        "to": to.value,
+        "result": {
+            k: {"mounted": list(v.mounted), "unmounted": list(v.unmounted), "failed": str(v.failed) if v.failed else None}
+            for k, v in (results or {}).items()
+        },
+    }
+
+
+def transition_results(info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """:func:`transition_info`'s ``result`` back as objects with ``mounted`` / ``unmounted``
+    (what :meth:`EngineMetrics.observe_transition` reads)."""
+    return {k: SimpleNamespace(**v) for k, v in ((info or {}).get("result") or {}).items()}
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -274,7 +323,13 @@ class Engine:
         runner: Callable[..., list[Any]] = run_batch,
         max_video_batch_size: int = 1,
         image_batches_per_video: int = 4,
+        pool: "WorkerPool | None" = None,
     ) -> None:
+        """``loaded`` / ``handle``: the in-process pipeline and its acceleration handle. With
+        ``pool`` (a started :class:`~ditfuse.runtime.workers.WorkerPool`) batches run in its worker
+        processes instead: ``loaded`` is then ``pool.loaded`` (the model's description, no
+        pipeline), ``handle`` must be None and ``runner`` the default (a worker runs the pool's
+        runner); the engine owns the pool and closes it in :meth:`shutdown`."""
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")
         if max_video_batch_size < 1:
@@ -287,6 +342,17 @@ class Engine:
         self._image_batches_since_video = 0
         if max_queue < 1:
             raise ValueError("max_queue must be >= 1")
+        if pool is not None:
+            if handle is not None:
+                raise ValueError("Engine: with a worker pool the workers hold the acceleration handles; pass handle=None")
+            if runner is not run_batch:
+                raise ValueError("Engine: with a worker pool the runner runs in the workers (WorkerPool(runner=...))")
+            if not pool.workers:
+                raise ValueError("Engine: the worker pool has not been started")
+        self.pool = pool
+        # Lanes of a pool: the workers, each running one batch at a time (module docstring).
+        self._busy: set[int] = set()  # indices of workers running a batch
+        self._running: dict[int, tuple[list[_Request], "Worker"]] = {}  # batch id -> (requests, worker)
         self.loaded = loaded
         self.handle = handle
         self.max_batch_size = int(max_batch_size)
@@ -327,12 +393,40 @@ class Engine:
     def in_flight(self) -> int:
         return self._in_flight
 
+    @property
+    def quality(self) -> str | None:
+        """The tier mounted now: the handle's; with a pool, the tier every live worker has mounted
+        (None when they differ, none is alive, or acceleration is off)."""
+        if self.pool is None:
+            return None if self.handle is None else self.handle.quality.value
+        tiers = {w.quality for w in self.pool.workers if w.alive}
+        if len(tiers) != 1:
+            return None
+        q = tiers.pop()
+        return None if q is None else q.value
+
+    def worker_states(self) -> list[WorkerState]:
+        """One entry per worker of the pool (empty without one): index, device, alive, tier, busy."""
+        if self.pool is None:
+            return []
+        return [
+            WorkerState(
+                worker=w.index,
+                device=w.device,
+                up=w.alive,
+                quality=None if w.quality is None else w.quality.value,
+                busy=w.index in self._busy,
+            )
+            for w in self.pool.workers
+        ]
+
     def _live_state(self) -> LiveState:
         return LiveState(
             queue_depth=len(self._pending),
             images_in_flight=self._in_flight,
-            quality=None if self.handle is None else self.handle.quality.value,
+            quality=self.quality,
             qualities=tuple(q.value for q in Quality),
+            workers=tuple(self.worker_states()),
         )
 
     async def start(self) -> None:
@@ -340,8 +434,15 @@ class Engine:
             return
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ditfuse-engine")
-        self._task = asyncio.create_task(self._scheduler(), name="ditfuse-scheduler")
+        if self.pool is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ditfuse-engine")
+            self._task = asyncio.create_task(self._scheduler(), name="ditfuse-scheduler")
+        else:
+            loop = self._loop
+            # A worker's reader thread reports its exit: wake the scheduler (on the loop) so it
+            # stops offering that lane work, or fails the queue when no lane is left.
+            self.pool.add_exit_listener(lambda w: loop.call_soon_threadsafe(self._on_worker_exit, w))
+            self._task = asyncio.create_task(self._pool_scheduler(), name="ditfuse-scheduler")
 
     async def shutdown(self, drain: bool = True) -> None:
         """Stop accepting requests; finish the running batch and, if ``drain``, the queue."""
@@ -358,6 +459,8 @@ class Engine:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+        if self.pool is not None:
+            await asyncio.to_thread(self.pool.close)
 
     # -- requests ----------------------------------------------------------------------------
 
@@ -390,6 +493,8 @@ class Engine:
             raise EngineClosed("server is shutting down")
         if len(self._pending) >= self.max_queue:
             raise QueueFull(f"queue is full ({self.max_queue} requests waiting); retry later")
+        if self.pool is not None and not self.pool.live():
+            raise NoLiveWorkers(self._no_workers_message())
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         timeout = self.request_timeout_s if timeout_s is None else timeout_s
@@ -441,6 +546,11 @@ class Engine:
         req.abandoned = reason
         req.future.set_exception(RequestCancelled(f"request {reason}"))
         req.future.exception()  # retrieved: the waiter may be gone already
+        # A worker process cannot look at our requests from its step callback: tell the worker
+        # running this request's batch to stop at its next step once every request in it is gone.
+        for batch_id, (reqs, worker) in list(self._running.items()):
+            if req in reqs and all(r.abandoned is not None for r in reqs):
+                worker.stop(batch_id, _abandon_reason(reqs))
         if self._wake is not None:
             self._wake.set()
         return True
@@ -469,12 +579,10 @@ class Engine:
     def _available(self, sig: tuple) -> int:
         return sum(r.remaining for r in self._pending if r.signature == sig)
 
-    def _next_request(self) -> "_Request":
-        """The request whose signature the next batch takes. First the kind (module docstring,
-        "Videos"): images while fewer than ``image_batches_per_video`` image batches ran since a
-        video job started waiting, else videos. Within the kind, the oldest request, unless another
-        tier than the mounted one would force a switch while same-tier work waits and the oldest
-        request has not yet waited ``quality_switch_wait_ms``."""
+    def _kind_pool(self) -> list[_Request]:
+        """The waiting requests of the kind the next batch takes (module docstring, "Videos"):
+        images while fewer than ``image_batches_per_video`` image batches ran since a video job
+        started waiting, else videos."""
         pool = self._pending
         videos = [r for r in pool if r.is_video]
         if videos and len(videos) < len(pool):  # both kinds wait
@@ -482,8 +590,19 @@ class Engine:
                 pool = videos
             else:
                 pool = [r for r in pool if not r.is_video]
+        return pool
+
+    def _next_request(self, lane: "Worker | None" = None) -> "_Request":
+        """The request whose signature the next batch takes: within the kind (:meth:`_kind_pool`),
+        the oldest request, unless another tier than the mounted one (the handle's, or ``lane``'s
+        with a pool) would force a switch while same-tier work waits and the oldest request has
+        not yet waited ``quality_switch_wait_ms``."""
+        pool = self._kind_pool()
         oldest = pool[0]
-        current = None if self.handle is None else self.handle.quality
+        if lane is not None:
+            current = lane.quality
+        else:
+            current = None if self.handle is None else self.handle.quality
         if current is None or oldest.params.quality is current:
             return oldest
         if time.monotonic() - oldest.enqueued >= self.quality_switch_wait_s:
@@ -506,31 +625,114 @@ class Engine:
             first = self._next_request()
             sig = first.signature
             cap = self._batch_cap(first.params)
-            fill_deadline = first.enqueued + self.batch_wait_s
-            while not self._closing and self._available(sig) < cap:
-                left = fill_deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), timeout=left)
-                except asyncio.TimeoutError:
-                    break
+            await self._wait_for_mates(first, cap)
             self._drop_abandoned()
-            slots: list[tuple[_Request, int]] = []
-            for r in list(self._pending):
-                if r.signature != sig:
-                    continue
-                while r.remaining and len(slots) < cap:
-                    slots.append((r, r.next_index))
-                    r.next_index += 1
-                if r.remaining == 0:
-                    self._pending.remove(r)
-                if len(slots) >= cap:
-                    break
+            slots = self._take_slots(sig, cap)
             if not slots:
                 continue
             await self._run(slots)
+
+    async def _wait_for_mates(self, first: _Request, cap: int) -> None:
+        """Wait until ``cap`` images of ``first``'s signature wait, or ``batch_wait_ms`` after
+        ``first`` arrived, or shutdown begins."""
+        assert self._wake is not None
+        sig = first.signature
+        fill_deadline = first.enqueued + self.batch_wait_s
+        while not self._closing and self._available(sig) < cap:
+            left = fill_deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=left)
+            except asyncio.TimeoutError:
+                break
+
+    def _take_slots(self, sig: tuple, cap: int) -> list[tuple[_Request, int]]:
+        """Up to ``cap`` images of signature ``sig``, oldest request first (a request's images in
+        order); requests whose images are all taken leave the queue."""
+        slots: list[tuple[_Request, int]] = []
+        for r in list(self._pending):
+            if r.signature != sig:
+                continue
+            while r.remaining and len(slots) < cap:
+                slots.append((r, r.next_index))
+                r.next_index += 1
+            if r.remaining == 0:
+                self._pending.remove(r)
+            if len(slots) >= cap:
+                break
+        return slots
+
+    # -- scheduler with a worker pool: one batch per idle live lane ----------------------------
+
+    def _pick(self, idle: list["Worker"]) -> tuple["Worker", _Request]:
+        """The lane and request of the next batch (module docstring, "Several devices"): an idle
+        lane with the oldest request's tier mounted, else the first idle lane; the request by that
+        lane's tier (:meth:`_next_request`)."""
+        oldest = self._kind_pool()[0]
+        lane = min(idle, key=lambda w: (w.quality not in (None, oldest.params.quality), w.index))
+        return lane, self._next_request(lane)
+
+    async def _pool_scheduler(self) -> None:
+        assert self._wake is not None and self.pool is not None
+        running: set[asyncio.Task] = set()
+        while True:
+            self._drop_abandoned()
+            if self._pending and not self.pool.live():
+                self._fail_pending(NoLiveWorkers(self._no_workers_message()))
+            idle = [w for w in self.pool.live() if w.index not in self._busy]
+            if not self._pending or not idle:
+                if not self._pending and self._closing:
+                    if running:
+                        await asyncio.gather(*running, return_exceptions=True)
+                        continue  # a failed batch may leave nothing pending; look once more
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            lane, first = self._pick(idle)
+            sig = first.signature
+            cap = self._batch_cap(first.params)
+            await self._wait_for_mates(first, cap)
+            self._drop_abandoned()
+            if not lane.alive or lane.index in self._busy:
+                continue  # it died while we waited for mates: pick again
+            slots = self._take_slots(sig, cap)
+            if not slots:
+                continue
+            self._busy.add(lane.index)
+            task = asyncio.create_task(self._run(slots, lane), name=f"ditfuse-batch-worker{lane.index}")
+            running.add(task)
+            task.add_done_callback(lambda t, i=lane.index: self._lane_done(t, i, running))
+
+    def _lane_done(self, task: asyncio.Task, index: int, running: set[asyncio.Task]) -> None:
+        running.discard(task)
+        self._busy.discard(index)
+        if not task.cancelled() and task.exception() is not None:  # _run handles batch errors itself
+            logger.error("batch task on worker %d failed", index, exc_info=task.exception())
+        if self._wake is not None:
+            self._wake.set()
+
+    def _fail_pending(self, error: EngineError) -> None:
+        for r in self._pending:
+            if not r.future.done():
+                r.future.set_exception(error)
+                r.future.exception()  # retrieved: the waiter may be gone already
+        self._pending.clear()
+
+    def _no_workers_message(self) -> str:
+        assert self.pool is not None
+        dead = "; ".join(w.exit_description() for w in self.pool.workers)
+        return f"no live worker left to run requests ({dead})"
+
+    def _on_worker_exit(self, worker: "Worker") -> None:
+        """On the loop, after a worker process ended (killed, crashed, or stopped at shutdown)."""
+        if not self._closing:
+            left = len(self.pool.live()) if self.pool is not None else 0
+            logger.error("%s; %d of %d workers left", worker.exit_description(), left, len(self.pool.workers))
+        if self._wake is not None:
+            self._wake.set()
 
     def _run_sync(
         self,
@@ -542,11 +744,7 @@ class Engine:
         if self.handle is not None and self.handle.quality != quality:
             before = self.handle.quality
             res = self.handle.set_quality(quality)
-            info["transition"] = {
-                "from": before.value,
-                "to": quality.value,
-                "result": {k: {"mounted": v.mounted, "unmounted": v.unmounted, "failed": str(v.failed) if v.failed else None} for k, v in (res or {}).items()},
-            }
+            info["transition"] = transition_info(before, quality, res)
             # Count only what really changed: on a machine where no request-gated kernel can
             # mount (no CUDA, or a failing guard) the switch mounts nothing.
             self.metrics.observe_transition(res)
@@ -560,7 +758,8 @@ class Engine:
         info["padded_to"] = max(len(slots), pad_to or 0)
         return images, info
 
-    async def _run(self, slots: list[tuple[_Request, int]]) -> None:
+    async def _run(self, slots: list[tuple[_Request, int]], worker: "Worker | None" = None) -> None:
+        """Run one batch (in this process, or on ``worker``) and settle its requests."""
         batch_id = next(self._batch_ids)
         quality = slots[0][0].params.quality
         reqs = list(dict.fromkeys(r for r, _ in slots))
@@ -577,6 +776,8 @@ class Engine:
             "quality": quality.value,
             "requests": [r.id for r in reqs],
             "signature": list(slots[0][0].signature),
+            "worker": None if worker is None else worker.index,
+            "device": getattr(self.loaded, "device", None) if worker is None else worker.device,
         }
         is_video = slots[0][0].is_video
         on_step = self._step_hook(reqs) if is_video else None
@@ -585,10 +786,20 @@ class Engine:
                 if r.on_progress is not None:
                     r.on_progress(0, r.params.num_inference_steps)
         try:
-            images, info = await loop.run_in_executor(
-                self._executor, self._run_sync, quality, [(r.params, i) for r, i in slots], on_step
-            )
+            if worker is None:
+                images, info = await loop.run_in_executor(
+                    self._executor, self._run_sync, quality, [(r.params, i) for r, i in slots], on_step
+                )
+            else:
+                self._running[batch_id] = (reqs, worker)
+                pad_to = self._batch_cap(slots[0][0].params) if self.pad_batches else None
+                images, info = await worker.run(batch_id, quality, [(r.params, i) for r, i in slots], pad_to, on_step)
+                # The worker switched its tier before the batch (if it had to): count it here.
+                if info["transition"] is not None:
+                    self.metrics.observe_transition(transition_results(info["transition"]))
         except Exception as e:  # the pipeline failed: fail every request of this batch
+            if getattr(e, "transition", None) is not None:  # a worker switched tiers before it failed
+                self.metrics.observe_transition(transition_results(e.transition))
             self._count_kind(is_video)
             outcome = "error"
             if isinstance(e, BatchAbandoned):  # every request in it was cancelled or timed out
@@ -607,6 +818,7 @@ class Engine:
             return
         finally:
             self._in_flight -= len(slots)
+            self._running.pop(batch_id, None)
         self._count_kind(is_video)
         entry.update(
             mounted=info["mounted"],
@@ -641,7 +853,7 @@ class Engine:
                 if r.on_progress is not None and r.abandoned is None:
                     loop.call_soon_threadsafe(r.on_progress, i + 1, total)
             if all(r.abandoned is not None for r in reqs):
-                raise BatchAbandoned(", ".join(sorted({str(r.abandoned) for r in reqs})))
+                raise BatchAbandoned(_abandon_reason(reqs))
 
         return on_step
 
@@ -650,3 +862,7 @@ class Engine:
     def prometheus(self) -> bytes:
         """/metrics in Prometheus text format (see :mod:`ditfuse.runtime.metrics`)."""
         return self.metrics.render()
+
+
+def _abandon_reason(reqs: Sequence[_Request]) -> str:
+    return ", ".join(sorted({str(r.abandoned) for r in reqs}))

@@ -21,7 +21,10 @@ What is counted where, and why:
   non-empty). A tier switch on a machine where nothing can mount (no CUDA) changes nothing and is
   not counted.
 - ``ditfuse_queue_depth``, ``ditfuse_images_in_flight``, ``ditfuse_quality_current``: read live
-  from the engine at scrape time.
+  from the engine at scrape time. With a worker pool (``ditfuse serve --gpus N``),
+  ``ditfuse_quality_current{quality}`` is the number of live workers with that tier mounted (1 or 0
+  for one process, as before), and ``ditfuse_worker_up{worker,device}`` is 1 per live worker
+  process, 0 once it died (absent without a pool).
 """
 
 from __future__ import annotations
@@ -43,6 +46,17 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 
 
 @dataclass(frozen=True)
+class WorkerState:
+    """One worker process of an engine's pool, as seen at scrape time."""
+
+    worker: int
+    device: str
+    up: bool
+    quality: str | None  # the tier it has mounted; None without acceleration
+    busy: bool = False
+
+
+@dataclass(frozen=True)
 class LiveState:
     """What the engine reports at scrape time (gauges that are read, not counted)."""
 
@@ -50,6 +64,7 @@ class LiveState:
     images_in_flight: int
     quality: str | None  # the tier mounted now; None without an acceleration handle
     qualities: tuple[str, ...]
+    workers: tuple[WorkerState, ...] = ()  # the pool's workers; empty when batches run in-process
 
 
 class _LiveCollector(Collector):
@@ -62,15 +77,28 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily("ditfuse_queue_depth", "")
         yield GaugeMetricFamily("ditfuse_images_in_flight", "")
         yield GaugeMetricFamily("ditfuse_quality_current", "", labels=["quality"])
+        yield GaugeMetricFamily("ditfuse_worker_up", "", labels=["worker", "device"])
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         s = self._read()
         yield GaugeMetricFamily("ditfuse_queue_depth", "Requests waiting to be batched.", value=s.queue_depth)
-        yield GaugeMetricFamily("ditfuse_images_in_flight", "Images in the running batch.", value=s.images_in_flight)
-        g = GaugeMetricFamily("ditfuse_quality_current", "1 for the quality tier currently mounted.", labels=["quality"])
+        yield GaugeMetricFamily("ditfuse_images_in_flight", "Images in the running batch(es).", value=s.images_in_flight)
+        if not s.workers:
+            g = GaugeMetricFamily("ditfuse_quality_current", "1 for the quality tier currently mounted.", labels=["quality"])
+            for q in s.qualities:
+                g.add_metric([q], 1.0 if q == s.quality else 0.0)
+            yield g
+            return
+        g = GaugeMetricFamily(
+            "ditfuse_quality_current", "Live worker processes with this quality tier mounted.", labels=["quality"]
+        )
         for q in s.qualities:
-            g.add_metric([q], 1.0 if q == s.quality else 0.0)
+            g.add_metric([q], float(sum(1 for w in s.workers if w.up and w.quality == q)))
         yield g
+        up = GaugeMetricFamily("ditfuse_worker_up", "1 while the worker process is alive, 0 once it died.", labels=["worker", "device"])
+        for w in s.workers:
+            up.add_metric([str(w.worker), w.device], 1.0 if w.up else 0.0)
+        yield up
 
 
 class EngineMetrics:

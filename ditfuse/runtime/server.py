@@ -5,7 +5,8 @@ Routes
                                   quality) plus seed, num_inference_steps, guidance_scale,
                                   negative_prompt, true_cfg_scale, output_format.
     GET  /v1/models               the one model this server runs.
-    GET  /health                  liveness/readiness (never needs the API key).
+    GET  /health                  liveness/readiness (never needs the API key); with worker
+                                  processes (``--gpus N``) also each worker's device, state, tier.
     GET  /metrics                 Prometheus text (prometheus_client): requests by outcome and
                                   status, queue wait / generation / latency histograms, batch
                                   sizes, quality mounts/unmounts (see runtime/metrics.py).
@@ -478,13 +479,20 @@ def create_app(
     @app.get("/health")
     async def health() -> JSONResponse:
         ok = engine.running and not engine._closing
+        if engine.pool is not None:
+            ok = ok and bool(engine.pool.live())
         body = {
             "status": "ok" if ok else "unavailable",
             "model": engine.model_name,
             "queue_depth": engine.queue_depth,
             "in_flight": engine.in_flight,
-            "quality": None if engine.handle is None else engine.handle.quality.value,
+            "quality": engine.quality,
         }
+        if engine.pool is not None:
+            body["workers"] = [
+                {"worker": w.worker, "device": w.device, "alive": w.up, "quality": w.quality, "busy": w.busy}
+                for w in engine.worker_states()
+            ]
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -561,12 +569,35 @@ def build_engine(
     dtype: str | None = None,
     accelerate: bool = True,
     default_quality: str = "lossless",
+    devices: list[str] | None = None,
+    worker_options: dict[str, Any] | None = None,
     **engine_kwargs: Any,
 ) -> tuple[Engine, str]:
     """Load ``model``, mount ditfuse (unless ``accelerate=False``), wrap it in an Engine.
 
+    With two or more ``devices`` the model is loaded by one worker process per device instead
+    (:class:`~ditfuse.runtime.workers.WorkerPool`, ``worker_options`` passed to it; data
+    parallel) and the engine schedules batches onto them; the summary then has one block per
+    worker. Raises WorkerStartupError (a RuntimeError) if a worker cannot start.
+
     Returns the engine and the acceleration summary (for logging)."""
     from .presets import load_model
+
+    if devices is not None and len(devices) > 1:
+        from .workers import WorkerPool
+
+        pool = WorkerPool(
+            model, devices, dtype=dtype, accelerate=accelerate, default_quality=default_quality, **(worker_options or {})
+        )
+        pool.start()
+        try:
+            engine = Engine(pool.loaded, None, default_quality=default_quality, pool=pool, **engine_kwargs)
+        except BaseException:
+            pool.close()
+            raise
+        return engine, pool.summary()
+    if devices is not None:
+        device = devices[0]
 
     loaded = load_model(model, device=device, dtype=dtype)
     handle = None
@@ -615,15 +646,42 @@ def configure_logging(level: int = logging.INFO) -> None:
         logger.setLevel(level)
 
 
+CONTEXT_PARALLEL_MESSAGE = (
+    "--parallel context: context parallelism in `ditfuse serve` is not implemented yet. To spread one "
+    "generation over several GPUs, use `ditfuse generate --gpus N`, or run the pipeline under torchrun "
+    "with diffusers' enable_parallelism and ditfuse.accelerate (see docs/parallel.md). "
+    "`ditfuse serve --gpus N` serves with data parallelism (one pipeline per GPU, --parallel data)"
+)
+
+
+def _worker_threads(devices: list[str]) -> int | None:
+    """Intra-op threads for CPU workers: the machine's cores shared among them (N workers x all
+    cores of OpenMP threads each would spin against each other); None for GPU workers."""
+    import os
+
+    cpu = sum(1 for d in devices if d == "cpu")
+    if not cpu:
+        return None
+    return max(1, (os.cpu_count() or 1) // cpu)
+
+
 def run(args: Any) -> int:
     import sys
 
     store = None
+    engine = None
     try:
         Quality.parse(args.default_quality)
+        if getattr(args, "parallel", "data") == "context":
+            raise ValueError(CONTEXT_PARALLEL_MESSAGE)
+        from .workers import plan_devices
+
+        devices = plan_devices(getattr(args, "gpus", 1), getattr(args, "devices", None), args.device)
         store = _video_store(args)  # before the (slow) model load: a locked data dir fails fast
         engine, summary = build_engine(
             args.model,
+            devices=devices,
+            worker_options={"threads": _worker_threads(devices)} if devices and len(devices) > 1 else None,
             device=args.device,
             dtype=args.dtype,
             accelerate=not args.no_accelerate,
@@ -641,17 +699,40 @@ def run(args: Any) -> int:
     except (ValueError, RuntimeError, OSError) as e:
         if store is not None:
             store.close()
+        if engine is not None and engine.pool is not None:
+            engine.pool.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
+    try:
+        return _serve(args, engine, summary, videos)
+    finally:
+        if engine.pool is not None:  # normally closed by the engine's shutdown; never leave workers
+            engine.pool.close()
+
+
+def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
+    import sys
+
+    pool = engine.pool
+    if pool is None:
+        print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
+    else:
+        print(f"devices: {', '.join(pool.devices)} (data parallel: {len(pool.workers)} worker processes, "
+              f"{str(engine.loaded.dtype).replace('torch.', '')})")
     print(f"model: {engine.model_name}")
     if engine.loaded.note:
         print(f"NOTE: {engine.loaded.note}")
-    print("accelerated:")
-    for line in summary.strip().splitlines():
-        print(f"  {line}")
+    if pool is None:
+        print("accelerated:")
+        for line in summary.strip().splitlines():
+            print(f"  {line}")
+    else:
+        print("workers (device, dtype, pid; what ditfuse mounted there):")
+        for line in summary.strip().splitlines():
+            print(f"  {line}")
+    lanes = "" if pool is None else f" on each of {len(pool.workers)} workers"
     print(
-        f"batching: up to {engine.max_batch_size} images per call, wait {engine.batch_wait_s * 1000:g} ms, "
+        f"batching: up to {engine.max_batch_size} images per call{lanes}, wait {engine.batch_wait_s * 1000:g} ms, "
         f"queue {engine.max_queue}, {'padded' if engine.pad_batches else 'unpadded'} batches"
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
