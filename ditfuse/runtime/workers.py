@@ -19,9 +19,10 @@ A worker process (``multiprocessing`` "spawn": a fresh interpreter, no CUDA stat
        Video jobs send one progress message per denoising step; the engine stops a batch whose
        requests are all gone by setting the worker's stop flag, which the worker's step callback
        checks (raising :class:`~ditfuse.runtime.engine.BatchAbandoned` at the next step).
-    4. ignores SIGINT (Ctrl-C reaches the whole process group; the server drains its batches and
-       then stops the workers itself) and exits when told to stop or when the server's end of its
-       pipe closes (the server process is gone).
+    4. ignores SIGINT and SIGTERM (Ctrl-C reaches the whole process group, and systemd signals
+       every process of the service; the server drains its batches and then stops the workers
+       itself) and exits when told to stop or when the server's end of its pipe closes (the
+       server process is gone).
 
 Failures
     A pipeline error in a worker comes back as :class:`WorkerBatchError` (the exception's type name
@@ -32,8 +33,9 @@ Failures
     makes :meth:`WorkerPool.start` stop every worker and raise :class:`WorkerStartupError`.
 
 Shutdown
-    :meth:`WorkerPool.close` asks every live worker to stop, joins it, terminates (then kills) one
-    that does not exit within ``stop_timeout_s``, and joins the reader threads: no process is left.
+    :meth:`WorkerPool.close` asks every live worker to stop, joins it, kills (SIGKILL: workers
+    ignore SIGTERM) one that does not exit within ``stop_timeout_s``, and joins the reader threads:
+    no process is left.
     Worker processes are also reaped when the server process exits without closing the pool.
 """
 
@@ -223,9 +225,11 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
             os.environ[key] = value
     env, load_device = worker_environment(spec.device)
     os.environ.update(env)
-    # Ctrl-C goes to the whole process group: the server finishes the running batches and then
-    # stops us, so a worker must not die of it mid-batch.
+    # Ctrl-C goes to the whole process group, and a service manager may SIGTERM every process of
+    # the service: the server finishes the running batches and then stops us, so a worker must not
+    # die of either mid-batch.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import torch
 
@@ -659,8 +663,8 @@ class WorkerPool:
         return "\n".join(out)
 
     def close(self, timeout_s: float | None = None) -> None:
-        """Stop every worker: ask, wait up to ``timeout_s`` (default ``stop_timeout_s``), then
-        terminate and kill; join the reader threads. Idempotent. Call after the engine drained
+        """Stop every worker: ask, wait up to ``timeout_s`` (default ``stop_timeout_s``), then kill
+        (workers ignore SIGTERM); join the reader threads. Idempotent. Call after the engine drained
         (:meth:`Engine.shutdown` does): a batch still running fails with WorkerDied."""
         with self._close_lock:
             if self._closed:
@@ -677,11 +681,8 @@ class WorkerPool:
             w.process.join(max(0.0, deadline - time.monotonic()))
         for w in self.workers:
             if w.process.is_alive():
-                w.process.terminate()
-                w.process.join(5)
-            if w.process.is_alive():
                 w.process.kill()
-                w.process.join(5)
+                w.process.join(10)
         for w in self.workers:
             if w._reader is not None:
                 w._reader.join(10)
