@@ -391,9 +391,7 @@ async def _burst(eng, params):
 
 
 @pytest.mark.slow
-def test_pool_images_equal_the_single_process_engine_bytewise(lanes):
-    from ditfuse.runtime.presets import load_model
-
+def test_pool_images_equal_the_single_process_engine_bytewise(lanes, sync_dir):
     params = [P("a red fox", seed=1234, num_inference_steps=2, n=2), P("zebra", seed=1, num_inference_steps=2),
               P("blue sky", seed=2, num_inference_steps=2, quality="high"), P("green hill", seed=3, num_inference_steps=2)]
     before = len(lanes.engine.batch_log)
@@ -401,27 +399,26 @@ def test_pool_images_equal_the_single_process_engine_bytewise(lanes):
     log = list(lanes.engine.batch_log)[before:]
     assert {b["worker"] for b in log} == {0, 1}  # the first two batches start on both idle lanes
     assert all(b["padded_to"] == 2 for b in log)
-
     assert all("fused ops are unavailable" in w.summary for w in lanes.pool.workers)  # plain diffusers there
-    loaded = load_model("tiny-flux")  # and here (no accelerate: this process runs the interpreter)
 
-    async def single():
-        eng = Engine(loaded, None, max_batch_size=2, batch_wait_ms=50)
-        await eng.start()
-        alone = [await eng.submit(p) for p in params]  # one at a time: other batch-mates
-        await eng.shutdown()
-        return alone
-
-    # Same intra-op thread count as the workers (threads=1): on CPU, GEMM results depend on it
-    # (measured here: 1 of these 5 images differs between 1 and 2 threads).
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    # The reference: one request at a time (other batch-mates) on a fresh single-worker engine
+    # process set up like the pool's workers. Not in this pytest process: on CPU the bits depend on
+    # the intra-op thread count and on process state other tests leave behind (the in-process
+    # comparison failed now and then under xdist).
+    ref_pool = WorkerPool("tiny-flux", ["cpu"], threads=1, runner=RUNNER,
+                          env={"DITFUSE_TEST_SYNC_DIR": str(sync_dir), "TRITON_INTERPRET": None}, start_timeout_s=120)
+    ref_pool.start()
     try:
+        async def single():
+            eng = Engine(ref_pool.loaded, None, pool=ref_pool, max_batch_size=2, batch_wait_ms=50)
+            await eng.start()
+            alone = [await eng.submit(p) for p in params]
+            await eng.shutdown()
+            return alone
+
         alone = run(single())
     finally:
-        torch.set_num_threads(threads)
+        ref_pool.close()
     got = [[_png(g) for g in r] for r in pooled]
     want = [[_png(g) for g in r] for r in alone]
     assert [len(r) for r in got] == [2, 1, 1, 1]
