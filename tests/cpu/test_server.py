@@ -595,7 +595,10 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
 
         def call():
             c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-            result["r"] = c.images.generate(prompt="last one", size="64x64", extra_body={"num_inference_steps": 40, "seed": 9})
+            # Long enough (~5 s on 2 cores) that SIGINT, sent after the checks below, finds it running:
+            # at 64x64 x 40 steps it took ~50 ms and sometimes finished first.
+            result["r"] = c.images.generate(prompt="last one", size="1024x1024",
+                                            extra_body={"num_inference_steps": 200, "seed": 9})
 
         t = threading.Thread(target=call)
         t.start()
@@ -612,7 +615,7 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
         assert "ditfuse_quality_mounts_total 0.0" in text and "ditfuse_quality_unmounts_total 0.0" in text, text
         proc.send_signal(signal.SIGINT)
         t.join(120)
-        assert decode(result["r"].data[0]).size == (64, 64)
+        assert decode(result["r"].data[0]).size == (1024, 1024)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "serving on http://127.0.0.1:" in out

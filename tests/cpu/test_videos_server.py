@@ -109,6 +109,21 @@ def batches(vs) -> list[dict]:
     return list(vs.engine.batch_log)
 
 
+def wait_idle(vs, timeout=60) -> None:
+    """Until nothing runs or waits and the batch log has been still for 0.2 s: a job failed by its
+    timeout, say, leaves its batch running until the next step notices (and then logs it)."""
+    deadline = time.monotonic() + timeout
+    n, still_since = -1, time.monotonic()
+    while True:
+        busy = vs.engine.in_flight or vs.engine.queue_depth
+        if busy or len(vs.engine.batch_log) != n:
+            n, still_since = len(vs.engine.batch_log), time.monotonic()
+        elif time.monotonic() - still_since >= 0.2:
+            return
+        assert time.monotonic() < deadline, "the engine did not go idle"
+        time.sleep(0.02)
+
+
 def wait_status(c, video_id, statuses, timeout=60):
     deadline = time.monotonic() + timeout
     while True:
@@ -306,6 +321,7 @@ async def _image(ac, prompt, size, quality, seed):
 
 
 def test_mixed_image_and_video_traffic_with_mixed_quality(vs):
+    wait_idle(vs)  # a batch an earlier test left running must not land in this test's count
     before = len(batches(vs))
     videos = [(f"v{i}", "32x32" if i % 2 else "48x32", 5, ["lossless", "high"][i // 2 % 2], i) for i in range(8)]
     images = [(f"i{i}", "32x32", ["lossless", "high", "hd", "low"][i % 4], i) for i in range(8)]
