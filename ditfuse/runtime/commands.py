@@ -61,8 +61,8 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest accepted request body")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    par = p.add_argument_group("several GPUs (data parallel: one worker process and pipeline per device, "
-                               "one queue; docs/serving.md)")
+    par = p.add_argument_group("several GPUs (data parallel: one worker process and pipeline per device, one "
+                               "queue; context parallel: every request spread over all devices; docs/serving.md)")
     par.add_argument("--gpus", type=int, default=1,
                      help="GPUs to serve on: N > 1 starts one worker process per GPU (cuda:0..N-1), each with its "
                           "own copy of the pipeline, fed from one queue")
@@ -70,8 +70,12 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="comma-separated devices, one worker process each (e.g. cuda:0,cuda:2 or cpu,cpu); "
                           "overrides --gpus")
     par.add_argument("--parallel", choices=("data", "context"), default="data",
-                     help="how several GPUs share the work: data (one pipeline per GPU, whole requests each); "
-                          "context is not implemented in serve yet (see docs/parallel.md)")
+                     help="how several GPUs share the work: data (one pipeline per GPU, whole requests each, "
+                          "N at once) or context (one group: each request's transformer sequence split over "
+                          "all devices with diffusers' context parallelism; for long videos)")
+    par.add_argument("--parallel-mode", choices=("ulysses", "ring"), default="ulysses",
+                     help="--parallel context: attention across the devices, ulysses (all-to-all over heads) "
+                          "or ring (GPUs only)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
     p.add_argument("--no-access-log", action="store_true", help="no per-request log line (ditfuse.access logger, stderr)")

@@ -116,39 +116,61 @@ class Rank:
 def init_rank(plan: ParallelPlan) -> Rank:
     """Join the process group torchrun set up (NCCL on GPUs, gloo on CPU) and pick this rank's
     device."""
-    import torch
-    import torch.distributed as dist
-
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != plan.world:
         raise RuntimeError(f"launched with {world} processes for {plan.world} devices")
     device = plan.devices[int(os.environ.get("LOCAL_RANK", rank))]
-    if plan.cuda:
+    join_group(rank, world, device)
+    return Rank(rank, world, device, plan)
+
+
+def join_group(rank: int, world: int, device: str, init_method: str | None = None) -> None:
+    """Make ``device`` this process' device and join the default process group (NCCL for a GPU,
+    gloo for the CPU); ``init_method`` None reads torchrun's environment."""
+    import torch
+    import torch.distributed as dist
+
+    if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     else:
         # diffusers 0.42.1's enable_parallelism computes rank % torch.accelerator.device_count(),
         # which is 0 without an accelerator; CPU ranks (tests, debugging) count as one device.
         torch.accelerator.device_count = lambda: 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if plan.cuda else "gloo")
-    return Rank(rank, world, device, plan)
+        kw = {} if init_method is None else {"init_method": init_method, "rank": rank, "world_size": world}
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", **kw)
 
 
-def enable_context_parallel(pipe: Any, rank: Rank) -> list[str]:
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on any (a collective: every rank must call it at
+    the same point, e.g. the per-step stop check of a context-parallel batch, so that all ranks
+    stop at the same step instead of one waiting forever in the next all-to-all)."""
+    import torch
+    import torch.distributed as dist
+
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def enable_context_parallel(pipe: Any, rank: Rank | None = None, *, mode: str | None = None,
+                            world: int | None = None) -> list[str]:
     """diffusers' context parallelism on every component of ``pipe`` that has a context-parallel
-    plan (its transformers); returns their names. Ring attention gets the cuDNN backend when the
-    model still uses the default (native SDPA returns no log-sum-exp)."""
+    plan (its transformers); returns their names. Ring attention gets the cuDNN backend (native
+    SDPA returns no log-sum-exp). ``rank`` gives the mode and world size, or pass them."""
     import torch
     from diffusers import ContextParallelConfig
 
+    mode = mode or rank.plan.mode
+    world = world or rank.world
     done = []
     for name, comp in (getattr(pipe, "components", None) or {}).items():
         if not isinstance(comp, torch.nn.Module) or getattr(comp, "_cp_plan", None) is None:
             continue
-        if rank.plan.mode == "ring":
+        if mode == "ring":
             comp.set_attention_backend("_native_cudnn")
-        cfg = (ContextParallelConfig(ulysses_degree=rank.world) if rank.plan.mode == "ulysses"
-               else ContextParallelConfig(ring_degree=rank.world))
+        cfg = ContextParallelConfig(ulysses_degree=world) if mode == "ulysses" else ContextParallelConfig(ring_degree=world)
         comp.enable_parallelism(config=cfg)
         done.append(name)
     if not done:

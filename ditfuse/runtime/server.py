@@ -571,6 +571,8 @@ def build_engine(
     default_quality: str = "lossless",
     devices: list[str] | None = None,
     worker_options: dict[str, Any] | None = None,
+    parallel: str = "data",
+    parallel_mode: str = "ulysses",
     **engine_kwargs: Any,
 ) -> tuple[Engine, str]:
     """Load ``model``, mount ditfuse (unless ``accelerate=False``), wrap it in an Engine.
@@ -578,17 +580,23 @@ def build_engine(
     With two or more ``devices`` the model is loaded by one worker process per device instead
     (:class:`~ditfuse.runtime.workers.WorkerPool`, ``worker_options`` passed to it; data
     parallel) and the engine schedules batches onto them; the summary then has one block per
-    worker. Raises WorkerStartupError (a RuntimeError) if a worker cannot start.
+    worker. ``parallel="context"``: the devices form one context-parallel group instead
+    (:class:`~ditfuse.runtime.workers.ContextPool`, attention ``parallel_mode``), one lane whose
+    every batch runs on all of them. Raises WorkerStartupError (a RuntimeError) if a worker cannot start.
 
     Returns the engine and the acceleration summary (for logging)."""
     from .presets import load_model
 
     if devices is not None and len(devices) > 1:
-        from .workers import WorkerPool
+        from .workers import ContextPool, WorkerPool
 
-        pool = WorkerPool(
-            model, devices, dtype=dtype, accelerate=accelerate, default_quality=default_quality, **(worker_options or {})
-        )
+        if parallel == "context":
+            pool = ContextPool(model, devices, mode=parallel_mode, dtype=dtype, accelerate=accelerate,
+                               default_quality=default_quality, **(worker_options or {}))
+        else:
+            pool = WorkerPool(
+                model, devices, dtype=dtype, accelerate=accelerate, default_quality=default_quality, **(worker_options or {})
+            )
         pool.start()
         try:
             engine = Engine(pool.loaded, None, default_quality=default_quality, pool=pool, **engine_kwargs)
@@ -646,14 +654,6 @@ def configure_logging(level: int = logging.INFO) -> None:
         logger.setLevel(level)
 
 
-CONTEXT_PARALLEL_MESSAGE = (
-    "--parallel context: context parallelism in `ditfuse serve` is not implemented yet. To spread one "
-    "generation over several GPUs, use `ditfuse generate --gpus N`, or run the pipeline under torchrun "
-    "with diffusers' enable_parallelism and ditfuse.accelerate (see docs/parallel.md). "
-    "`ditfuse serve --gpus N` serves with data parallelism (one pipeline per GPU, --parallel data)"
-)
-
-
 def _worker_threads(devices: list[str]) -> int | None:
     """Intra-op threads for CPU workers: the machine's cores shared among them (N workers x all
     cores of OpenMP threads each would spin against each other); None for GPU workers."""
@@ -672,16 +672,20 @@ def run(args: Any) -> int:
     engine = None
     try:
         Quality.parse(args.default_quality)
-        if getattr(args, "parallel", "data") == "context":
-            raise ValueError(CONTEXT_PARALLEL_MESSAGE)
         from .workers import plan_devices
 
         devices = plan_devices(getattr(args, "gpus", 1), getattr(args, "devices", None), args.device)
+        parallel = getattr(args, "parallel", "data")
+        if parallel == "context" and (devices is None or len(devices) < 2):
+            raise ValueError("--parallel context spreads each request over several devices: give --gpus N "
+                             "(N >= 2) or --devices LIST")
         store = _video_store(args)  # before the (slow) model load: a locked data dir fails fast
         engine, summary = build_engine(
             args.model,
             devices=devices,
             worker_options={"threads": _worker_threads(devices)} if devices and len(devices) > 1 else None,
+            parallel=parallel,
+            parallel_mode=getattr(args, "parallel_mode", "ulysses"),
             device=args.device,
             dtype=args.dtype,
             accelerate=not args.no_accelerate,
@@ -717,8 +721,9 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
     if pool is None:
         print(f"device: {engine.loaded.device} ({str(engine.loaded.dtype).replace('torch.', '')})")
     else:
-        print(f"devices: {', '.join(pool.devices)} (data parallel: {len(pool.workers)} worker processes, "
-              f"{str(engine.loaded.dtype).replace('torch.', '')})")
+        kind = (f"context parallel ({pool.mode}): every request on all {len(pool.devices)} devices"
+                if hasattr(pool, "mode") else f"data parallel: {len(pool.workers)} worker processes")
+        print(f"devices: {', '.join(pool.devices)} ({kind}, {str(engine.loaded.dtype).replace('torch.', '')})")
     print(f"model: {engine.model_name}")
     if engine.loaded.note:
         print(f"NOTE: {engine.loaded.note}")
@@ -730,7 +735,7 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
         print("workers (device, dtype, pid; what ditfuse mounted there):")
         for line in summary.strip().splitlines():
             print(f"  {line}")
-    lanes = "" if pool is None else f" on each of {len(pool.workers)} workers"
+    lanes = "" if pool is None or len(pool.workers) == 1 else f" on each of {len(pool.workers)} workers"
     print(
         f"batching: up to {engine.max_batch_size} images per call{lanes}, wait {engine.batch_wait_s * 1000:g} ms, "
         f"queue {engine.max_queue}, {'padded' if engine.pad_batches else 'unpadded'} batches"

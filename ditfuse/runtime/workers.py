@@ -206,6 +206,9 @@ class WorkerSpec:
     # Extra environment for the worker (None removes a variable); applied before the device and
     # multicast variables, which always win.
     env: tuple[tuple[str, str | None], ...] = ()
+    # A member of a context-parallel group (ContextPool): (rank, world size, the process group's
+    # init_method, the attention mode "ulysses" | "ring"); None for a data-parallel worker.
+    group: tuple[int, int, str, str] | None = None
 
 
 def _resolve(path: str) -> Callable[..., Any]:
@@ -244,7 +247,16 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
         from .presets import load_model
 
         runner = _resolve(spec.runner) if spec.runner else run_batch
+        if spec.group is not None:
+            from .distributed import join_group
+
+            rank, world, init_method, _mode = spec.group
+            join_group(rank, world, load_device, init_method)
         loaded = load_model(spec.model, device=load_device, dtype=spec.dtype)
+        if spec.group is not None:
+            from .distributed import enable_context_parallel
+
+            enable_context_parallel(loaded.pipe, mode=spec.group[3], world=spec.group[1])
         handle = None
         summary = "nothing (acceleration disabled)"
         if spec.accelerate:
@@ -265,7 +277,7 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
     }
     if not _send(conn, ("ready", ready)):
         return
-    _serve(conn, stop, loaded, handle, runner)
+    _serve(conn, stop, loaded, handle, runner, group=spec.group is not None)
 
 
 def _send(conn: Any, msg: tuple) -> bool:
@@ -276,8 +288,13 @@ def _send(conn: Any, msg: tuple) -> bool:
         return False
 
 
-def _serve(conn: Any, stop: Any, loaded: Any, handle: Any, runner: Callable[..., Any]) -> None:
+def _serve(conn: Any, stop: Any, loaded: Any, handle: Any, runner: Callable[..., Any], group: bool = False) -> None:
+    """The batch loop. ``group``: this worker is one rank of a context-parallel group, whose
+    members stop a batch together (the stop check is a collective, see distributed.any_rank)."""
     from .engine import mounted_sites, transition_info
+
+    if group:
+        from .distributed import any_rank
 
     while True:
         try:
@@ -300,7 +317,10 @@ def _serve(conn: Any, stop: Any, loaded: Any, handle: Any, runner: Callable[...,
 
                 def on_step(i: int, total: int, _id: int = batch_id) -> None:
                     conn.send(("progress", _id, i, total))
-                    if stop.value == _id:
+                    stopped = stop.value == _id
+                    if group:
+                        stopped = any_rank(stopped)
+                    if stopped:
                         raise BatchAbandoned("stopped by the server")
 
                 kw["on_step"] = on_step
@@ -706,3 +726,167 @@ class WorkerPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism in serve: one request spread over every device.
+
+
+class GroupLane:
+    """One engine lane made of the N member workers of a context-parallel group (ContextPool).
+
+    Every batch goes to every member (each runs the whole pipeline with the same seeds; diffusers'
+    hooks split the transformer's sequence across them and gather its output), and rank 0's
+    images are the batch's result. The members stop a cancelled video batch at the same step (the
+    stop check is a collective). A member that dies leaves the others blocked in the group's next
+    collective, so the lane kills them all: the group is dead, and its batch fails with
+    WorkerDied naming the member that died first."""
+
+    def __init__(self, members: list[Worker]) -> None:
+        self.members = members
+        self.index = 0
+        self.device = ",".join(m.device for m in members)
+        self._listeners: list[Callable[[Any], None]] = []
+        self._first_dead: Worker | None = None
+        self._dead_lock = threading.Lock()
+        for m in members:
+            m._listeners.append(self._member_exited)
+
+    # the attributes the engine reads from a lane
+    @property
+    def alive(self) -> bool:
+        return all(m.alive for m in self.members)
+
+    @property
+    def quality(self) -> Quality | None:
+        return self.members[0].quality
+
+    @property
+    def pid(self) -> int | None:
+        return self.members[0].pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self._first_dead is None else self._first_dead.exitcode
+
+    @property
+    def name(self) -> str:
+        return f"context-parallel group ({self.device}; pids {', '.join(str(m.pid) for m in self.members)})"
+
+    def exit_description(self) -> str:
+        if self._first_dead is None:
+            return f"{self.name} is alive"
+        return f"{self.name} stopped: {self._first_dead.exit_description()}"
+
+    def _member_exited(self, member: Worker) -> None:
+        with self._dead_lock:
+            first = self._first_dead is None
+            if first:
+                self._first_dead = member
+        if not first:
+            return
+        for m in self.members:  # the others would wait forever in the group's next collective
+            if m is not member and m.process.is_alive():
+                m.process.kill()
+        for listener in list(self._listeners):
+            try:
+                listener(self)
+            except RuntimeError:  # the engine's loop is closed
+                pass
+
+    async def run(
+        self,
+        batch_id: int,
+        quality: Quality,
+        slots: Sequence[tuple[SamplingParams, int]],
+        pad_to: int | None,
+        on_step: Callable[[int, int], None] | None = None,
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Run the batch on every member; rank 0's ``(images, info)``. Raises as Worker.run."""
+        if not self.alive:
+            raise WorkerDied(f"{self.exit_description()}; batch {batch_id} did not run")
+        # Every member must install the per-step callback (it holds the collective stop check);
+        # progress is reported from rank 0 only.
+        quiet = None if on_step is None else (lambda i, total: None)
+        runs = [m.run(batch_id, quality, slots, pad_to, on_step if r == 0 else quiet) for r, m in enumerate(self.members)]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        died = next((r for r in results if isinstance(r, WorkerDied)), None)
+        if died is not None:
+            raise WorkerDied(f"{self.exit_description()} while running batch {batch_id}")
+        if isinstance(results[0], BaseException):
+            raise results[0]
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:  # rank 0 finished, another rank failed: the ranks disagree
+            raise WorkerBatchError(f"a rank of {self.name} failed where rank 0 did not: {failed}", type(failed).__name__)
+        return results[0]
+
+    def stop(self, batch_id: int, reason: str) -> None:
+        for m in self.members:
+            m.stop(batch_id, reason)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ContextPool(WorkerPool):
+    """``ditfuse serve --parallel context``: the N devices form one torch.distributed group (NCCL
+    on GPUs, gloo on CPU, rendezvous on a loopback TCP port) and serve as ONE lane: each batch runs
+    on all of them with diffusers' context parallelism (``mode``: ulysses or ring) on every
+    transformer, ditfuse mounted in every member. For one large request (a long video) at a
+    time; ``--parallel data`` serves more requests at once instead. See :class:`GroupLane`."""
+
+    def __init__(self, model: str, devices: Sequence[str], *, mode: str = "ulysses", **kw: Any) -> None:
+        super().__init__(model, devices, **kw)
+        if len(self.devices) < 2:
+            raise ValueError("context parallelism needs at least 2 devices")
+        kinds = {d.split(":")[0] for d in self.devices}
+        if len(kinds) > 1:
+            raise ValueError(f"a context-parallel group takes devices of one kind, got {', '.join(self.devices)}")
+        if mode not in ("ulysses", "ring"):
+            raise ValueError(f"--parallel-mode must be ulysses or ring, got {mode!r}")
+        if mode == "ring" and kinds == {"cpu"}:
+            raise ValueError("ring attention needs a GPU attention backend that returns the log-sum-exp; "
+                             "on CPU use --parallel-mode ulysses")
+        self.mode = mode
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        world = len(self.devices)
+        self.specs = [dataclasses.replace(spec, group=(spec.index, world, init, mode)) for spec in self.specs]
+        self.members: list[Worker] = []
+
+    def start(self) -> None:
+        super().start()
+        self.members = self.workers
+        self.workers = [GroupLane(self.members)]  # the engine's lanes
+
+    def live(self) -> list[Any]:
+        return [lane for lane in self.workers if lane.alive]
+
+    def add_exit_listener(self, listener: Callable[[Any], None]) -> None:
+        for lane in self.workers:
+            lane._listeners.append(listener)
+
+    def summary(self) -> str:
+        head = f"context-parallel group ({self.mode}) over {len(self.members or self.specs)} ranks"
+        return "\n".join([head, *("  " + line for line in self._member_summary().splitlines())])
+
+    def _member_summary(self) -> str:
+        lanes, self.workers = self.workers, self.members
+        try:
+            return super().summary()
+        finally:
+            self.workers = lanes
+
+    def close(self, timeout_s: float | None = None) -> None:
+        if not self.members:
+            super().close(timeout_s)
+            return
+        lanes, self.workers = self.workers, self.members
+        try:
+            super().close(timeout_s)
+        finally:
+            self.workers = lanes

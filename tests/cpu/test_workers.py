@@ -557,15 +557,6 @@ def test_a_worker_that_cannot_start_is_a_clean_error_and_leaves_no_process(tiny_
 # The command line.
 
 
-def test_serve_parallel_context_is_a_clear_error(capsys):
-    from ditfuse.runtime import cli
-
-    assert cli.main(["serve", "--parallel", "context", "--devices", "cpu,cpu"]) == 2
-    err = capsys.readouterr().err
-    assert "context parallelism in `ditfuse serve` is not implemented yet" in err
-    assert "docs/parallel.md" in err and "enable_parallelism" in err and "torchrun" in err
-
-
 def test_serve_more_gpus_than_visible_is_a_clear_error(capsys):
     from ditfuse.runtime import cli
     from ditfuse.runtime.workers import visible_cuda_devices
