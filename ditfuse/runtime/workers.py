@@ -861,14 +861,9 @@ class ContextPool(WorkerPool):
     def start(self) -> None:
         super().start()
         self.members = self.workers
-        self.workers = [GroupLane(self.members)]  # the engine's lanes
-
-    def live(self) -> list[Any]:
-        return [lane for lane in self.workers if lane.alive]
-
-    def add_exit_listener(self, listener: Callable[[Any], None]) -> None:
-        for lane in self.workers:
-            lane._listeners.append(listener)
+        # The engine's lanes (WorkerPool.live / add_exit_listener work on them unchanged: a lane
+        # has ``alive`` and ``_listeners`` like a Worker).
+        self.workers = [GroupLane(self.members)]
 
     def summary(self) -> str:
         head = f"context-parallel group ({self.mode}) over {len(self.members or self.specs)} ranks"
