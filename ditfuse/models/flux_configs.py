@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .families import Family, parse_size
+from .image_family_configs import unpack_2x2
 
 # FLUX.1-dev: 19 dual + 38 single blocks, width 3072 (24 heads x 128), T5 width 4096.
 DEV = dict(
@@ -54,12 +55,7 @@ def _timestep(sigma: float, batch: int, device: Any, dtype: Any) -> Any:
     return torch.full((batch,), sigma, device=device, dtype=dtype)  # the pipeline passes t / 1000
 
 
-def _to_images(latent: Any) -> Any:
-    """FLUX's _unpack_latents for a square token grid: [N, h*w, C*4] -> [N, C, 2h, 2w]."""
-    n, tokens, c4 = latent.shape
-    side = int(round(tokens ** 0.5))
-    h = w = side
-    return latent.view(n, h, w, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c4 // 4, h * 2, w * 2)
+_to_images = unpack_2x2  # FLUX's _unpack_latents for a square token grid
 
 
 FAMILY = Family(

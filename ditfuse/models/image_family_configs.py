@@ -204,3 +204,31 @@ def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int
             return_dict=False,
         )
     raise KeyError(name)
+
+
+def input_maker(name: str, default_txt_tokens: int):
+    """A :class:`~ditfuse.models.families.Family` ``make_inputs`` for family ``name``: one step's
+    :func:`step_inputs` at a ``WxH`` size, built on the CPU (same values on every device) and moved
+    to ``device``."""
+
+    def make_inputs(model: Any, batch: int = 1, size: str = "1024x1024", seed: int = 0, device: str = "cuda",
+                    dtype: Any = None, txt_tokens: int = default_txt_tokens) -> dict[str, Any]:
+        import torch
+
+        from .families import parse_size
+
+        W, H = parse_size(size, 2)
+        kw = step_inputs(name, model, batch=batch, height=H, width=W, text_tokens=txt_tokens,
+                         dtype=dtype or torch.bfloat16, device="cpu", seed=seed + 1)
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+    return make_inputs
+
+
+def unpack_2x2(latent: Any) -> Any:
+    """[N, h*w, 4C] packed 2x2 patches on a square grid -> [N, C, 2h, 2w] (the pipelines'
+    unpacking; FLUX.1, FLUX.2, Qwen-Image)."""
+    n, tokens, c4 = latent.shape
+    side = int(round(tokens ** 0.5))
+    return latent.view(n, side, side, c4 // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(n, c4 // 4, side * 2, side * 2)
+

@@ -12,20 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from . import image_family_configs as ifc
-from .families import Family, parse_size
+from .families import Family
 
 _IFC_NAME = {"tiny": "sd35", "tiny-sd3": "sd3", "dev": "sd35_large", "medium": "sd35_medium",
              "sd3-medium": "sd3_medium"}
 
 
-def make_inputs(model: Any, batch: int = 1, size: str = "1024x1024", seed: int = 0, device: str = "cuda",
-                dtype: Any = None, txt_tokens: int = 333) -> dict[str, Any]:
-    import torch
-
-    W, H = parse_size(size, 2)
-    kw = ifc.step_inputs("sd3", model, batch=batch, height=H, width=W, text_tokens=txt_tokens,
-                         dtype=dtype or torch.bfloat16, device="cpu", seed=seed + 1)
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+make_inputs = ifc.input_maker("sd3", 333)
 
 
 def _timestep(sigma: float, batch: int, device: Any, dtype: Any) -> Any:
