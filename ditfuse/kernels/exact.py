@@ -105,12 +105,40 @@ def qk_rmsnorm_across_heads_rope_fp64(
     return q64, k64
 
 
+def _rope_complex_fp64(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    c = freqs.real.to(torch.float64)[None, :, None, :]
+    d = freqs.imag.to(torch.float64)[None, :, None, :]
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(3)
+
+
+def qk_rmsnorm_diffusers_rope_complex_fp64(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    freqs: torch.Tensor | None, eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None, k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None, k_txt_weight: torch.Tensor | None = None,
+    txt_freqs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm, complex RoPE with each stream's own table, text-first concat; fp64."""
+
+    def one(x, w, f):
+        y = _rms_fp64(x, w, eps)
+        return y if f is None else _rope_complex_fp64(y, f)
+
+    q64, k64 = one(q, q_weight, freqs), one(k, k_weight, freqs)
+    if q_txt is not None:
+        q64 = torch.cat([one(q_txt, q_txt_weight, txt_freqs), q64], dim=1)
+        k64 = torch.cat([one(k_txt, k_txt_weight, txt_freqs), k64], dim=1)
+    return q64, k64
+
+
 __all__ = [
     "layer_norm_fp64",
     "layernorm_modulate_fp64",
     "gate_residual_layernorm_modulate_fp64",
     "qk_rmsnorm_rope_fp64",
     "qk_rmsnorm_across_heads_rope_fp64",
+    "qk_rmsnorm_diffusers_rope_complex_fp64",
 ]
 
 

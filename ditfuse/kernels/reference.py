@@ -524,6 +524,26 @@ def qk_rmsnorm_diffusers_rope_complex_cat(
     return q, k
 
 
+def qk_rmsnorm_diffusers_rope_complex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+    txt_freqs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of op ``rope.qk_rmsnorm_diffusers_rope_complex``: the kernel's signature (eps
+    defaults to 1e-6, no ``norm`` switch) over :func:`qk_rmsnorm_diffusers_rope_complex_cat`."""
+    return qk_rmsnorm_diffusers_rope_complex_cat(
+        q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, txt_freqs
+    )
+
+
 def qk_rmsnorm_diffusers_cat_heads_first(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -566,5 +586,6 @@ __all__ += [
     "fma32",
     "rope_complex_fma_model",
     "qk_rmsnorm_diffusers_rope_complex_cat",
+    "qk_rmsnorm_diffusers_rope_complex",
     "qk_rmsnorm_diffusers_cat_heads_first",
 ]

@@ -23,6 +23,10 @@ in an [R, N] tile: the FLUX per-head norm); :func:`rms_fold_rows` step 2 for per
 out [128, R] (any N: the kernel accumulates several vectors per thread first, the Wan norm over
 all heads); :func:`rms_rstd` step 3's scalar part.
 
+:func:`rms_sumsq_reduce_order` is the other order torch uses for a sum of squares: its generic
+reduction (``x.float().pow(2).mean(-1)``, diffusers' ``RMSNorm``), lanes folded over adjacent
+pairs.
+
 Under ``TRITON_INTERPRET=1`` inline PTX does not run and ``tl.fma`` rounds twice: :func:`fma_rn`
 computes through fp64 there (exact for bf16/fp16 squares; for fp32 one fp64 rounding then one
 fp32 rounding, correct except in rare double-rounding cases) and :func:`rsqrt_approx` is numpy's
@@ -121,3 +125,99 @@ def rms_fold_rows(acc, R: tl.constexpr):
         return tl.reshape(s, [R])
     else:
         return tl.sum(acc, axis=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# torch's generic reduction order (``x.pow(2).mean(-1)``: diffusers' RMSNorm)
+
+
+@triton.jit
+def _fold_pairs(s, A: tl.constexpr, L: tl.constexpr):
+    """[A, L] -> [A, L // 2]: column i gets ``s[:, 2i] + s[:, 2i + 1]`` (one step of a shfl-down
+    tree at offsets 1, 2, 4, ...: lane i adds lane i + offset, so the tree pairs adjacent lanes)."""
+    lo, hi = tl.split(tl.reshape(s, [A, L // 2, 2]))
+    return lo + hi
+
+
+@triton.jit
+def _quarters(t, A: tl.constexpr, M: tl.constexpr):
+    """[A, M, 4] -> four [A, M]: element 0, 1, 2, 3 of the last axis."""
+    t02, t13 = tl.split(tl.reshape(t, [A, M, 2, 2]))
+    t0, t2 = tl.split(t02)
+    t1, t3 = tl.split(t13)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def rms_sumsq_reduce_order(sq, R: tl.constexpr, DP: tl.constexpr, W: tl.constexpr, VEC: tl.constexpr):
+    """Row sums of ``sq`` ([R, DP] fp32 squares, padding columns zero) in the order of torch's
+    generic CUDA reduction (aten/src/ATen/native/cuda/Reduce.cuh) over a contiguous last dim,
+    as ``x.float().pow(2).mean(-1)`` runs it (MeanOps: plain adds, ``ident = 0``); returns [R].
+
+    Launch (``setReduceConfig``, reduction on the fastest-striding dim): ``dim0 = D`` inputs per
+    output, or ``D / 4`` 4-element vectors when ``D > 128`` (``vectorize_input``); ``dim1`` = the
+    number of outputs (rows). ``set_block_dimension``: ``block_width = min(last_pow2(dim0), 32)``,
+    ``block_height = min(last_pow2(dim1), 512 / block_width)``, then ``block_width =
+    min(last_pow2(dim0), 512 / block_height)``: W = 32 lanes per row once there are >= 16 rows,
+    up to 512 for fewer rows. The input is split across the W lanes (``step_input = W``); the
+    host rejects the warp split (``values_per_thread >= min(16 * block_height, 256)``), so each
+    row is reduced by W lanes of one block row. W is computed on the host (``W`` here).
+
+    Per lane l (``VEC == 1``, ``thread_reduce_impl``, vt0 = 4 accumulators): the lane's elements
+    l, l + W, l + 2W, ... go to accumulator ``j % 4`` in turn, each starting from 0; for D <= 128
+    a lane has at most four, so ``acc = ((e0 + e1) + e2) + e3`` (missing ones are 0).
+    ``VEC == 4`` (``input_vectorized_thread_reduce_impl``; rows start 16-byte aligned because the
+    squares are a fresh contiguous fp32 tensor and D % 4 == 0): the lane reads vectors
+    l, l + W, ... (vector v = elements 4v .. 4v + 3); accumulator j sums element j of each in
+    order; then ``acc = ((a0 + a1) + a2) + a3``.
+
+    Lanes then fold (``block_x_reduce``): for W > 32 through shared memory at offsets W/2, ...,
+    32 (lane i adds lane i + offset: :func:`_fold_half`), then ``warp_shfl_down`` at offsets 1, 2,
+    4, 8, 16 (< W): lane i adds lane i + offset, a tree over adjacent lanes (:func:`_fold_pairs`)
+    -- the opposite pairing of the layer-norm fold in :func:`rms_sumsq_torch_order`. Lane 0 holds
+    the row's sum. Padding zeros only ever add 0 to a non-negative (or NaN) sum: exact."""
+    if VEC == 1:
+        NJ: tl.constexpr = DP // W  # elements per lane (<= 4 for D <= 128)
+        if NJ == 1:
+            lane = tl.reshape(sq, [R, W])
+        elif NJ == 2:
+            a0, a1 = tl.split(tl.permute(tl.reshape(sq, [R, 2, W]), (0, 2, 1)))
+            lane = a0 + a1
+        else:
+            tl.static_assert(NJ == 4, "more than 4 elements per lane (D > 128 is vectorized)")
+            a0, a1, a2, a3 = _quarters(tl.permute(tl.reshape(sq, [R, 4, W]), (0, 2, 1)), R, W)
+            lane = ((a0 + a1) + a2) + a3
+    else:
+        NV: tl.constexpr = DP // (4 * W)  # vectors per lane, padded
+        if NV == 1:
+            acc = tl.reshape(sq, [R, W * 4])
+        else:
+            t = tl.reshape(sq, [R, NV, W * 4])
+            m = tl.arange(0, NV)
+            acc = tl.zeros([R, W * 4], tl.float32)
+            for v in tl.static_range(NV):
+                # The lane's v-th vector: a sum of one element and zeros, exact.
+                acc = acc + tl.sum(tl.where((m == v)[None, :, None], t, 0.0), axis=1)
+        a0, a1, a2, a3 = _quarters(tl.reshape(acc, [R, W, 4]), R, W)
+        lane = ((a0 + a1) + a2) + a3
+    s = lane
+    if W >= 512:
+        s = _fold_half(s, R, 512)
+    if W >= 256:
+        s = _fold_half(s, R, 256)
+    if W >= 128:
+        s = _fold_half(s, R, 128)
+    if W >= 64:
+        s = _fold_half(s, R, 64)
+    LW: tl.constexpr = W if W < 32 else 32
+    if LW >= 2:
+        s = _fold_pairs(s, R, LW)
+    if LW >= 4:
+        s = _fold_pairs(s, R, LW // 2)
+    if LW >= 8:
+        s = _fold_pairs(s, R, LW // 4)
+    if LW >= 16:
+        s = _fold_pairs(s, R, LW // 8)
+    if LW >= 32:
+        s = _fold_pairs(s, R, LW // 16)
+    return tl.reshape(s, [R])

@@ -1,6 +1,7 @@
 """rope: QK RMSNorm + rotary embeddings — the op descriptors. Data only.
 
-Kernels: qk_rmsnorm_rope_triton.py (FLUX: per-head norm, text/image concat, interleaved RoPE) and
+Kernels: qk_rmsnorm_rope_triton.py (FLUX: per-head norm, text/image concat, interleaved RoPE;
+and, in the same kernel body, Qwen-Image's diffusers-RMSNorm + complex RoPE) and
 qk_rmsnorm_across_heads_rope_triton.py (Wan: one norm over all heads, pair RoPE), each with both
 contracts in one kernel body.
 """
@@ -58,5 +59,25 @@ QK_RMSNORM_ACROSS_HEADS_ROPE_FP32 = OpDescriptor(
     lossless=QK_RMSNORM_ACROSS_HEADS_ROPE,
 )
 
+QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX = OpDescriptor(
+    op="rope.qk_rmsnorm_diffusers_rope_complex",
+    contract=Contract.BIT_EXACT,
+    replaces="r(rope_c(RMS_d(q|k))) per stream (own complex freqs), written into the joint "
+             "[B, S_txt+S_img, H, D]",
+    summary="diffusers RMSNorm (two roundings, torch's mean order and factor) + complex64 RoPE "
+            "with per-stream tables (Qwen-Image), writes the concatenated q/k",
+    reference=f"{_REF}:qk_rmsnorm_diffusers_rope_complex",
+    exact=f"{_EXACT}:qk_rmsnorm_diffusers_rope_complex_fp64",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_diffusers_rope_complex"),),
+    key=(K("q", dims=(-1,)), K("k"), K("q_weight"), K("k_weight"), K("freqs"), K("eps", value=True),
+         K("q_txt"), K("k_txt"), K("q_txt_weight"), K("k_txt_weight"), K("txt_freqs")),
+    key_note="head_dim fixes the mean's reduction and the RoPE pairing. Each stream's row count "
+             "B*S*H also enters torch's mean: its fp32 factor rows/numel (r32(1/D) unless rows "
+             "times D's odd part reaches 2^24; never for D = 128) and, below 16 rows, more lanes "
+             "per row. The kernel derives both from each call's shapes as torch's launch does "
+             "(CPU: against the simulation; GPU: against eager down to 1-row streams), so they stay "
+             "out of the key: sequence lengths change with every prompt",
+)
+
 DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_RMSNORM_ACROSS_HEADS_ROPE,
-               QK_RMSNORM_ACROSS_HEADS_ROPE_FP32)
+               QK_RMSNORM_ACROSS_HEADS_ROPE_FP32, QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX)

@@ -22,17 +22,35 @@ RMSNorm + cat; without text inputs (single blocks) it is RMSNorm (+ RoPE) of q a
 One launch handles q and k, text and image: each program takes a block of output rows
 (b, s, h) of the joint [B, S_txt + S_img, H, D] tensors, loads each row from the text or the image
 input (any strides), and loads cos/sin once for q and k.
+
+The same kernel body, with constexpr switches, is also ``qk_rmsnorm_diffusers_rope_complex``
+(Qwen-Image's ``QwenDoubleStreamAttnProcessor2_0``: diffusers' own ``RMSNorm`` and complex RoPE
+with per-stream tables, ``NORM=1, ROPE=2``)::
+
+    ms  = r32(sum(r32(x*x)) * f)      sum in torch's generic reduce order (common.rms
+                                      rms_sumsq_reduce_order), f = float(rows) / float(rows * D)
+                                      in fp32 per stream (MeanOps' factor)
+    h   = r32(x * rsqrtf(r32(ms + eps)))
+    n   = r(r(h) * w)   (weight in the input dtype; n = r(h) without weight)
+    (a, b) = (n[2i], n[2i+1]), (c, d) = (Re, Im) of the row's stream's freqs[s, i]:
+    out[2i] = r(a*c - b*d), out[2i+1] = r(a*d + b*c) with the contraction of CMUL_MODE
+    joint = cat([text, image], dim=1)
+
+bit-exact vs torch 2.11 CUDA eager (diffusers 0.42.1) once the contraction (``CMUL_MODE``) is the
+one nvcc chose for ``c10::complex<float>::operator*=``.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
-from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_rstd, rms_sumsq_torch_order
-from ..common.rounding import round_to, rround
+from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_rstd, rms_sumsq_reduce_order, rms_sumsq_torch_order
+from ..common.rounding import INTERPRET, round_to, rround
+from ..common.welford import rsqrt_approx
 from ..errors import UnsupportedInput
 
 _ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -78,16 +96,89 @@ def _row_weight(wt_ptr, wi_ptr, s, d, d_ok, S_TXT,
 
 
 @triton.jit
+def _neg(x):
+    """Sign flip (eager's negation; Triton's ``-x`` is ``0 - x`` and loses -0)."""
+    return (x.to(tl.uint32, bitcast=True) ^ 0x80000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma(a, b, c):
+    """``fma.rn.f32``: one rounding. Under the interpreter ``tl.fma`` rounds twice and the fp64
+    route of ``common.welford.fma_rn`` can double-round for fp32 products, so the fp64 sum is
+    rounded to odd first (TwoSum error, as ``reference.fma32``): then fp64 -> fp32 is exact RNE."""
+    if INTERPRET:
+        p = a.to(tl.float64) * b.to(tl.float64)  # exact: 24 + 24 bits
+        c64 = c.to(tl.float64)
+        s = p + c64
+        bp = s - c64
+        err = (p - bp) + (c64 - (s - bp))
+        bits = s.to(tl.int64, bitcast=True)
+        nudge = (err != 0) & ((bits & 1) == 0) & (s == s) & (tl.abs(s) != float("inf"))
+        step = tl.where((err > 0) == (s > 0), 1, -1).to(tl.int64)
+        s = tl.where(nudge, bits + step, bits).to(tl.float64, bitcast=True)
+        return s.to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def _cmul(a, b, c, d, CMUL: tl.constexpr):
+    """``(a + ib) * (c + id)`` as ``c10::complex<float>::operator*=`` computes ``real = a*c - b*d;
+    imag = a*d + b*c`` under each possible contraction (products r32 unless fused):
+    0: none; 1: fma(a, c, -bd), fma(a, d, bc); 2: fma(-b, d, ac), fma(b, c, ad);
+    3: fma(a, c, -bd), fma(b, c, ad); 4: fma(-b, d, ac), fma(a, d, bc)."""
+    if CMUL == 0:
+        re = a * c - b * d
+        im = a * d + b * c
+    elif CMUL == 1:
+        re = _fma(a, c, _neg(b * d))
+        im = _fma(a, d, b * c)
+    elif CMUL == 2:
+        re = _fma(_neg(b), d, a * c)
+        im = _fma(b, c, a * d)
+    elif CMUL == 3:
+        re = _fma(a, c, _neg(b * d))
+        im = _fma(b, c, a * d)
+    else:
+        tl.static_assert(CMUL == 4, "CMUL is 0..4")
+        re = _fma(_neg(b), d, a * c)
+        im = _fma(a, d, b * c)
+    return re, im
+
+
+@triton.jit
 def _norm_rope_store(x, w, cos_e, cos_o, sin_e, sin_o, out_ptr, out_off, mask, eps,
+                     in_txt, fac_img, fac_txt,
                      D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
-                     HAS_ROPE: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr):
-    rstd = rms_rstd(rms_sumsq_torch_order(x, R, DP), D, eps)
-    # torch: gamma * (rstd * x), one rounding to the dtype (the eager op's store); the close
-    # variant keeps the fp32 value for RoPE.
-    n = w * (rstd[:, None] * x)
-    if EXACT:
-        n = rround(n, DTYPE)
-    if HAS_ROPE:
+                     ROPE: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr,
+                     NORM: tl.constexpr, HAS_TXT: tl.constexpr, W_IMG: tl.constexpr,
+                     W_TXT: tl.constexpr, VEC: tl.constexpr, CMUL: tl.constexpr):
+    if NORM == 0:
+        rstd = rms_rstd(rms_sumsq_torch_order(x, R, DP), D, eps)
+        # torch: gamma * (rstd * x), one rounding to the dtype (the eager op's store); the close
+        # variant keeps the fp32 value for RoPE.
+        n = w * (rstd[:, None] * x)
+        if EXACT:
+            n = rround(n, DTYPE)
+    else:
+        # diffusers RMSNorm: pow(2), mean (torch's generic reduction; each stream is its own
+        # mean call, hence its own lane count and factor), + eps, rsqrt, x * rstd in fp32, then
+        # .to(weight dtype) and * weight: two roundings (w = 1.0 without weight: exact).
+        sq = x * x
+        ss = rms_sumsq_reduce_order(sq, R, DP, W_IMG, VEC)
+        if HAS_TXT:
+            if W_TXT != W_IMG:
+                ss = tl.where(in_txt, rms_sumsq_reduce_order(sq, R, DP, W_TXT, VEC), ss)
+            ms = ss * tl.where(in_txt, fac_txt, fac_img)
+        else:
+            ms = ss * fac_img
+        rstd = rsqrt_approx(ms + eps)
+        n = rround(rround(x * rstd[:, None], DTYPE) * w, DTYPE)
+    if ROPE == 2:
+        a, b = tl.split(tl.reshape(n, [R, DP // 2, 2]))
+        re, im = _cmul(a, b, cos_e, sin_e, CMUL)
+        out = tl.reshape(tl.join(re, im), [R, DP])
+    elif ROPE == 1:
         ye, yo = tl.split(tl.reshape(n, [R, DP // 2, 2]))
         # x.float() * cos, x_rotated.float() * sin, then their sum: three eager ops, three fp32
         # roundings (no FMA: the launch disables fp fusion). Eager's ``-x_imag`` is written as a
@@ -108,12 +199,19 @@ def _qk_rmsnorm_rope_kernel(
     qi_sb, qi_ss, qi_sh, qi_sd, ki_sb, ki_ss, ki_sh, ki_sd,
     qt_sb, qt_ss, qt_sh, qt_sd, kt_sb, kt_ss, kt_sh, kt_sd,
     c_ss, c_sd, s_ss, s_sd,
-    n_rows, S_TXT, S_TOT, H, eps,
+    n_rows, S_TXT, S_TOT, H, eps, fac_img, fac_txt,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
-    HAS_TXT: tl.constexpr, HAS_ROPE: tl.constexpr,
+    HAS_TXT: tl.constexpr, ROPE: tl.constexpr,
     HAS_WQI: tl.constexpr, HAS_WKI: tl.constexpr, HAS_WQT: tl.constexpr, HAS_WKT: tl.constexpr,
     DTYPE: tl.constexpr, EXACT: tl.constexpr,
+    NORM: tl.constexpr = 0, W_IMG: tl.constexpr = 32, W_TXT: tl.constexpr = 32, VEC: tl.constexpr = 1,
+    CMUL: tl.constexpr = 0,
 ):
+    """ROPE 0: none; 1 (FLUX): ``cos_ptr``/``sin_ptr`` are cos/sin [S_tot, D] with strides
+    (c_ss, c_sd)/(s_ss, s_sd); 2 (complex): ``cos_ptr`` is the image table and ``sin_ptr`` the
+    text table, each fp32 [S, D/2, 2] (``view_as_real`` of complex64: re at +0, im at +1) with
+    row/pair strides (c_ss, c_sd)/(s_ss, s_sd). NORM 0: torch.nn.RMSNorm (``_fused_rms_norm``);
+    1: diffusers RMSNorm (W_IMG/W_TXT lanes, VEC, per-stream mean factors fac_img/fac_txt)."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < n_rows
@@ -127,7 +225,23 @@ def _qk_rmsnorm_rope_kernel(
     # Output rows are (b, s, h) of a contiguous [B, S_TOT, H, D]: row r starts at r * D.
     out_off = rows[:, None] * D + d[None, :]
 
-    if HAS_ROPE:
+    in_txt = s < S_TXT
+    if ROPE == 2:
+        # Each stream's own table: text rows s, image rows s - S_TXT (no joint table is built).
+        pi = tl.arange(0, DP // 2)
+        p_ok = (pi < D // 2)[None, :] & row_ok[:, None]
+        m_img = p_ok & (~in_txt)[:, None]
+        f_img = cos_ptr + (s - S_TXT)[:, None] * c_ss + pi[None, :] * c_sd
+        cos_e = tl.load(f_img, mask=m_img, other=0.0)
+        sin_e = tl.load(f_img + 1, mask=m_img, other=0.0)
+        if HAS_TXT:
+            m_txt = p_ok & in_txt[:, None]
+            f_txt = sin_ptr + s[:, None] * s_ss + pi[None, :] * s_sd
+            cos_e = tl.where(m_txt, tl.load(f_txt, mask=m_txt, other=0.0), cos_e)
+            sin_e = tl.where(m_txt, tl.load(f_txt + 1, mask=m_txt, other=0.0), sin_e)
+        cos_o = cos_e
+        sin_o = sin_e
+    elif ROPE == 1:
         de = tl.arange(0, DP // 2) * 2
         de_ok = (de < D)[None, :] & row_ok[:, None]
         c_row = s[:, None] * c_ss
@@ -146,13 +260,15 @@ def _qk_rmsnorm_rope_kernel(
                     qt_sb, qt_ss, qt_sh, qt_sd, qi_sb, qi_ss, qi_sh, qi_sd, S_TXT, HAS_TXT)
     wq = _row_weight(wq_txt, wq_img, s, d, d_ok, S_TXT, HAS_TXT, HAS_WQT, HAS_WQI)
     _norm_rope_store(xq, wq, cos_e, cos_o, sin_e, sin_o, q_out, out_off, mask, eps,
-                     D, DP, R, HAS_ROPE, DTYPE, EXACT)
+                     in_txt, fac_img, fac_txt, D, DP, R, ROPE, DTYPE, EXACT,
+                     NORM, HAS_TXT, W_IMG, W_TXT, VEC, CMUL)
 
     xk = _load_rows(k_txt, k_img, b, s, h, row_ok, d, d_ok,
                     kt_sb, kt_ss, kt_sh, kt_sd, ki_sb, ki_ss, ki_sh, ki_sd, S_TXT, HAS_TXT)
     wk = _row_weight(wk_txt, wk_img, s, d, d_ok, S_TXT, HAS_TXT, HAS_WKT, HAS_WKI)
     _norm_rope_store(xk, wk, cos_e, cos_o, sin_e, sin_o, k_out, out_off, mask, eps,
-                     D, DP, R, HAS_ROPE, DTYPE, EXACT)
+                     in_txt, fac_img, fac_txt, D, DP, R, ROPE, DTYPE, EXACT,
+                     NORM, HAS_TXT, W_IMG, W_TXT, VEC, CMUL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,10 +417,12 @@ def _block_rows(D: int) -> int:
 
 
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-            exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2):
+            exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2,
+            rope: int | None = None, diffusers: dict | None = None):
     """Allocate the joint outputs and launch. ``rows_per_program`` / ``num_warps`` only tile the
     work (each row's arithmetic is fixed by the kernel body), so any choice gives the same bits;
-    the perf probe (bench/probe_qk_rmsnorm_rope.py) sweeps them."""
+    the perf probe (bench/probe_qk_rmsnorm_rope.py) sweeps them. ``rope``: 0/1/2 (default: 1 with
+    cos/sin, else 0); ``diffusers``: the NORM=1 constexprs and factors (:func:`_launch_diffusers`)."""
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     S_tot = S_txt + S_img
@@ -315,6 +433,11 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         return q_out, k_out
     has_txt = q_txt is not None
     has_rope = cos is not None
+    if rope is None:
+        rope = 1 if has_rope else 0
+    extra = dict(diffusers or {})
+    fac_img = extra.pop("fac_img", 1.0)
+    fac_txt = extra.pop("fac_txt", 1.0)
     qt = q_txt if has_txt else q
     kt = k_txt if has_txt else k
     dummy = q
@@ -330,12 +453,12 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         q_out, k_out,
         *q.stride(), *k.stride(), *qt.stride(), *kt.stride(),
         *(cos.stride() if has_rope else (0, 0)), *(sin.stride() if has_rope else (0, 0)),
-        n_rows, S_txt, S_tot, H, float(eps),
+        n_rows, S_txt, S_tot, H, float(eps), fac_img, fac_txt,
         D=D, DP=triton.next_power_of_2(D), R=R,
-        HAS_TXT=has_txt, HAS_ROPE=has_rope,
+        HAS_TXT=has_txt, ROPE=rope,
         HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
         HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
-        DTYPE=tl_dtype(q.dtype), EXACT=exact,
+        DTYPE=tl_dtype(q.dtype), EXACT=exact, **extra,
         num_warps=num_warps, enable_fp_fusion=False,
     )
     return q_out, k_out
@@ -417,3 +540,254 @@ def qk_rmsnorm_rope_fp32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=Non
     """Close (quality="high"): :func:`qk_rmsnorm_rope` without rounding the normalised q/k to the
     input dtype before RoPE; each output element is rounded once. Same arguments and rejections."""
     return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_rmsnorm_diffusers_rope_complex (Qwen-Image): the same kernel with NORM=1, ROPE=2
+
+# How nvcc contracted c10::complex<float>::operator*= in torch's CUDA mul kernel (see _cmul):
+# the mode the public op uses; tests/gpu/test_qk_rmsnorm_diffusers.py reports all five.
+CMUL_MODE = 1
+
+# torch's reduce launch (Reduce.cuh): max_reduce_threads for fp32, warp size, vt0 / vector width.
+_REDUCE_MAX_THREADS = 512
+_REDUCE_WARP = 32
+_REDUCE_VEC = 4
+
+
+def _last_pow2(n: int) -> int:
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _reduce_launch(D: int, rows: int) -> tuple[int, int, bool]:
+    """(block_width W, vector width, warp split) of torch's ``setReduceConfig`` for the mean over
+    the contiguous last dim of a fresh fp32 [rows, D] tensor (``x.float().pow(2)``). The warp
+    split (several warps per row, shared-memory fold) is not implemented: the predicate rejects it."""
+    vec = _REDUCE_VEC if D > 128 else 1
+    dim0 = D // vec
+    mnt = _REDUCE_MAX_THREADS
+    dim0_pow2 = _last_pow2(dim0) if dim0 < mnt else mnt
+    dim1_pow2 = _last_pow2(rows) if rows < mnt else mnt
+    width = min(dim0_pow2, _REDUCE_WARP)
+    height = min(dim1_pow2, mnt // width)
+    width = min(dim0_pow2, mnt // height)
+    values_per_thread = -(-D // width)  # div_up(num_inputs, step_input)
+    warp_split = values_per_thread >= min(height * 16, 256)
+    return width, vec, warp_split
+
+
+def _mean_factor(rows: int, D: int) -> float:
+    """MeanOps' ``factor = static_cast<float>(num_output_elements) / numel`` (float / int64: the
+    int64 converted to float, then an fp32 division), computed on the host as torch does."""
+    if rows == 0:
+        return 1.0
+    return float(np.float32(rows) / np.float32(rows * D))
+
+
+def _reduces_rows_in_place(t: torch.Tensor) -> bool:
+    """True when ``t.float().pow(2)`` is a tensor whose last dim is its innermost (stride 1) with
+    rows D elements apart, i.e. the mean reduces contiguous rows: the last dim has stride 1 and
+    every other dim of size > 1 a stride >= D (so the fresh fp32 copy or ``pow`` output keeps the
+    row innermost), and the strides do not suggest channels-last (``.float()`` of a non-dense
+    tensor would then allocate channels-last, moving D outward)."""
+    D = t.shape[-1]
+    if D > 1 and t.stride(-1) != 1:
+        return False
+    if any(size > 1 and stride < D for size, stride in zip(t.shape[:-1], t.stride()[:-1])):
+        return False
+    return not _suggests_channels_last(t)
+
+
+def _diffusers_reason(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    eps: float,
+    q_txt: torch.Tensor | None,
+    k_txt: torch.Tensor | None,
+    q_txt_weight: torch.Tensor | None,
+    k_txt_weight: torch.Tensor | None,
+    txt_freqs: torch.Tensor | None,
+) -> str | None:
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return "q and k must be tensors"
+    if (q_txt is None) != (k_txt is None):
+        return "q_txt and k_txt must be given together"
+    if q_txt is None and (q_txt_weight is not None or k_txt_weight is not None):
+        return "text weights given without text inputs"
+    if txt_freqs is not None and (q_txt is None or freqs is None):
+        return "txt_freqs given without text inputs or without image freqs"
+    if freqs is not None and q_txt is not None and txt_freqs is None:
+        return "text inputs with image freqs need txt_freqs (each stream has its own table)"
+    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
+    weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
+    tables = [t for t in (freqs, txt_freqs) if t is not None]
+    tensors = inputs + weights + tables
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
+    if q.dim() != 4 or q.shape != k.shape:
+        return f"q and k must be [B, S, H, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
+    B, S_img, H, D = q.shape
+    if q_txt is not None:
+        if q_txt.dim() != 4 or q_txt.shape != k_txt.shape:
+            return "q_txt and k_txt must be [B, S_txt, H, D] of one shape"
+        if (q_txt.shape[0], q_txt.shape[2], q_txt.shape[3]) != (B, H, D):
+            return "text and image inputs differ in B, H or D"
+    dtype = q.dtype
+    if dtype not in SUPPORTED_DTYPES:
+        return f"dtype {dtype} is not bf16, fp16 or fp32"
+    if any(t.dtype != dtype for t in inputs):
+        return "q, k, q_txt, k_txt have different dtypes (torch.cat would type-promote)"
+    for w in weights:
+        if w.dim() != 1 or w.shape[0] != D:
+            return f"a weight has shape {tuple(w.shape)}, expected ({D},)"
+        if w.dtype != dtype:
+            return (f"a weight is {w.dtype} for {dtype} inputs (diffusers' RMSNorm output would be "
+                    f"in the weight's dtype, or fp32 with an fp32 weight)")
+    if D > 128 and D % _REDUCE_VEC != 0:
+        return f"head_dim {D} > 128 is not a multiple of 4 (torch's vectorized mean then handles unaligned rows)"
+    for t in inputs:
+        if not _reduces_rows_in_place(t):
+            return ("an input's head dim is not its innermost contiguous dim (torch's mean would "
+                    "reduce along a strided dim, another launch)")
+    rows = [B * S_img * H] + ([B * q_txt.shape[1] * H] if q_txt is not None else [])
+    for n in rows:
+        if n and _reduce_launch(D, n)[2]:
+            return f"head_dim {D} with {n} rows: torch splits each row's mean across warps (not implemented)"
+    if freqs is not None:
+        if D % 2:
+            return f"head_dim {D} is odd (complex RoPE pairs elements)"
+        streams = [(freqs, S_img, "freqs")] + ([(txt_freqs, q_txt.shape[1], "txt_freqs")] if q_txt is not None else [])
+        for f, S, name in streams:
+            if f.dtype != torch.complex64:
+                return f"{name} is {f.dtype}, not complex64"
+            if f.dim() != 2 or tuple(f.shape) != (S, D // 2):
+                return f"{name} must be [{S}, {D // 2}] (complex64 [S, D/2]), got {tuple(f.shape)}"
+            if f.is_conj():
+                return f"{name} has its conjugate bit set (resolve_conj() first)"
+    if not isinstance(eps, (int, float)):
+        return "eps must be a Python number"
+    return None
+
+
+def can_use_qk_rmsnorm_diffusers_rope_complex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+    txt_freqs: torch.Tensor | None = None,
+) -> bool:
+    """True when :func:`qk_rmsnorm_diffusers_rope_complex` reproduces the reference on these inputs.
+
+    Rejected (False):
+    - tensors on different devices, a device other than CUDA (the CPU only under
+      TRITON_INTERPRET=1), an input requiring grad while grad mode is on;
+    - q/k not 4-D [B, S, H, D] of one shape; q_txt/k_txt given one without the other; text
+      inputs whose B, H, D differ; text weights without text; txt_freqs without text or without
+      freqs; freqs with text but no txt_freqs;
+    - dtype other than bf16/fp16/fp32, or mixed dtypes among q, k, q_txt, k_txt;
+    - a weight not [D] or not in the input dtype (diffusers would output the weight's dtype: an
+      fp32 weight with bf16 inputs gives fp32 q/k);
+    - head_dim > 128 not a multiple of 4 (torch's vectorized mean with unaligned rows);
+    - an input whose last dim is not stride 1 with the other dims >= D apart, or whose strides
+      suggest channels-last (torch's mean would then run another launch);
+    - a stream whose mean torch splits across warps (very wide rows with few rows; never for
+      head dims <= 4096);
+    - freqs / txt_freqs not complex64 [S, D/2] of their stream, or conjugate views; D odd with RoPE.
+    Strided inputs (unflattened projections, chunks of a fused qkv) and misaligned ones are
+    accepted: torch's mean reads the fresh fp32 ``pow(2)`` tensor, never the input's memory.
+    """
+    return _diffusers_reason(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight,
+                             k_txt_weight, txt_freqs) is None
+
+
+def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                      txt_freqs, cmul: int = CMUL_MODE, rows_per_program: int | None = None,
+                      num_warps: int = 2):
+    """Launch the NORM=1 kernel: per-stream reduce widths and mean factors from the shapes,
+    complex tables as fp32 views of their real parts (imaginary at +1), no copies."""
+    B, S_img, H, D = q.shape
+    S_txt = q_txt.shape[1] if q_txt is not None else 0
+    rows_img, rows_txt = B * S_img * H, B * S_txt * H
+    w_img, vec, _ = _reduce_launch(D, max(rows_img, 1))
+    w_txt = _reduce_launch(D, max(rows_txt, 1))[0] if q_txt is not None else w_img
+    params = dict(NORM=1, W_IMG=w_img, W_TXT=w_txt, VEC=vec, CMUL=cmul,
+                  fac_img=_mean_factor(rows_img, D), fac_txt=_mean_factor(rows_txt, D))
+    img_tab = torch.view_as_real(freqs)[..., 0] if freqs is not None else None
+    txt_tab = torch.view_as_real(txt_freqs)[..., 0] if txt_freqs is not None else None
+    if img_tab is not None and txt_tab is None:
+        txt_tab = img_tab  # no text rows: never read
+    return _launch(q, k, q_weight, k_weight, img_tab, txt_tab, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                   True, rows_per_program, num_warps, rope=2 if freqs is not None else 0, diffusers=params)
+
+
+@torch.library.custom_op("ditfuse::qk_rmsnorm_diffusers_rope_complex", mutates_args=())
+def _qk_rmsnorm_diffusers_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    eps: float,
+    q_txt: torch.Tensor | None,
+    k_txt: torch.Tensor | None,
+    q_txt_weight: torch.Tensor | None,
+    k_txt_weight: torch.Tensor | None,
+    txt_freqs: torch.Tensor | None,
+    cmul: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                             txt_freqs, cmul)
+
+
+@_qk_rmsnorm_diffusers_op.register_fake
+def _(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, txt_freqs, cmul):
+    B, S_img, H, D = q.shape
+    S_tot = S_img + (q_txt.shape[1] if q_txt is not None else 0)
+    return q.new_empty((B, S_tot, H, D)), q.new_empty((B, S_tot, H, D))
+
+
+def qk_rmsnorm_diffusers_rope_complex(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    freqs: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+    txt_freqs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen-Image's QK chain in one launch: diffusers ``RMSNorm`` on each of q, k, q_txt, k_txt,
+    complex RoPE with each stream's own table, text-first concat; equal to
+    ``ditfuse.kernels.reference.qk_rmsnorm_diffusers_rope_complex_cat`` on CUDA (torch 2.11)
+    bit for bit, given ``CMUL_MODE`` is nvcc's contraction of the complex multiply.
+
+    q, k: [B, S_img, H, D], any strides with the head dim innermost; q_txt, k_txt:
+    [B, S_txt, H, D] or None; weights: [D] in the input dtype or None (affine-free);
+    freqs: complex64 [S_img, D/2] or None (no RoPE); txt_freqs: complex64 [S_txt, D/2], given
+    exactly when there is text and freqs. Returns contiguous (q_joint, k_joint), each
+    [B, S_txt + S_img, H, D], text first. Formula: the module docstring. Raises
+    :class:`UnsupportedInput` exactly where :func:`can_use_qk_rmsnorm_diffusers_rope_complex` is False.
+    """
+    reason = _diffusers_reason(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight,
+                               k_txt_weight, txt_freqs)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.qk_rmsnorm_diffusers_rope_complex(
+            q, k, q_weight, k_weight, freqs, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight,
+            txt_freqs, CMUL_MODE)
+    return _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                             txt_freqs, CMUL_MODE)
