@@ -6,11 +6,15 @@ shift, scale, gate; ``_modulate`` = ``x·(1 + scale[:, None]) + shift[:, None]``
 LayerNorm → ``layernorm_modulate``; ``h + gate[:, None]·attn`` then norm2 + modulate →
 ``gate_residual_layernorm_modulate`` (the product commutes bitwise); the tanh-GELU FeedForward
 stays diffusers'; ``h + gate2[:, None]·mlp`` → ``gate_residual``; the fp16 clip as diffusers does
-it. Attention (``QwenDoubleStreamAttnProcessor2_0``: per-head diffusers RMSNorm, complex RoPE per
-stream, text-first concat) stays diffusers' — its fused op is future work (notes/families.md).
-The Edit models' per-token modulation (``zero_cond_t`` / ``modulate_index``) keeps diffusers'
-forward. Every op is bit-exact and gated at first sight; no quality="high" tier (admission was
-not measured on Qwen-Image activations).
+it. The attention (``Attention`` + ``QwenDoubleStreamAttnProcessor2_0``) is the processor's code
+with its QK chain — per-head diffusers RMSNorm on q/k of each stream, complex RoPE with each
+stream's own freqs, text-first concat — as one op, ``qk_rmsnorm_diffusers_rope_complex``, that
+writes the joint q/k; projections, the v concat, the joint text mask, ``dispatch_attention_fn``
+(the processor's backend and context-parallel config) and the output projections stay
+diffusers'. Another processor, an external ``attention_mask`` or extra attention kwargs run
+diffusers' forward. The Edit models' per-token modulation (``zero_cond_t`` /
+``modulate_index``) keeps diffusers' forward. Every op is bit-exact and gated at first sight; no
+quality="high" tier (admission was not measured on Qwen-Image activations).
 """
 
 from __future__ import annotations
@@ -22,11 +26,127 @@ import torch
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
+from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
 from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_qwenimage"
+
+
+# -- attention --------------------------------------------------------------------------------
+
+_QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+_ATTN_KWARGS = frozenset(("encoder_hidden_states_mask", "image_rotary_emb"))
+
+
+def _attn_applies(attn) -> str | None:
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+    from diffusers.utils import is_torch_npu_available
+
+    if type(attn.processor) is not QwenDoubleStreamAttnProcessor2_0:
+        return f"processor is {type(attn.processor).__name__}, not QwenDoubleStreamAttnProcessor2_0"
+    head_dim = attn.inner_dim // attn.heads
+    eps = None
+    for name in _QK_NORMS:
+        n = getattr(attn, name, None)
+        if type(n) is not RMSNorm:
+            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
+            return f"{name} is {what}, not diffusers' RMSNorm"
+        if n.bias is not None:
+            return f"{name} has a bias"
+        if n.weight is not None and tuple(n.weight.shape) != (head_dim,):
+            return f"{name} weight has shape {tuple(n.weight.shape)}, not (head_dim={head_dim},)"
+        if eps is not None and n.eps != eps:
+            return f"{name} eps {n.eps} differs from norm_q eps {eps}"
+        eps = n.eps
+    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
+        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    for name in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_out"):
+        if getattr(attn, name, None) is None:
+            return f"{name} is None (not a joint text/image attention)"
+    return None
+
+
+def attention_forward(
+    attn,
+    original,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+    **kwargs: Any,
+):
+    """Attention + QwenDoubleStreamAttnProcessor2_0, with the QK chain — per-stream diffusers
+    RMSNorm on q/k, complex RoPE with each stream's own freqs, text-first concat — as one gated
+    op writing the joint q/k that attention consumes. Everything else is the processor's code."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    processor = attn.processor
+    if (type(processor) is not QwenDoubleStreamAttnProcessor2_0 or encoder_hidden_states is None
+            or attention_mask is not None or not _ATTN_KWARGS.issuperset(kwargs)):
+        # A swapped processor, inputs the processor rejects (no text stream, an external mask) or
+        # kwargs Attention.forward filters with a warning: diffusers' own path, errors included.
+        return original(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+    encoder_hidden_states_mask = kwargs.get("encoder_hidden_states_mask")
+    image_rotary_emb = kwargs.get("image_rotary_emb")
+
+    if encoder_hidden_states_mask is not None:
+        seq_img = hidden_states.shape[1]
+        image_mask = torch.ones((hidden_states.shape[0], seq_img), dtype=torch.bool, device=hidden_states.device)
+        attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
+        attention_mask = attention_mask[:, None, None, :]
+
+    seq_txt = encoder_hidden_states.shape[1]
+
+    img_query = attn.to_q(hidden_states)
+    img_key = attn.to_k(hidden_states)
+    img_value = attn.to_v(hidden_states)
+    txt_query = attn.add_q_proj(encoder_hidden_states)
+    txt_key = attn.add_k_proj(encoder_hidden_states)
+    txt_value = attn.add_v_proj(encoder_hidden_states)
+
+    head_dim = attn.inner_dim // attn.heads  # the processor's: -1 absorbs a tensor-parallel head shard
+    img_query = img_query.unflatten(-1, (-1, head_dim))
+    img_key = img_key.unflatten(-1, (-1, head_dim))
+    img_value = img_value.unflatten(-1, (-1, head_dim))
+    txt_query = txt_query.unflatten(-1, (-1, head_dim))
+    txt_key = txt_key.unflatten(-1, (-1, head_dim))
+    txt_value = txt_value.unflatten(-1, (-1, head_dim))
+
+    img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
+    joint_query, joint_key = _ops.qk_rmsnorm_diffusers_rope_complex(
+        img_query, img_key, attn.norm_q.weight, attn.norm_k.weight, img_freqs, attn.norm_q.eps,
+        txt_query, txt_key, attn.norm_added_q.weight, attn.norm_added_k.weight, txt_freqs,
+    )
+    joint_value = torch.cat([txt_value, img_value], dim=1)
+
+    joint_hidden_states = dispatch_attention_fn(
+        joint_query,
+        joint_key,
+        joint_value,
+        attn_mask=attention_mask,
+        dropout_p=0.0,
+        is_causal=False,
+        backend=processor._attention_backend,
+        parallel_config=processor._parallel_config,
+    )
+    joint_hidden_states = joint_hidden_states.flatten(2, 3)
+    joint_hidden_states = joint_hidden_states.to(joint_query.dtype)
+
+    txt_attn_output = joint_hidden_states[:, :seq_txt, :]
+    img_attn_output = joint_hidden_states[:, seq_txt:, :]
+    img_attn_output = attn.to_out[0](img_attn_output.contiguous())
+    if len(attn.to_out) > 1:
+        img_attn_output = attn.to_out[1](img_attn_output)  # dropout
+    txt_attn_output = attn.to_add_out(txt_attn_output.contiguous())
+    return img_attn_output, txt_attn_output
+
+
+# -- blocks -----------------------------------------------------------------------------------
 
 
 def block_forward(
@@ -110,6 +230,17 @@ SITES = (
         applies=_block_applies,
         high=False,
         description="dual-stream block: LN + modulate, gate+residual+norm2+modulate, FF gate residual",
+    ),
+    Site(
+        name="qwenimage.attention",
+        cls="diffusers.models.attention_processor:Attention",
+        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs"),
+        forward=attention_forward,
+        ops=(QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,),
+        applies=_attn_applies,
+        high=False,
+        description="attention (QwenDoubleStreamAttnProcessor2_0): per-stream QK RMSNorm + complex RoPE + "
+                    "text-first concat in one pass",
     ),
     norm_out_site("qwenimage", high=False),
 )

@@ -2,8 +2,10 @@
 interpreter). On CPU the gate compares each kernel with the eager chain at first sight (the
 interpreter's LayerNorm is not CUDA's, so those ops are disabled here and run eager): the output
 must be bitwise unchanged whatever the gate decided, and every op must reach the gate. The fast
-forwards with the eager reference table must equal diffusers' forwards bitwise. Kernels are
-proved on the GPU (tests/gpu/test_qwenimage_gpu.py).
+forwards with the eager reference table must equal diffusers' forwards bitwise. The attention
+site runs the QK-chain op once per block (text lengths not a multiple of 64, with and without a
+text mask) and leaves every configuration it does not mirror to diffusers, saying why. Kernels
+are proved on the GPU (tests/gpu/test_qwenimage_gpu.py).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def test_mount_unmount_outputs_bitwise_unchanged(batch, dtype):
     h = ditfuse.accelerate(m)
     rep = h.report().components[0]
     assert rep.adapter == "qwenimage"
-    assert sorted(s for _, s in rep.sites) == ["qwenimage.block"] * 2 + ["qwenimage.norm_out"]
+    assert sorted(s for _, s in rep.sites) == ["qwenimage.attention"] * 2 + ["qwenimage.block"] * 2 + ["qwenimage.norm_out"]
     assert not rep.skipped_sites
     assert_bitwise_equal(_run(m, inp), base, "accelerated")
     inp2 = _inputs(m, batch=batch, txt=13, hw=(32, 80), dtype=dtype)
@@ -102,7 +104,7 @@ def test_fast_forwards_match_diffusers_call_for_call():
             orig = mod.forward
             saved.append((mod, orig))
             mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        assert len(saved) == len(m.transformer_blocks) + 1
+        assert len(saved) == 2 * len(m.transformer_blocks) + 1  # blocks, their attentions, norm_out
         try:
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {dtype}")
         finally:
@@ -141,3 +143,176 @@ def test_family_fixture_builds_inputs():
     inp = fam.make_inputs(m, batch=2, size="64x48", device="cpu", txt_tokens=9)
     assert inp["hidden_states"].shape == (2, 12, 16) and inp["encoder_hidden_states"].shape == (2, 9, 24)
     assert _run(m, inp).shape == (2, 12, 16)
+
+
+# -- the attention site ------------------------------------------------------------------------
+
+ATTN_SITE = next(s for s in qwen_adapter.SITES if s.name == "qwenimage.attention")
+QK_OP = ATTN_SITE.ops[0].op
+
+
+def _text_mask(batch, txt):
+    mask = torch.ones(batch, txt, dtype=torch.bool)
+    mask[-1, txt - 4:] = False  # the last sample's prompt is shorter: padded text tokens
+    return mask
+
+
+def _qk_calls():
+    """Calls of the QK-chain op that went through the gate: each one is the kernel (a verified
+    signature) or its eager reference (first sight, or the op fell back), exactly one of the two."""
+    c = ditfuse.gate.report().calls.get(QK_OP, {})
+    return c.get("kernel", 0) + c.get("reference", 0), dict(c)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text_mask", [False, True], ids=["no_mask", "text_mask"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_attention_site_runs_the_qk_op_in_every_block(batch, text_mask):
+    m = _model()
+    inp = _inputs(m, batch=batch, txt=13)
+    if text_mask:
+        inp["encoder_hidden_states_mask"] = _text_mask(batch, 13)
+    base = _run(m, inp)
+    h = ditfuse.accelerate(m)
+    rep = h.report().components[0]
+    assert sorted(p for p, s in rep.sites if s == ATTN_SITE.name) == [
+        f"transformer_blocks.{i}.attn" for i in range(len(m.transformer_blocks))
+    ]
+    ditfuse.gate.reset()
+    out = _run(m, inp)
+    n, calls = _qk_calls()
+    gate = ditfuse.gate.report()
+    h.unmount()
+    assert_bitwise_equal(out, base, f"accelerated B={batch} mask={text_mask}")
+    assert n == len(m.transformer_blocks), calls
+    assert calls.get("verify", 0) == 1, calls  # one signature: block 0 verifies, block 1 reuses the verdict
+    if QK_OP in gate.disabled:  # on CPU the gate may fall back (CPU's complex multiply is not CUDA's)
+        assert "bitwise mismatch" in gate.disabled[QK_OP], gate.disabled[QK_OP]
+    else:
+        assert gate.verified.get(QK_OP) and calls.get("kernel", 0) == len(m.transformer_blocks) - 1, calls
+
+
+def _direct_inputs(m, batch=2, txt=13, hw=(4, 3)):
+    g = torch.Generator().manual_seed(3)
+    dim = m.config.num_attention_heads * m.config.attention_head_dim
+    hs = torch.randn(batch, hw[0] * hw[1], dim, generator=g).to(torch.bfloat16)
+    ehs = torch.randn(batch, txt, dim, generator=g).to(torch.bfloat16)
+    freqs = m.pos_embed([(1, *hw)] * batch, max_txt_seq_len=txt, device=torch.device("cpu"))
+    return hs, ehs, freqs
+
+
+def _processor_call(attn, hs, ehs, **kw):
+    """diffusers' path itself: the processor, as Attention.forward calls it."""
+    with torch.no_grad():
+        return attn.processor(attn, hs, encoder_hidden_states=ehs, **kw)
+
+
+@pytest.mark.parametrize("text_mask", [False, True], ids=["no_mask", "text_mask"])
+def test_attention_without_rope_passes_no_freqs(text_mask):
+    """image_rotary_emb=None: the op runs with freqs None (norm + concat only), still diffusers' bits."""
+    m = _model()
+    attn = m.transformer_blocks[0].attn
+    hs, ehs, _ = _direct_inputs(m)
+    kw = dict(encoder_hidden_states_mask=_text_mask(2, 13) if text_mask else None, image_rotary_emb=None)
+    base = _processor_call(attn, hs, ehs, **kw)
+    h = ditfuse.accelerate(m)
+    with torch.no_grad():
+        out = attn(hidden_states=hs, encoder_hidden_states=ehs, **kw)
+    n, calls = _qk_calls()
+    h.unmount()
+    assert n == 1, calls
+    for o, b, name in zip(out, base, ("image", "text")):
+        assert_bitwise_equal(o, b, f"{name} stream, no RoPE")
+
+
+def test_attention_inputs_it_does_not_mirror_go_to_diffusers(caplog):
+    """An external attention_mask or no text stream: diffusers' own error. Unknown kwargs:
+    Attention.forward's warning and diffusers' output. The QK op never runs for them."""
+    m = _model()
+    attn = m.transformer_blocks[0].attn
+    hs, ehs, freqs = _direct_inputs(m)
+    base = _processor_call(attn, hs, ehs, image_rotary_emb=freqs)
+    h = ditfuse.accelerate(m)
+    try:
+        with torch.no_grad():
+            with pytest.raises(ValueError, match="does not accept an external attention_mask"):
+                attn(hs, ehs, torch.ones(2, 1, 1, 25, dtype=torch.bool), image_rotary_emb=freqs)
+            with pytest.raises(ValueError, match="requires encoder_hidden_states"):
+                attn(hs, None, image_rotary_emb=freqs)
+            with caplog.at_level("WARNING"):
+                out = attn(hs, ehs, image_rotary_emb=freqs, not_a_qwen_kwarg=1)
+        assert "not_a_qwen_kwarg" in caplog.text
+        assert _qk_calls()[0] == 0
+    finally:
+        h.unmount()
+    for o, b, name in zip(out, base, ("image", "text")):
+        assert_bitwise_equal(o, b, f"{name} stream, extra kwarg")
+
+
+def _swap_processor(attn):
+    from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
+
+    class SubclassedProcessor(QwenDoubleStreamAttnProcessor2_0):
+        pass
+
+    attn.set_processor(SubclassedProcessor())
+
+
+def _set_norm(name, value):
+    return lambda attn: setattr(attn, name, value(attn) if callable(value) else value)
+
+
+def _with_bias(attn):
+    attn.norm_k.bias = torch.nn.Parameter(torch.zeros_like(attn.norm_k.weight))
+
+
+def _other_eps(attn):
+    attn.norm_added_q.eps = 1e-5
+
+
+@pytest.mark.parametrize(
+    "change,reason",
+    [
+        (_swap_processor, "processor is SubclassedProcessor, not QwenDoubleStreamAttnProcessor2_0"),
+        (_set_norm("norm_added_k", lambda a: torch.nn.RMSNorm(16, eps=1e-6).to(torch.bfloat16)),
+         "norm_added_k is torch.nn.modules.normalization.RMSNorm, not diffusers' RMSNorm"),
+        (_set_norm("norm_q", None), "norm_q is None, not diffusers' RMSNorm"),
+        (_set_norm("norm_k", lambda a: torch.nn.LayerNorm(16).to(torch.bfloat16)), "norm_k is torch.nn.modules.normalization.LayerNorm"),
+        (_with_bias, "norm_k has a bias"),
+        (_other_eps, "norm_added_q eps 1e-05 differs from norm_q eps 1e-06"),
+    ],
+    ids=["subclassed_processor", "torch_rmsnorm", "no_norm_q", "layernorm", "bias", "eps"],
+)
+def test_attention_guard_keeps_diffusers_forward_and_says_why(change, reason):
+    m = _model()
+    change(m.transformer_blocks[1].attn)
+    h = ditfuse.accelerate(m)
+    rep = h.report().components[0]
+    h.unmount()
+    skipped = dict(rep.skipped_sites)
+    assert reason in skipped.get("transformer_blocks.1.attn", ""), skipped
+    assert list(skipped) == ["transformer_blocks.1.attn"], skipped
+    assert ("transformer_blocks.0.attn", ATTN_SITE.name) in [tuple(s) for s in rep.sites]
+
+
+@pytest.mark.slow
+def test_skipped_and_runtime_swapped_attention_stay_bitwise():
+    """Block 1's norm is torch's RMSNorm (not mounted), then block 0's processor is swapped after
+    mounting (the fast forward hands over to diffusers): output bitwise diffusers' both times,
+    the QK op ran only where it was mounted and the processor unchanged."""
+    m = _model()
+    m.transformer_blocks[1].attn.norm_added_k = torch.nn.RMSNorm(16, eps=1e-6).to(torch.bfloat16)
+    inp = _inputs(m, batch=2, txt=13)
+    inp["encoder_hidden_states_mask"] = _text_mask(2, 13)
+    base = _run(m, inp)
+    h = ditfuse.accelerate(m)
+    try:
+        ditfuse.gate.reset()
+        assert_bitwise_equal(_run(m, inp), base, "block 1 attention skipped")
+        assert _qk_calls()[0] == 1
+        _swap_processor(m.transformer_blocks[0].attn)
+        ditfuse.gate.reset()
+        assert_bitwise_equal(_run(m, inp), base, "block 0 processor swapped after mounting")
+        assert _qk_calls()[0] == 0
+    finally:
+        h.unmount()

@@ -1,5 +1,7 @@
 """Qwen-Image adapter on CUDA: accelerated QwenImageTransformer2DModel bitwise equal to plain
-diffusers, fast path engaged (every op verified, nothing fell back, kernels ran).
+diffusers, fast path engaged (every op verified, nothing fell back, kernels ran) — the
+attention's QK-chain op (``rope.qk_rmsnorm_diffusers_rope_complex``) included, once per block in
+each of the two accelerated forwards.
 
 Configs: the tiny one, and Qwen-Image width (3072 = 24 x 128, FF 12288, text width 3584) with 2
 blocks. 1024² (4096 image tokens) and an odd 336x208 (273); text 512 and 77 (not multiples of
@@ -7,18 +9,30 @@ blocks. 1024² (4096 image tokens) and an odd 336x208 (273); text 512 and 77 (no
 
 import pytest
 
+import ditfuse
 from ditfuse.models import families
-from ditfuse.models.qwenimage import ADAPTER
+from ditfuse.models.qwenimage import ADAPTER, SITES
 from tests.support.engaged import compare_accelerated
 
 DEV = "cuda"
 QWEN = families.get("qwenimage")
+QK_OP = next(s for s in SITES if s.name == "qwenimage.attention").ops[0].op
+
+
+def test_qk_op_is_one_of_the_adapter_ops():
+    assert QK_OP == "rope.qk_rmsnorm_diffusers_rope_complex" and QK_OP in ADAPTER.ops()
 
 
 def _run(config, batch, size, layers=None, txt=512):
     m = QWEN.build(config, layers, device=DEV)
     inp = QWEN.make_inputs(m, batch, size, device=DEV, txt_tokens=txt)
-    compare_accelerated(m, inp, ADAPTER.ops(), f"qwenimage {config} B={batch} {size} txt={txt}")
+    label = f"qwenimage {config} B={batch} {size} txt={txt}"
+    compare_accelerated(m, inp, ADAPTER.ops(), label)  # verified, no fallback, kernel ran: every op
+    # every block's attention ran the QK op in both accelerated forwards: one first-sight verify
+    # per signature (all blocks share it), the kernel everywhere else
+    calls = ditfuse.gate.report().calls.get(QK_OP, {})
+    blocks = len(m.transformer_blocks)
+    assert calls.get("verify", 0) == 1 and calls.get("kernel", 0) == 2 * blocks - 1, f"{label}: {dict(calls)}"
 
 
 @pytest.mark.parametrize("batch", [1, 2])
