@@ -98,9 +98,9 @@ SHAPES = list(itertools.product([128, 64, 256, 96], [1, 7, 37], [0, 5, 13]))
 
 @pytest.mark.parametrize("D,S_img,S_txt", SHAPES, ids=[f"D{d}-S{s}-T{t}" for d, s, t in SHAPES])
 def test_shapes(D, S_img, S_txt):
-    """D 64/128 (4 or 2 elements per lane), 96 (zero-padded lanes), 256 (vectorized); 1..37 image
-    and 0..13 text rows per head, so streams with 1 to 222 rows: the lane count W (32 from 16
-    rows, up to 128 below) and, for D = 96, the mean factor differ per stream."""
+    """D 64/96 (2 or 3 elements per lane, zero-padded lanes), 128/256 (4-element vectors);
+    1..37 image and 0..13 text rows per head, so streams with 1 to 222 rows: the lane count W
+    (32 from 16 rows, up to 64 below) differs per stream."""
     B = 1 + (S_img + S_txt) % 2
     H = 3 if (S_img + D) % 3 else 1
     _check(_make(B, S_img, S_txt, H, D, seed=D + S_img * 7 + S_txt))
@@ -142,8 +142,9 @@ def test_factor_and_lane_count_follow_each_stream():
     assert all(mod._mean_factor(n, 127) == r for n in range(1, 2000))
     assert any(mod._mean_factor(n, 127) != r for n in range(n0, n0 + 2000))
     assert all(mod._mean_factor(n, 96) == np.float32(1) / np.float32(96) for n in range(n0, n0 + 2000))
-    assert mod._reduce_launch(128, 1)[0] == 128 and mod._reduce_launch(128, 16)[0] == 32
-    assert mod._reduce_launch(128, 8)[0] == 64 and mod._reduce_launch(256, 1) == (64, 4, False)
+    assert mod._reduce_launch(64, 1)[0] == 64 and mod._reduce_launch(64, 16)[0] == 32
+    assert mod._reduce_launch(96, 8)[0] == 64 and mod._reduce_launch(256, 1) == (64, 4, False)
+    assert mod._reduce_launch(128, 1) == (32, 4, False) and mod._reduce_launch(512, 3) == (128, 4, False)
     for D, rows in itertools.product([1, 3, 64, 96, 100, 127, 128, 136, 256, 3840],
                                      [1, 2, 5, 15, 16, 300, 5000, n0 + 7, n0 + 1001]):
         assert mod._reduce_launch(D, rows)[:2] == sim.reduce_width(D, rows), (D, rows)
@@ -159,15 +160,36 @@ def test_factor_and_lane_count_follow_each_stream():
     assert first_mismatch(good[0], bad[0]) is not None or first_mismatch(good[1], bad[1]) is not None
 
 
-def test_sum_order_is_not_the_layer_norm_order():
-    """torch's generic reduce order differs from the layer-norm order of ``_fused_rms_norm`` on
-    fp32 rows (so a kernel summing in the wrong order fails these tests)."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(4096, 128, generator=g) * torch.exp(torch.randn(4096, 1, generator=g))
+def _probe():
+    """bench/probes/probe_diffusers_rms.py: the candidate orders the H200 run compared with torch
+    (bench/results/probe_diffusers_rms_h200.json)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "bench" / "probes" / "probe_diffusers_rms.py"
+    spec = importlib.util.spec_from_file_location("probe_diffusers_rms", path)
+    m = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(m)
+    return m
+
+
+@pytest.mark.parametrize("D", [16, 64, 96, 128, 256, 3840])
+def test_sum_order_is_the_one_the_h200_matched(D):
+    """The simulation's order equals the probe candidate that had 0 differing rows on the H200 for
+    that width (reduce kernel with the halving tree; at D = 128 the layer-norm order, which is
+    the vectorized one there), and differs from the ones that did not (so it has teeth)."""
+    probe = _probe()
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(256 if D < 3840 else 32, D, generator=g)
+         * torch.exp(torch.randn(256 if D < 3840 else 32, 1, generator=g)))
     ours = sim.sumsq_reduce_order(x)
-    assert not torch.equal(ours, rms_sim.sumsq(x, "torch"))
-    assert not torch.equal(ours, rms_sim.sumsq(x, "halving"))
-    assert torch.allclose(ours, (x.double() ** 2).sum(-1).float(), rtol=1e-6)
+    sq = x * x
+    if D == 128:
+        assert torch.equal(ours, probe.sum_layernorm_order(sq))
+        assert torch.equal(ours, rms_sim.sumsq(x, "torch_nofma"))
+    else:
+        assert torch.equal(ours, probe.sum_reduce(sq, tree=probe._tree_halves))
+    assert not torch.equal(ours, probe.sum_reduce(sq, tree=probe._tree_adjacent))
 
 
 def test_strided_views():

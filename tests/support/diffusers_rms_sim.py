@@ -37,10 +37,10 @@ def _last_pow2(n: int) -> int:
 
 def reduce_width(D: int, rows: int) -> tuple[int, int]:
     """(lanes per row W, vector width) of ``setReduceConfig`` for a mean over the contiguous
-    last dim of an fp32 [rows, D] tensor: vectors of 4 when D > 128; ``block_width =
+    last dim of an fp32 [rows, D] tensor: vectors of 4 when D >= 128; ``block_width =
     min(last_pow2(dim0), 32)``, ``block_height = min(last_pow2(rows), 512 // block_width)``, then
     ``block_width = min(last_pow2(dim0), 512 // block_height)`` (dim0, rows capped at 512)."""
-    vec = 4 if D > 128 else 1
+    vec = 4 if D >= 128 else 1
     dim0 = D // vec
     d0 = _last_pow2(dim0) if dim0 < 512 else 512
     d1 = _last_pow2(max(rows, 1)) if rows < 512 else 512
@@ -54,20 +54,16 @@ def mean_factor(rows: int, D: int) -> np.float32:
     return np.float32(rows) / np.float32(rows * D)
 
 
-def _shfl_down_tree(s: torch.Tensor) -> torch.Tensor:
-    """[..., W] -> [...]: block_x_reduce. W > 32: shared-memory halving (lane i += lane i + W/2)
-    down to 32 lanes; then shfl-down at offsets 1, 2, 4, ... (lane i += lane i + offset, so
-    lane 0 ends with a pairwise tree over adjacent lanes)."""
-    while s.shape[-1] > 32:
-        half = s.shape[-1] // 2
-        s = s[..., :half] + s[..., half:]
+def _lane_tree(s: torch.Tensor) -> torch.Tensor:
+    """[..., W] -> [...]: block_x_reduce as the H200 probe found it in torch 2.11: lane i adds
+    lane i + offset for offsets W/2, ..., 2, 1 (a halving tree; lane 0 is the result)."""
     W = s.shape[-1]
     vals = [s[..., i] for i in range(W)]
-    offset = 1
-    while offset < W:
-        for i in range(0, W, 2 * offset):
+    offset = W // 2
+    while offset >= 1:
+        for i in range(offset):
             vals[i] = vals[i] + vals[i + offset]
-        offset *= 2
+        offset //= 2
     return vals[0]
 
 
@@ -103,7 +99,7 @@ def sumsq_reduce_order(x32: torch.Tensor, rows: int | None = None) -> torch.Tens
             for i in range(4):
                 acc[i] = acc[i] + per[..., m, :, i]
     lane = ((acc[0] + acc[1]) + acc[2]) + acc[3]
-    return _shfl_down_tree(lane)
+    return _lane_tree(lane)
 
 
 def cpu_mean(x32: torch.Tensor) -> torch.Tensor:

@@ -24,8 +24,8 @@ out [128, R] (any N: the kernel accumulates several vectors per thread first, th
 all heads); :func:`rms_rstd` step 3's scalar part.
 
 :func:`rms_sumsq_reduce_order` is the other order torch uses for a sum of squares: its generic
-reduction (``x.float().pow(2).mean(-1)``, diffusers' ``RMSNorm``), lanes folded over adjacent
-pairs.
+reduction (``x.float().pow(2).mean(-1)``, diffusers' ``RMSNorm``): lane-strided elements below
+128, 4-element vectors from 128, a halving lane tree.
 
 Under ``TRITON_INTERPRET=1`` inline PTX does not run and ``tl.fma`` rounds twice: :func:`fma_rn`
 computes through fp64 there (exact for bf16/fp16 squares; for fp32 one fp64 rounding then one
@@ -132,14 +132,6 @@ def rms_fold_rows(acc, R: tl.constexpr):
 
 
 @triton.jit
-def _fold_pairs(s, A: tl.constexpr, L: tl.constexpr):
-    """[A, L] -> [A, L // 2]: column i gets ``s[:, 2i] + s[:, 2i + 1]`` (one step of a shfl-down
-    tree at offsets 1, 2, 4, ...: lane i adds lane i + offset, so the tree pairs adjacent lanes)."""
-    lo, hi = tl.split(tl.reshape(s, [A, L // 2, 2]))
-    return lo + hi
-
-
-@triton.jit
 def _quarters(t, A: tl.constexpr, M: tl.constexpr):
     """[A, M, 4] -> four [A, M]: element 0, 1, 2, 3 of the last axis."""
     t02, t13 = tl.split(tl.reshape(t, [A, M, 2, 2]))
@@ -155,8 +147,9 @@ def rms_sumsq_reduce_order(sq, R: tl.constexpr, DP: tl.constexpr, W: tl.constexp
     as ``x.float().pow(2).mean(-1)`` runs it (MeanOps: plain adds, ``ident = 0``); returns [R].
 
     Launch (``setReduceConfig``, reduction on the fastest-striding dim): ``dim0 = D`` inputs per
-    output, or ``D / 4`` 4-element vectors when ``D > 128`` (``vectorize_input``); ``dim1`` = the
-    number of outputs (rows). ``set_block_dimension``: ``block_width = min(last_pow2(dim0), 32)``,
+    output, or ``D / 4`` 4-element vectors (``vectorize_input``) when D >= 128 (torch 2.11 on the
+    H200 vectorizes D = 128: bench/results/probe_diffusers_rms_h200.json); ``dim1`` = the number
+    of outputs (rows). ``set_block_dimension``: ``block_width = min(last_pow2(dim0), 32)``,
     ``block_height = min(last_pow2(dim1), 512 / block_width)``, then ``block_width =
     min(last_pow2(dim0), 512 / block_height)``: W = 32 lanes per row once there are >= 16 rows,
     up to 512 for fewer rows. The input is split across the W lanes (``step_input = W``); the
@@ -164,27 +157,27 @@ def rms_sumsq_reduce_order(sq, R: tl.constexpr, DP: tl.constexpr, W: tl.constexp
     row is reduced by W lanes of one block row. W is computed on the host (``W`` here).
 
     Per lane l (``VEC == 1``, ``thread_reduce_impl``, vt0 = 4 accumulators): the lane's elements
-    l, l + W, l + 2W, ... go to accumulator ``j % 4`` in turn, each starting from 0; for D <= 128
-    a lane has at most four, so ``acc = ((e0 + e1) + e2) + e3`` (missing ones are 0).
+    l, l + W, l + 2W, ... go to accumulator ``j % 4`` in turn, each starting from 0; below 128 a
+    lane has at most four, so ``acc = ((e0 + e1) + e2) + e3`` (missing ones are 0).
     ``VEC == 4`` (``input_vectorized_thread_reduce_impl``; rows start 16-byte aligned because the
     squares are a fresh contiguous fp32 tensor and D % 4 == 0): the lane reads vectors
     l, l + W, ... (vector v = elements 4v .. 4v + 3); accumulator j sums element j of each in
     order; then ``acc = ((a0 + a1) + a2) + a3``.
 
-    Lanes then fold (``block_x_reduce``): for W > 32 through shared memory at offsets W/2, ...,
-    32 (lane i adds lane i + offset: :func:`_fold_half`), then ``warp_shfl_down`` at offsets 1, 2,
-    4, 8, 16 (< W): lane i adds lane i + offset, a tree over adjacent lanes (:func:`_fold_pairs`)
-    -- the opposite pairing of the layer-norm fold in :func:`rms_sumsq_torch_order`. Lane 0 holds
-    the row's sum. Padding zeros only ever add 0 to a non-negative (or NaN) sum: exact."""
+    Lanes then fold (``block_x_reduce``) as a halving tree: lane i adds lane i + offset for
+    offsets W/2, ..., 2, 1 (shared memory above 32 lanes, shfl-down below; the H200 probe matched
+    the halving tree for 16- to 3840-wide rows, not the adjacent-lane tree of offsets 1, 2, 4).
+    Lane 0 holds the row's sum. Padding zeros only ever add 0 to a non-negative (or NaN) sum:
+    exact. For D = 128 this is the order of :func:`rms_sumsq_torch_order` (without its FMAs)."""
     if VEC == 1:
-        NJ: tl.constexpr = DP // W  # elements per lane (<= 4 for D <= 128)
+        NJ: tl.constexpr = DP // W  # elements per lane (<= 4 for D < 128)
         if NJ == 1:
             lane = tl.reshape(sq, [R, W])
         elif NJ == 2:
             a0, a1 = tl.split(tl.permute(tl.reshape(sq, [R, 2, W]), (0, 2, 1)))
             lane = a0 + a1
         else:
-            tl.static_assert(NJ == 4, "more than 4 elements per lane (D > 128 is vectorized)")
+            tl.static_assert(NJ == 4, "more than 4 elements per lane (D >= 128 is vectorized)")
             a0, a1, a2, a3 = _quarters(tl.permute(tl.reshape(sq, [R, 4, W]), (0, 2, 1)), R, W)
             lane = ((a0 + a1) + a2) + a3
     else:
@@ -209,15 +202,14 @@ def rms_sumsq_reduce_order(sq, R: tl.constexpr, DP: tl.constexpr, W: tl.constexp
         s = _fold_half(s, R, 128)
     if W >= 64:
         s = _fold_half(s, R, 64)
-    LW: tl.constexpr = W if W < 32 else 32
-    if LW >= 2:
-        s = _fold_pairs(s, R, LW)
-    if LW >= 4:
-        s = _fold_pairs(s, R, LW // 2)
-    if LW >= 8:
-        s = _fold_pairs(s, R, LW // 4)
-    if LW >= 16:
-        s = _fold_pairs(s, R, LW // 8)
-    if LW >= 32:
-        s = _fold_pairs(s, R, LW // 16)
+    if W >= 32:
+        s = _fold_half(s, R, 32)
+    if W >= 16:
+        s = _fold_half(s, R, 16)
+    if W >= 8:
+        s = _fold_half(s, R, 8)
+    if W >= 4:
+        s = _fold_half(s, R, 4)
+    if W >= 2:
+        s = _fold_half(s, R, 2)
     return tl.reshape(s, [R])

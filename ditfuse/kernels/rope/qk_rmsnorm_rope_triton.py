@@ -546,7 +546,8 @@ def qk_rmsnorm_rope_fp32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=Non
 # qk_rmsnorm_diffusers_rope_complex (Qwen-Image): the same kernel with NORM=1, ROPE=2
 
 # How nvcc contracted c10::complex<float>::operator*= in torch's CUDA mul kernel (see _cmul):
-# the mode the public op uses; tests/gpu/test_qk_rmsnorm_diffusers.py reports all five.
+# re = fma(a, c, -bd), im = fma(a, d, bc), the only mode with 0 differences on the H200
+# (bench/results/probe_diffusers_rms_h200.json); tests/gpu/test_qk_rmsnorm_diffusers.py reports all five.
 CMUL_MODE = 1
 
 # torch's reduce launch (Reduce.cuh): max_reduce_threads for fp32, warp size, vt0 / vector width.
@@ -563,7 +564,7 @@ def _reduce_launch(D: int, rows: int) -> tuple[int, int, bool]:
     """(block_width W, vector width, warp split) of torch's ``setReduceConfig`` for the mean over
     the contiguous last dim of a fresh fp32 [rows, D] tensor (``x.float().pow(2)``). The warp
     split (several warps per row, shared-memory fold) is not implemented: the predicate rejects it."""
-    vec = _REDUCE_VEC if D > 128 else 1
+    vec = _REDUCE_VEC if D >= 128 else 1  # torch 2.11 vectorizes D = 128 (H200 probe)
     dim0 = D // vec
     mnt = _REDUCE_MAX_THREADS
     dim0_pow2 = _last_pow2(dim0) if dim0 < mnt else mnt
@@ -647,8 +648,8 @@ def _diffusers_reason(
         if w.dtype != dtype:
             return (f"a weight is {w.dtype} for {dtype} inputs (diffusers' RMSNorm output would be "
                     f"in the weight's dtype, or fp32 with an fp32 weight)")
-    if D > 128 and D % _REDUCE_VEC != 0:
-        return f"head_dim {D} > 128 is not a multiple of 4 (torch's vectorized mean then handles unaligned rows)"
+    if D >= 128 and D % _REDUCE_VEC != 0:
+        return f"head_dim {D} >= 128 is not a multiple of 4 (torch's vectorized mean then handles unaligned rows)"
     for t in inputs:
         if not _reduces_rows_in_place(t):
             return ("an input's head dim is not its innermost contiguous dim (torch's mean would "
@@ -697,7 +698,7 @@ def can_use_qk_rmsnorm_diffusers_rope_complex(
     - dtype other than bf16/fp16/fp32, or mixed dtypes among q, k, q_txt, k_txt;
     - a weight not [D] or not in the input dtype (diffusers would output the weight's dtype: an
       fp32 weight with bf16 inputs gives fp32 q/k);
-    - head_dim > 128 not a multiple of 4 (torch's vectorized mean with unaligned rows);
+    - head_dim >= 128 not a multiple of 4 (torch's vectorized mean with unaligned rows);
     - an input whose last dim is not stride 1 with the other dims >= D apart, or whose strides
       suggest channels-last (torch's mean would then run another launch);
     - a stream whose mean torch splits across warps (very wide rows with few rows; never for
