@@ -48,12 +48,14 @@ SIZES = {
     ("wan", "tiny"): ("64x64x5", 8),  # 2 latent frames x 4 x 4 = 32 tokens
     ("wan", "tiny-i2v"): ("64x64x5", 8),
     ("wan", "dev"): ("832x480x81", 512),
+    ("qwenimage", "tiny"): ("64x64", 8),  # 16 image + 8 text tokens
+    ("qwenimage", "dev"): ("1024x1024", 512),
 }
 
 
 def _parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=["flux", "wan"], default="flux")
+    p.add_argument("--family", choices=["flux", "wan", "qwenimage"], default="flux")
     p.add_argument("--config", default="tiny", help="family config (tiny, tiny-i2v, dev)")
     p.add_argument("--layers", default=None, help="layer counts, e.g. 2,2 (flux) or 2 (wan)")
     p.add_argument("--mode", choices=["ulysses", "ring"], default="ulysses")
@@ -86,11 +88,12 @@ def _local_lengths(model) -> tuple[list[int], list]:
     """Record the sequence length every attention module sees (torch forward pre-hooks run
     before the module's diffusers hook chain, i.e. after the block-level splits)."""
     from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention  # Qwen-Image's (not a mixin subclass)
 
     seen: list[int] = []
     handles = []
     for mod in model.modules():
-        if isinstance(mod, AttentionModuleMixin):
+        if isinstance(mod, (AttentionModuleMixin, Attention)):
             def pre(_m, args, kwargs):
                 hs = kwargs.get("hidden_states", args[0] if args else None)
                 if isinstance(hs, torch.Tensor):
