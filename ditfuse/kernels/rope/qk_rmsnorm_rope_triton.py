@@ -667,7 +667,9 @@ def _diffusers_reason(
                 return f"{name} is {f.dtype}, not complex64"
             if f.dim() != 2 or tuple(f.shape) != (S, D // 2):
                 return f"{name} must be [{S}, {D // 2}] (complex64 [S, D/2]), got {tuple(f.shape)}"
-            if f.is_conj():
+            # No conj bit under tracing (dynamo cannot trace is_conj; a traced conj view would
+            # then fail in view_as_real inside the op, which the gate reports as an error).
+            if not torch.compiler.is_compiling() and f.is_conj():
                 return f"{name} has its conjugate bit set (resolve_conj() first)"
     if not isinstance(eps, (int, float)):
         return "eps must be a Python number"
