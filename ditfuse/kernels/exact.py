@@ -183,3 +183,43 @@ def wan_rms_norm_silu_fp64(
 
 
 __all__ += ["wan_rms_norm_silu_fp64"]
+
+
+# ------------------------------------------------------------- Z-Image diffusers RMSNorm, appended
+
+
+def _rms_d_fp64(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """diffusers ``RMSNorm`` in fp64: ``x / sqrt(mean(x^2) + eps) * w``."""
+    return _rms_fp64(x, w, eps)
+
+
+def rms_norm_diffusers_scale_fp64(
+    x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float
+) -> torch.Tensor:
+    """``RMS(x; w) * (1 + scale)`` (``scale=None``: the norm alone) in fp64."""
+    n = _rms_d_fp64(x, weight, eps)
+    return n if scale is None else n * (1 + _d(_per_token(scale, x.dim())))
+
+
+def gate_residual_rms_norm_diffusers_fp64(
+    residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor, weight: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """``residual + gate * RMS(update; w)`` in fp64."""
+    n = _rms_d_fp64(update, weight, eps)
+    if gate is not None:
+        n = _d(_per_token(gate, update.dim())) * n
+    return _d(residual) + n
+
+
+def gate_residual_rms_norm_diffusers_scale_fp64(
+    residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor, out_weight: torch.Tensor | None,
+    next_weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + gate * RMS(update; w)``, ``n = RMS(h; w2) * (1 + scale)``; fp64."""
+    h = gate_residual_rms_norm_diffusers_fp64(residual, gate, update, out_weight, eps)
+    return h, rms_norm_diffusers_scale_fp64(h, next_weight, scale, eps)
+
+
+__all__ += ["rms_norm_diffusers_scale_fp64", "gate_residual_rms_norm_diffusers_fp64",
+            "gate_residual_rms_norm_diffusers_scale_fp64"]

@@ -1,9 +1,10 @@
 """norm: LayerNorm (+ the residual before it, + adaLN modulate), GroupNorm (+ SiLU), WanRMS_norm
-(+ SiLU) — the op descriptors.
+(+ SiLU), diffusers RMSNorm (+ Z-Image's gate/residual/scale) — the op descriptors.
 
 Data only (importing this imports neither torch nor triton). Kernels:
 layernorm_modulate_triton.py, group_norm_silu_triton.py, wan_rms_norm_silu_triton.py: each one
-kernel body for both contracts (a constexpr rounding switch).
+kernel body for both contracts (a constexpr rounding switch); rms_norm_diffusers_triton.py: one
+body for three bit-exact chains (a constexpr mode).
 """
 
 from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
@@ -110,6 +111,55 @@ WAN_RMS_NORM_SILU_FP32 = OpDescriptor(
     lossless=WAN_RMS_NORM_SILU,
 )
 
+_RD = "norm.rms_norm_diffusers_triton"
+# diffusers' RMSNorm mean runs torch's generic reduce kernel: its lane count (for < 16 rows) and
+# MeanOps' fp32 factor rows / (rows * D) depend on the number of rows of the eager call, so the
+# whole shape of the normed tensor is in the key.
+_RD_NOTE = ("the whole shape of the normed rows: their count B*S sets MeanOps' fp32 factor "
+            "f32(rows)/f32(rows*D) (the mean is sum * factor, not sum / D; the factor leaves r32(1/D) "
+            "once rows times D's odd part reaches 2^24) and, below 16 rows, torch's lanes per row")
+
+RMS_NORM_DIFFUSERS_SCALE = OpDescriptor(
+    op="norm.rms_norm_diffusers_scale",
+    contract=Contract.BIT_EXACT,
+    replaces="r(RMS_d(x; w) * r(1 + scale)) (scale None: RMS_d(x; w))",
+    summary="diffusers RMSNorm (torch's generic-reduce mean order and MeanOps factor, rsqrt.approx, "
+            "two roundings) + Z-Image's scale in one pass",
+    reference=f"{_REF}:rms_norm_diffusers_scale",
+    exact=f"{_EXACT}:rms_norm_diffusers_scale_fp64",
+    impls=(triton_impl(_RD, "rms_norm_diffusers_scale"),),
+    key=(K("x", dims=(0,), tail_shape=True), K("weight"), K("scale", rank=True), K("eps", value=True)),
+    key_note=_RD_NOTE,
+)
+
+GATE_RESIDUAL_RMS_NORM_DIFFUSERS = OpDescriptor(
+    op="norm.gate_residual_rms_norm_diffusers",
+    contract=Contract.BIT_EXACT,
+    replaces="r(residual + r(gate * RMS_d(update; w))) (gate None: r(residual + RMS_d(update; w)))",
+    summary="diffusers RMSNorm of the update + gate + residual add in one pass (Z-Image's FFN residual)",
+    reference=f"{_REF}:gate_residual_rms_norm_diffusers",
+    exact=f"{_EXACT}:gate_residual_rms_norm_diffusers_fp64",
+    impls=(triton_impl(_RD, "gate_residual_rms_norm_diffusers"),),
+    key=(K("residual"), K("gate", rank=True), K("update", dims=(0,), tail_shape=True), K("weight"),
+         K("eps", value=True)),
+    key_note=_RD_NOTE,
+)
+
+GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE = OpDescriptor(
+    op="norm.gate_residual_rms_norm_diffusers_scale",
+    contract=Contract.BIT_EXACT,
+    replaces="h = r(residual + r(gate * RMS_d(update; w))); n = r(RMS_d(h; w2) * r(1 + scale))",
+    summary="Z-Image block middle: RMSNorm of the attention output, gate, residual, then the next "
+            "RMSNorm (+ scale) of the sum, one pass; returns (h, n)",
+    reference=f"{_REF}:gate_residual_rms_norm_diffusers_scale",
+    exact=f"{_EXACT}:gate_residual_rms_norm_diffusers_scale_fp64",
+    impls=(triton_impl(_RD, "gate_residual_rms_norm_diffusers_scale"),),
+    key=(K("residual"), K("gate", rank=True), K("update", dims=(0,), tail_shape=True), K("out_weight"),
+         K("next_weight"), K("scale", rank=True), K("eps", value=True)),
+    key_note=_RD_NOTE,
+)
+
 DESCRIPTORS = (LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE_FP32,
                GATE_RESIDUAL_LAYERNORM_MODULATE_FP32, GROUP_NORM_SILU, GROUP_NORM_SILU_FP32,
-               WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_FP32)
+               WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_FP32, RMS_NORM_DIFFUSERS_SCALE,
+               GATE_RESIDUAL_RMS_NORM_DIFFUSERS, GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE)
