@@ -122,7 +122,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     for batch in args.batches:
         inp = fam.make_inputs(model, batch, size, **({} if args.txt_tokens is None else {"txt_tokens": args.txt_tokens}))
-        step = lambda: model(**inp)[0]
+        # Z-Image returns a list of per-sample latents: stacked into one tensor to compare
+        step = lambda: (lambda o: torch.stack(list(o)) if isinstance(o, (list, tuple)) else o)(model(**inp)[0])
         ehs = inp.get("encoder_hidden_states")
         txt = args.txt_tokens if args.txt_tokens is not None else (ehs.shape[1] if hasattr(ehs, "shape") else "")
         with torch.no_grad():
@@ -151,7 +152,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             elif prov == "compile":
                 torch._dynamo.reset()
                 cm = torch.compile(model)
-                fn = lambda: cm(**inp)[0]
+                fn = lambda: (lambda o: torch.stack(list(o)) if isinstance(o, (list, tuple)) else o)(cm(**inp)[0])
             try:
                 t1 = time.time()
                 with torch.no_grad():
@@ -243,7 +244,7 @@ PROVIDERS = ["eager", "lossless", "lossless_graph", "compile", "high"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2, sd3, qwenimage)")
+    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2, sd3, qwenimage, zimage)")
     p.add_argument("--config", default="dev", help="the family's transformer config (dev = its real size)")
     p.add_argument("--load", default="pretrained", choices=["pretrained", "plain"],
                    help="dtypes as from_pretrained(torch_dtype=bf16) leaves them, or all bf16")

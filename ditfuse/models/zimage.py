@@ -1,0 +1,128 @@
+"""Z-Image adapter: the fast forward of diffusers 0.42.1's ``ZImageTransformerBlock`` (basic mode).
+
+The block (modulated main and noise-refiner blocks; unmodulated context-refiner blocks) is four
+diffusers ``RMSNorm`` s (``attention_norm1/2``, ``ffn_norm1/2``, one eps) around an attention
+and a SwiGLU FeedForward; its eager chains map onto ops (notes/families.md §5)::
+
+    adaLN_modulation(c).unsqueeze(1).chunk(4, dim=2)   scale_msa, gate_msa, scale_mlp, gate_mlp
+    gate = tanh(gate)                                  (eager, as diffusers)
+    n = attention_norm1(x) * (1 + scale_msa)           -> rms_norm_diffusers_scale
+    a = attention(n, mask, freqs_cis)                  (diffusers' Attention + ZSingleStreamAttnProcessor)
+    x = x + gate_msa * attention_norm2(a);
+    n = ffn_norm1(x) * (1 + scale_mlp)                 -> gate_residual_rms_norm_diffusers_scale
+    f = w2(silu(w1(n)) * w3(n))                        -> swiglu on the two projections
+    x = x + gate_mlp * ffn_norm2(f)                    -> gate_residual_rms_norm_diffusers
+
+Unmodulated blocks run the same ops with ``scale``/``gate`` None. ``1.0 + scale`` is computed
+inside the ops (their reference takes the raw chunk, ``r(1 + scale)`` as eager rounds it). Omni
+mode (``noise_mask``: per-token noisy/clean modulation) runs diffusers' forward. The attention
+stays diffusers' (its QK chain is another op). The final layer is diffusers'. Every op is
+bit-exact and gated at first sight; no quality="high" tier.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.activation import SWIGLU
+from ..kernels.norm import (
+    GATE_RESIDUAL_RMS_NORM_DIFFUSERS,
+    GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE,
+    RMS_NORM_DIFFUSERS_SCALE,
+)
+from .base import Adapter, Site
+
+DIFFUSERS_VERSIONS = ("0.42.1",)
+_TF = "diffusers.models.transformers.transformer_z_image"
+_NORMS = ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")
+
+
+def block_forward(
+    block,
+    original,
+    x: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    freqs_cis: torch.Tensor | None,
+    adaln_input: torch.Tensor | None = None,
+    noise_mask: torch.Tensor | None = None,
+    adaln_noisy: torch.Tensor | None = None,
+    adaln_clean: torch.Tensor | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+) -> torch.Tensor:
+    """ZImageTransformerBlock.forward (basic mode) with its norm chains and the SwiGLU on ops."""
+    if noise_mask is not None:  # omni mode: per-token modulation selected with torch.where
+        return original(x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
+    eps = block.attention_norm1.eps
+    ff = block.feed_forward
+    if block.modulation:
+        scale_msa, gate_msa, scale_mlp, gate_mlp = block.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
+        gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
+    else:
+        scale_msa = gate_msa = scale_mlp = gate_mlp = None
+    n = _ops.rms_norm_diffusers_scale(x, block.attention_norm1.weight, scale_msa, eps)
+    attn_out = block.attention(n, attention_mask=attn_mask, freqs_cis=freqs_cis)
+    x, n = _ops.gate_residual_rms_norm_diffusers_scale(
+        x, gate_msa, attn_out, block.attention_norm2.weight, block.ffn_norm1.weight, scale_mlp, eps
+    )
+    f = ff.w2(_ops.swiglu(ff.w1(n), ff.w3(n)))
+    return _ops.gate_residual_rms_norm_diffusers(x, gate_mlp, f, block.ffn_norm2.weight, eps)
+
+
+def _block_applies(block) -> str | None:
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_z_image import FeedForward
+    from diffusers.utils import is_torch_npu_available
+
+    eps = None
+    for name in _NORMS:
+        n = getattr(block, name, None)
+        if type(n) is not RMSNorm:
+            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
+            return f"{name} is {what}, not diffusers' RMSNorm"
+        if getattr(n, "bias", None) is not None:
+            return f"{name} has a bias"
+        if n.weight is not None and tuple(n.weight.shape) != (block.dim,):
+            return f"{name} weight has shape {tuple(n.weight.shape)}, not (dim={block.dim},)"
+        if eps is not None and n.eps != eps:
+            return f"{name} eps {n.eps} differs from attention_norm1 eps {eps}"
+        eps = n.eps
+    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
+        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    ff = block.feed_forward
+    if type(ff) is not FeedForward:
+        return f"feed_forward is {type(ff).__name__}, not Z-Image's FeedForward"
+    for name in ("w1", "w2", "w3"):
+        lin = getattr(ff, name, None)
+        if not isinstance(lin, torch.nn.Linear):
+            return f"feed_forward.{name} is not a Linear"
+    if block.modulation:
+        mod = getattr(block, "adaLN_modulation", None)
+        if not (isinstance(mod, torch.nn.Sequential) and len(mod) == 1 and isinstance(mod[0], torch.nn.Linear)):
+            return "adaLN_modulation is not Sequential(Linear)"
+        if mod[0].out_features != 4 * block.dim:
+            return f"adaLN_modulation gives {mod[0].out_features} features, not 4 * dim"
+    return None
+
+
+SITES = (
+    Site(
+        name="zimage.block",
+        cls=f"{_TF}:ZImageTransformerBlock",
+        params=("self", "x", "attn_mask", "freqs_cis", "adaln_input", "noise_mask", "adaln_noisy", "adaln_clean"),
+        forward=block_forward,
+        ops=(RMS_NORM_DIFFUSERS_SCALE, GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE, SWIGLU, GATE_RESIDUAL_RMS_NORM_DIFFUSERS),
+        applies=_block_applies,
+        high=False,
+        description="main / refiner block: RMSNorm + scale, gate + residual + RMSNorm + scale, SwiGLU, "
+                    "gate + residual + RMSNorm (modulated and unmodulated)",
+    ),
+)
+
+ADAPTER = Adapter(
+    family="zimage",
+    model_classes=("ZImageTransformer2DModel",),
+    diffusers_versions=DIFFUSERS_VERSIONS,
+    sites=SITES,
+)
