@@ -576,7 +576,26 @@ def qk_rmsnorm_diffusers_cat_heads_first(
 
 
 
+def qk_rmsnorm_diffusers_cat(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of op ``rope.qk_rmsnorm_diffusers_cat``: the kernel's signature (eps defaults
+    to 1e-6, no ``norm`` switch) over :func:`qk_rmsnorm_diffusers_cat_heads_first`."""
+    return qk_rmsnorm_diffusers_cat_heads_first(
+        q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight
+    )
+
+
 __all__ += [
+    "qk_rmsnorm_diffusers_cat",
     "rms_norm_diffusers",
     "rms_norm_diffusers_scale",
     "gate_residual_rms_norm_diffusers",

@@ -191,3 +191,20 @@ def qk_chain_cuda(
         qo = torch.cat([one(q_txt, q_txt_weight, txt_freqs), qo], dim=1)
         ko = torch.cat([one(k_txt, k_txt_weight, txt_freqs), ko], dim=1)
     return qo, ko
+
+
+def qk_cat_heads_first_cuda(
+    q, k, q_weight, k_weight, eps=1e-6, q_txt=None, k_txt=None, q_txt_weight=None, k_txt_weight=None,
+    rsqrt=torch.rsqrt, mean=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.qk_rmsnorm_diffusers_cat_heads_first`` (SD3.5) with the norm simulated: each
+    [B, H, S, D] stream is its own mean call (rows B*H*S), then the image-first concat on dim 2."""
+
+    def one(x, w):
+        return rms_norm_diffusers_cuda(x, w, eps, rsqrt=rsqrt, mean=mean)
+
+    qo, ko = one(q, q_weight), one(k, k_weight)
+    if q_txt is not None:
+        qo = torch.cat([qo, one(q_txt, q_txt_weight)], dim=2)
+        ko = torch.cat([ko, one(k_txt, k_txt_weight)], dim=2)
+    return qo, ko

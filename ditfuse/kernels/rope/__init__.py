@@ -79,5 +79,23 @@ QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX = OpDescriptor(
              "out of the key: sequence lengths change with every prompt",
 )
 
+QK_RMSNORM_DIFFUSERS_CAT = OpDescriptor(
+    op="rope.qk_rmsnorm_diffusers_cat",
+    contract=Contract.BIT_EXACT,
+    replaces="cat([RMS_d(q), RMS_d(q_txt)], dim=2) (and k) of SD3.5's [B, H, S, D] transposed views",
+    summary="diffusers RMSNorm (two roundings, torch's mean order and factor per stream) on q, k "
+            "and the text q/k, written heads-first and image-first into the joint [B, H, S, D] "
+            "(SD3.5; without text: attn2)",
+    reference=f"{_REF}:qk_rmsnorm_diffusers_cat",
+    exact=f"{_EXACT}:qk_rmsnorm_diffusers_cat_fp64",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_diffusers_cat"),),
+    key=(K("q", dims=(-1,)), K("k"), K("q_weight"), K("k_weight"), K("eps", value=True),
+         K("q_txt"), K("k_txt"), K("q_txt_weight"), K("k_txt_weight")),
+    key_note="head_dim fixes the mean's reduction; each stream's row count B*H*S sets torch's "
+             "factor and, below 16 rows, the lane count, which the kernel derives from each "
+             "call's shapes as torch's launch does (as for rope.qk_rmsnorm_diffusers_rope_complex)",
+)
+
 DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_RMSNORM_ACROSS_HEADS_ROPE,
-               QK_RMSNORM_ACROSS_HEADS_ROPE_FP32, QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX)
+               QK_RMSNORM_ACROSS_HEADS_ROPE_FP32, QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,
+               QK_RMSNORM_DIFFUSERS_CAT)

@@ -205,7 +205,7 @@ def _qk_rmsnorm_rope_kernel(
     HAS_WQI: tl.constexpr, HAS_WKI: tl.constexpr, HAS_WQT: tl.constexpr, HAS_WKT: tl.constexpr,
     DTYPE: tl.constexpr, EXACT: tl.constexpr,
     NORM: tl.constexpr = 0, W_IMG: tl.constexpr = 32, W_TXT: tl.constexpr = 32, VEC: tl.constexpr = 1,
-    CMUL: tl.constexpr = 0,
+    CMUL: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
 ):
     """ROPE 0: none; 1 (FLUX): ``cos_ptr``/``sin_ptr`` are cos/sin [S_tot, D] with strides
     (c_ss, c_sd)/(s_ss, s_sd); 2 (complex): ``cos_ptr`` is the image table and ``sin_ptr`` the
@@ -215,14 +215,25 @@ def _qk_rmsnorm_rope_kernel(
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < n_rows
-    h = rows % H
-    bs = rows // H
-    s = bs % S_TOT
-    b = bs // S_TOT
+    if LAYOUT == 0:
+        h = rows % H
+        bs = rows // H
+        s = bs % S_TOT
+        b = bs // S_TOT
+    else:
+        # Heads-first, image-first output [B, H, S_TOT, D] (SD3): output position so, mapped to
+        # the text-first joint index s the loaders take (text rows s < S_TXT, image s - S_TXT).
+        so = rows % S_TOT
+        bh = rows // S_TOT
+        h = bh % H
+        b = bh // H
+        s_img = S_TOT - S_TXT
+        s = tl.where(so < s_img, so + S_TXT, so - s_img)
     d = tl.arange(0, DP)
     d_ok = d < D
     mask = row_ok[:, None] & d_ok[None, :]
-    # Output rows are (b, s, h) of a contiguous [B, S_TOT, H, D]: row r starts at r * D.
+    # Output rows are (b, s, h) of a contiguous [B, S_TOT, H, D] (LAYOUT 1: (b, h, so) of a
+    # contiguous [B, H, S_TOT, D]): row r starts at r * D.
     out_off = rows[:, None] * D + d[None, :]
 
     in_txt = s < S_TXT
@@ -426,8 +437,9 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     S_tot = S_txt + S_img
-    q_out = torch.empty((B, S_tot, H, D), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((B, S_tot, H, D), dtype=q.dtype, device=q.device)
+    out_shape = (B, H, S_tot, D) if (diffusers or {}).get("LAYOUT", 0) else (B, S_tot, H, D)
+    q_out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     n_rows = B * S_tot * H
     if n_rows == 0 or D == 0:
         return q_out, k_out
@@ -715,7 +727,7 @@ def can_use_qk_rmsnorm_diffusers_rope_complex(
 
 def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
                       txt_freqs, cmul: int = CMUL_MODE, rows_per_program: int | None = None,
-                      num_warps: int = 2):
+                      num_warps: int = 2, layout: int = 0):
     """Launch the NORM=1 kernel: per-stream reduce widths and mean factors from the shapes,
     complex tables as fp32 views of their real parts (imaginary at +1), no copies."""
     B, S_img, H, D = q.shape
@@ -723,7 +735,7 @@ def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_
     rows_img, rows_txt = B * S_img * H, B * S_txt * H
     w_img, vec, _ = _reduce_launch(D, max(rows_img, 1))
     w_txt = _reduce_launch(D, max(rows_txt, 1))[0] if q_txt is not None else w_img
-    params = dict(NORM=1, W_IMG=w_img, W_TXT=w_txt, VEC=vec, CMUL=cmul,
+    params = dict(NORM=1, W_IMG=w_img, W_TXT=w_txt, VEC=vec, CMUL=cmul, **({"LAYOUT": layout} if layout else {}),
                   fac_img=_mean_factor(rows_img, D), fac_txt=_mean_factor(rows_txt, D))
     img_tab = torch.view_as_real(freqs)[..., 0] if freqs is not None else None
     txt_tab = torch.view_as_real(txt_freqs)[..., 0] if txt_freqs is not None else None
@@ -794,3 +806,112 @@ def qk_rmsnorm_diffusers_rope_complex(
             txt_freqs, CMUL_MODE)
     return _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
                              txt_freqs, CMUL_MODE)
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_rmsnorm_diffusers_cat (SD3.5): the same kernel with NORM=1, ROPE=0, LAYOUT=1
+
+
+def _cat_reason(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight) -> str | None:
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return "q and k must be tensors"
+    if (q_txt is None) != (k_txt is None):
+        return "q_txt and k_txt must be given together"
+    if q.dim() != 4 or q.shape != k.shape:
+        return f"q and k must be [B, H, S, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
+    if q_txt is not None:
+        if not isinstance(q_txt, torch.Tensor) or not isinstance(k_txt, torch.Tensor):
+            return "q_txt and k_txt must be tensors"
+        if q_txt.dim() != 4 or q_txt.shape != k_txt.shape:
+            return "q_txt and k_txt must be [B, H, S_txt, D] of one shape"
+        if (q_txt.shape[0], q_txt.shape[1], q_txt.shape[3]) != (q.shape[0], q.shape[1], q.shape[3]):
+            return "text and image inputs differ in B, H or D"
+    # diffusers normalises the [B, H, S, D] tensors themselves: the layout checks see them as given.
+    for t in (q, k, q_txt, k_txt):
+        if t is not None and not _reduces_rows_in_place(t):
+            return ("an input's head dim is not its innermost contiguous dim, or its strides suggest "
+                    "channels-last (torch's mean would run another launch)")
+    tr = (lambda t: t.transpose(1, 2) if t is not None else None)
+    return _diffusers_reason(tr(q), tr(k), q_weight, k_weight, None, eps, tr(q_txt), tr(k_txt),
+                             q_txt_weight, k_txt_weight, None)
+
+
+def can_use_qk_rmsnorm_diffusers_cat(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> bool:
+    """True when :func:`qk_rmsnorm_diffusers_cat` reproduces the reference on these inputs.
+
+    Rejected: the cases of :func:`can_use_qk_rmsnorm_diffusers_rope_complex` that apply without
+    RoPE (device, grad, dtypes, weights not [D] in the input dtype, head_dim >= 128 not a multiple
+    of 4, a head dim that is not innermost contiguous or strides suggesting channels-last, a warp
+    split mean, eps not a number), with q/k [B, H, S, D] and text [B, H, S_txt, D]."""
+    return _cat_reason(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight) is None
+
+
+def _launch_cat(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                rows_per_program: int | None = None, num_warps: int = 2):
+    tr = (lambda t: t.transpose(1, 2) if t is not None else None)
+    return _launch_diffusers(tr(q), tr(k), q_weight, k_weight, None, eps, tr(q_txt), tr(k_txt), q_txt_weight,
+                             k_txt_weight, None, CMUL_MODE, rows_per_program, num_warps, layout=1)
+
+
+@torch.library.custom_op("ditfuse::qk_rmsnorm_diffusers_cat", mutates_args=())
+def _qk_rmsnorm_diffusers_cat_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    q_txt: torch.Tensor | None,
+    k_txt: torch.Tensor | None,
+    q_txt_weight: torch.Tensor | None,
+    k_txt_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_cat(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+@_qk_rmsnorm_diffusers_cat_op.register_fake
+def _(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight):
+    B, H, S_img, D = q.shape
+    S_tot = S_img + (q_txt.shape[2] if q_txt is not None else 0)
+    return q.new_empty((B, H, S_tot, D)), q.new_empty((B, H, S_tot, D))
+
+
+def qk_rmsnorm_diffusers_cat(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SD3.5's QK chain (``JointAttnProcessor2_0`` with ``qk_norm="rms_norm"``) in one launch:
+    diffusers ``RMSNorm`` on each of q, k, q_txt, k_txt (each stream its own mean call: own lane
+    count and factor, rows B*H*S), then the **image-first** concat along the sequence:
+    ``q_joint = cat([RMS_d(q), RMS_d(q_txt)], dim=2)``. No RoPE. Equal to
+    ``ditfuse.kernels.reference.qk_rmsnorm_diffusers_cat_heads_first`` on CUDA (torch 2.11).
+
+    q, k: [B, H, S_img, D] (transposed views of the [B, S, H*D] projections or any strides with
+    the head dim innermost); q_txt, k_txt: [B, H, S_txt, D] or None (attn2: no text); weights:
+    [D] in the input dtype or None. Returns contiguous (q_joint, k_joint), each
+    [B, H, S_img + S_txt, D]. Raises :class:`UnsupportedInput` exactly where
+    :func:`can_use_qk_rmsnorm_diffusers_cat` is False.
+    """
+    reason = _cat_reason(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.qk_rmsnorm_diffusers_cat(
+            q, k, q_weight, k_weight, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight)
+    return _launch_cat(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
