@@ -63,11 +63,11 @@ def sumsq(x32: torch.Tensor, rows: int) -> torch.Tensor:
     accs = []
     for j in range(4):
         if vec == 4:
-            a = torch.zeros(*lead, W, dtype=torch.float32)
+            a = torch.zeros(*lead, W, dtype=torch.float32, device=x32.device)
             for k in range(per_lane_vectors):
                 a = a + t[..., k, :, j]
         else:
-            a = t[..., j, :, 0] if j < per_lane_vectors else torch.zeros(*lead, W, dtype=torch.float32)
+            a = t[..., j, :, 0] if j < per_lane_vectors else torch.zeros(*lead, W, dtype=torch.float32, device=x32.device)
         accs.append(a)
     lane = ((accs[0] + accs[1]) + accs[2]) + accs[3]
     while lane.shape[-1] > 1:
@@ -82,8 +82,8 @@ def rms_d(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     D = x.shape[-1]
     x32 = x.float()
     n_rows = x32.numel() // D if rows is None else rows
-    ms = sumsq(x32, n_rows) * torch.tensor(float(factor(n_rows, D)), dtype=torch.float32)
-    rstd = rsqrt(ms + torch.tensor(eps, dtype=torch.float32))
+    ms = sumsq(x32, n_rows) * torch.tensor(float(factor(n_rows, D)), dtype=torch.float32, device=x.device)
+    rstd = rsqrt(ms + torch.tensor(eps, dtype=torch.float32, device=x.device))
     h = x32 * rstd[..., None]
     if weight is None:
         return h.to(x.dtype)

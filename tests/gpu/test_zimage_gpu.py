@@ -1,0 +1,129 @@
+"""Z-Image on CUDA: the diffusers-RMSNorm kernels (norm.rms_norm_diffusers_scale,
+gate_residual_rms_norm_diffusers(_scale)) bitwise vs eager at Z-Image shapes, the CUDA-order
+simulation (tests/support/rms_diffusers_rows_sim.py) vs torch's own mean, and the adapter:
+accelerated ZImageTransformer2DModel bitwise equal to plain diffusers with every op verified,
+nothing fallen back and the kernels run.
+
+Configs: the tiny one, and Z-Image width (3840 = 30 x 128, SwiGLU 10240, caption width 2560) with
+2 main + 1 + 1 refiner blocks. 1024² (4096 image tokens) and an odd 336x208 (273); captions 512
+and 77 tokens (padded by the model to multiples of 32, not of 64), a shorter second caption in
+B = 2 (a padded batch with an attention mask); batch 1 and 2."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ditfuse.kernels import reference as ref
+from ditfuse.kernels.compare import compare_outputs
+from ditfuse.kernels.norm import rms_norm_diffusers_triton as rk
+from tests.support import rms_diffusers_rows_sim as sim
+
+DEV = "cuda"
+EPS = 1e-5
+
+
+def _rows(shape, dtype, g):
+    s = torch.exp(torch.randn(*shape[:-1], 1, generator=g, device=DEV) * 1.5)
+    return (torch.randn(*shape, generator=g, device=DEV) * s).to(dtype)
+
+
+def _chunk(B, D, dtype, g):
+    """A [B, 1, D] chunk of adaLN_modulation(c).unsqueeze(1).chunk(4, dim=2) (strided)."""
+    return (torch.randn(B, 1, 4 * D, generator=g, device=DEV) * 0.3).to(dtype).chunk(4, dim=2)[1]
+
+
+# (B, S, D): Z-Image main blocks at 1024² (4096 + 512 caption tokens = 4608; 4109 odd), the
+# refiners (4096 image, 512 caption), tiny widths, head-dim-like widths and few-row calls.
+SHAPES = [(1, 4109, 3840), (2, 4109, 3840), (1, 4608, 3840), (2, 512, 3840), (1, 96, 3840),
+          (2, 300, 2560), (1, 7, 3840), (1, 1, 3840), (2, 3, 3840), (1, 37, 256), (2, 19, 128),
+          (2, 64, 96), (1, 64, 64), (1, 5, 64), (2, 33, 16), (1, 2, 16), (1, 1, 96)]
+
+
+@pytest.mark.parametrize("B,S,D", SHAPES, ids=[f"{b}x{s}x{d}" for b, s, d in SHAPES])
+def test_kernels_vs_eager(B, S, D):
+    g = torch.Generator(device=DEV).manual_seed(B * 7919 + S * 31 + D)
+    failures = []
+    cases = [(torch.bfloat16, "half"), (torch.bfloat16, None), (torch.float32, "fp32"), (torch.float16, "half")]
+    for dtype, wkind in cases:
+        x, r = _rows((B, S, D), dtype, g), _rows((B, S, D), dtype, g)
+        wdt = torch.float32 if wkind == "fp32" else dtype
+        w = None if wkind is None else (1 + 0.3 * torch.randn(D, generator=g, device=DEV)).to(wdt)
+        w2 = None if wkind is None else (1 + 0.3 * torch.randn(D, generator=g, device=DEV)).to(wdt)
+        tag = f"[{B},{S},{D}] {dtype} w={wkind}"
+        for gate, scale in ((_chunk(B, D, dtype, g).tanh(), _chunk(B, D, dtype, g)), (None, None)):
+            mod = "modulated" if gate is not None else "plain"
+            assert rk.can_use_rms_norm_diffusers_scale(x, w, scale, EPS), tag
+            for got, want, name in (
+                (rk.rms_norm_diffusers_scale(x, w, scale, EPS), ref.rms_norm_diffusers_scale(x, w, scale, EPS), "Z1"),
+                (rk.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS),
+                 ref.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS), "Z6"),
+                (rk.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w2, scale, EPS),
+                 ref.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w2, scale, EPS), "Z3+Z4"),
+            ):
+                mm = compare_outputs(got, want, f"{name} {tag} {mod} lanes={rk.reduce_launch(D, B * S)}")
+                if mm:
+                    failures.append(str(mm))
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("B,S,D", SHAPES, ids=[f"{b}x{s}x{d}" for b, s, d in SHAPES])
+def test_simulation_is_torchs_mean(B, S, D):
+    """The reduce-order model itself: its RMSNorm (torch.rsqrt) equals diffusers' chain on CUDA."""
+    g = torch.Generator(device=DEV).manual_seed(S + D)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _rows((B, S, D), dtype, g)
+        w = (1 + 0.3 * torch.randn(D, generator=g, device=DEV)).to(dtype)
+        mm = compare_outputs(sim.rms_d(x, w, EPS), ref.rms_norm_diffusers(x, w, EPS), f"sim [{B},{S},{D}] {dtype}")
+        assert mm is None, str(mm)
+
+
+def test_per_token_and_strided_operands():
+    g = torch.Generator(device=DEV).manual_seed(3)
+    B, S, D = 2, 1031, 3840
+    wide = _rows((B, S, 2 * D), torch.bfloat16, g)
+    x = wide[..., :D]
+    r = _rows((S, B, D), torch.bfloat16, g).transpose(0, 1)
+    gate = (torch.randn(B, S, D, generator=g, device=DEV) * 0.3).bfloat16().tanh()
+    scale = (torch.randn(B, D, generator=g, device=DEV) * 0.3).bfloat16()
+    w = (1 + 0.3 * torch.randn(D, generator=g, device=DEV)).bfloat16()
+    mm = compare_outputs(rk.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w, scale, EPS),
+                         ref.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w, scale, EPS), "strided")
+    assert mm is None, str(mm)
+
+
+# -- the adapter ---------------------------------------------------------------------------------
+
+
+def _family():
+    from ditfuse.models import families
+
+    fam = families.get("zimage")
+    small = dict(fam.config("dev"), n_layers=2, n_refiner_layers=1)
+    return dataclasses.replace(fam, configs={**fam.configs, "dev_small": small})
+
+
+def _run(config, batch, size, txt):
+    from ditfuse.models.zimage import ADAPTER
+    from tests.support.engaged import compare_accelerated
+
+    fam = _family()
+    m = fam.build(config, device=DEV)
+    inp = fam.make_inputs(m, batch, size, device=DEV, txt_tokens=txt)
+    if batch > 1:  # a shorter second caption: a padded batch with an attention mask
+        inp["cap_feats"][-1] = inp["cap_feats"][-1][: txt - 9]
+    compare_accelerated(m, inp, ADAPTER.ops(), f"zimage {config} B={batch} {size} txt={txt}")
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("size", ["64x48", "336x208"])
+def test_tiny(batch, size):
+    _run("tiny", batch, size, txt=29)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("size,txt", [("1024x1024", 512), ("336x208", 77)], ids=["1024px", "odd"])
+def test_z_image_width(batch, size, txt):
+    _run("dev_small", batch, size, txt)
