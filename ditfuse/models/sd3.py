@@ -1,12 +1,15 @@
 """SD3 / SD3.5 adapter: fast forwards for diffusers 0.42.1's SD3Transformer2DModel blocks.
 
 ``JointTransformerBlock`` is FLUX.1's dual block with SD3's details: image and text streams each
-run adaLN-Zero (``layernorm_modulate``), joint attention (``JointAttnProcessor2_0``: diffusers'
-own, with SD3.5's per-head diffusers RMSNorm on q/k and image-first concat — unchanged here), the
+run adaLN-Zero (``layernorm_modulate``), joint attention (``JointAttnProcessor2_0``: the processor's code,
+with SD3.5's per-head diffusers RMSNorm on q/k/q_txt/k_txt and the image-first q/k cats as one op,
+``qk_rmsnorm_diffusers_cat``, writing the joint [B, H, S, D]; v's cat, SDPA and the projections
+stay the processor's; SD3 without QK norm keeps diffusers' attention: nothing to fuse), the
 gated residual fused with norm2 + modulate (``gate_residual_layernorm_modulate``), the tanh-GELU
 FeedForward (diffusers' own) and the FF gated residual (``gate_residual``). SD3.5-medium's dual
 attention blocks (``SD35AdaLayerNormZeroX``: one LayerNorm, two modulations) add attn2 with its
-own gated residual. The last block is ``context_pre_only``: its text stream stops after norm1
+own gated residual (its QK norm is the same op without text). An external ``attention_mask``,
+extra attention kwargs or another processor run diffusers' forward. The last block is ``context_pre_only``: its text stream stops after norm1
 (an ``AdaLayerNormContinuous``, mounted by the ``norm_out`` site like the model's ``norm_out``).
 
 Every op is bit-exact and gated at first sight; no quality="high" tier (admission was not
@@ -22,10 +25,104 @@ import torch
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
+from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
 from .adaln import ada_zero, ada_zero_applies, norm_out_site, plain_layernorm
 from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
+
+
+# -- attention --------------------------------------------------------------------------------
+
+
+def _attn_applies(attn) -> str | None:
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.utils import is_torch_npu_available
+
+    if type(attn.processor) is not JointAttnProcessor2_0:
+        return f"processor is {type(attn.processor).__name__}, not JointAttnProcessor2_0"
+    if attn.norm_q is None and attn.norm_k is None:
+        return "no QK norm (SD3's qk_norm=None): nothing to fuse, the cats stay diffusers'"
+    names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.add_q_proj is not None else ())
+    eps = None
+    for name in names:
+        n = getattr(attn, name, None)
+        if type(n) is not RMSNorm:
+            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
+            return f"{name} is {what}, not diffusers' RMSNorm"
+        if n.bias is not None:
+            return f"{name} has a bias"
+        if eps is not None and n.eps != eps:
+            return f"{name} eps {n.eps} differs from norm_q eps {eps}"
+        eps = n.eps
+    if attn.add_q_proj is None and getattr(attn, "norm_added_q", None) is not None:
+        return "norm_added_q without add_q_proj"
+    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
+        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    return None
+
+
+def attention_forward(
+    attn,
+    original,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+    **kwargs: Any,
+):
+    """Attention + JointAttnProcessor2_0 line for line, with the four RMSNorms and the q/k cats
+    as one gated op (``qk_rmsnorm_diffusers_cat``) writing the joint [B, H, S_img + S_txt, D];
+    the v cat, ``F.scaled_dot_product_attention`` and the output projections are the processor's."""
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    if type(attn.processor) is not JointAttnProcessor2_0 or attention_mask is not None or kwargs:
+        return original(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+    F = torch.nn.functional
+    residual = hidden_states
+    batch_size = hidden_states.shape[0]
+
+    query = attn.to_q(hidden_states)
+    key = attn.to_k(hidden_states)
+    value = attn.to_v(hidden_states)
+    inner_dim = key.shape[-1]
+    head_dim = inner_dim // attn.heads
+    query = query.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+    key = key.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+    value = value.view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+
+    q_txt = k_txt = q_txt_weight = k_txt_weight = None
+    if encoder_hidden_states is not None:
+        q_txt = attn.add_q_proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        k_txt = attn.add_k_proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        v_txt = attn.add_v_proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
+        q_txt_weight, k_txt_weight = attn.norm_added_q.weight, attn.norm_added_k.weight
+    query, key = _ops.qk_rmsnorm_diffusers_cat(
+        query, key, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
+        q_txt, k_txt, q_txt_weight, k_txt_weight,
+    )
+    if encoder_hidden_states is not None:
+        value = torch.cat([value, v_txt], dim=2)
+
+    hidden_states = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
+    hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+    hidden_states = hidden_states.to(query.dtype)
+
+    if encoder_hidden_states is not None:
+        hidden_states, encoder_hidden_states = (
+            hidden_states[:, : residual.shape[1]],
+            hidden_states[:, residual.shape[1] :],
+        )
+        if not attn.context_pre_only:
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+
+    hidden_states = attn.to_out[0](hidden_states)
+    hidden_states = attn.to_out[1](hidden_states)
+    if encoder_hidden_states is not None:
+        return hidden_states, encoder_hidden_states
+    return hidden_states
 
 
 def _ada_zero_x(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
@@ -135,6 +232,17 @@ SITES = (
         high=False,
         description="joint block: adaLN-Zero (SD3.5 dual: one LN, two modulations), "
                     "gate+residual+norm2+modulate, FF gate residual",
+    ),
+    Site(
+        name="sd3.attention",
+        cls="diffusers.models.attention_processor:Attention",
+        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs"),
+        forward=attention_forward,
+        ops=(QK_RMSNORM_DIFFUSERS_CAT,),
+        applies=_attn_applies,
+        high=False,
+        description="attention (JointAttnProcessor2_0, SD3.5 QK RMSNorm): the four RMSNorms + image-first "
+                    "q/k cats in one pass (attn and attn2)",
     ),
     norm_out_site("sd3", high=False),
 )

@@ -35,18 +35,24 @@ def _run(m, inp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,blocks", [("sd35", 3), ("sd3", 2)])
+@pytest.mark.parametrize("name,blocks,attns", [("sd35", 3, 4), ("sd3", 2, 0)])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_mount_unmount_outputs_bitwise_unchanged(name, blocks, batch):
+def test_mount_unmount_outputs_bitwise_unchanged(name, blocks, attns, batch):
     m = _model(name)
     inp = _inputs(m, batch=batch)
     base = _run(m, inp)
     h = ditfuse.accelerate(m)
     rep = h.report().components[0]
     assert rep.adapter == "sd3"
-    # the model's norm_out and the last block's norm1_context are both AdaLayerNormContinuous
-    assert sorted(s for _, s in rep.sites) == ["sd3.joint_block"] * blocks + ["sd3.norm_out"] * 2
-    assert not rep.skipped_sites
+    # the model's norm_out and the last block's norm1_context are both AdaLayerNormContinuous;
+    # sd35: every attn and block 0's attn2; sd3 (no QK norm): attention not mounted, with a reason
+    assert sorted(s for _, s in rep.sites) == (["sd3.attention"] * attns + ["sd3.joint_block"] * blocks
+                                               + ["sd3.norm_out"] * 2)
+    if name == "sd3":
+        assert [p for p, _ in rep.skipped_sites] == [f"transformer_blocks.{i}.attn" for i in range(blocks)]
+        assert all("no QK norm" in r for _, r in rep.skipped_sites), rep.skipped_sites
+    else:
+        assert not rep.skipped_sites
     assert_bitwise_equal(_run(m, inp), base, "accelerated")
     inp2 = _inputs(m, batch=batch, txt=13, hw=(32, 80))
     h.unmount()
@@ -97,11 +103,15 @@ def test_fast_forwards_match_diffusers_call_for_call(name):
             site = by_cls.get(type(mod).__name__)
             if site is None:
                 continue
+            if site.name == "sd3.attention" and name == "sd3":
+                assert "no QK norm" in site.applies(mod)
+                continue
             assert site.applies(mod) is None, site.applies(mod)
             orig = mod.forward
             saved.append((mod, orig))
             mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        assert len(saved) == len(m.transformer_blocks) + 2
+        attns = 0 if name == "sd3" else len(m.transformer_blocks) + 1  # + block 0's attn2
+        assert len(saved) == len(m.transformer_blocks) + 2 + attns
         try:
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {name} {dtype}")
         finally:
@@ -152,3 +162,35 @@ def test_family_fixture_builds_inputs():
     assert inp["hidden_states"].shape == (2, 4, 6, 8) and inp["encoder_hidden_states"].shape == (2, 9, 20)
     assert _run(m, inp).shape == (2, 4, 6, 8)
     assert set(fam.configs) >= {"tiny", "tiny-sd3", "dev", "medium", "sd3-medium"}
+
+
+QK_OP = "rope.qk_rmsnorm_diffusers_cat"
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_qk_op_runs_in_every_attention_bf16(batch):
+    """SD3.5 tiny, bf16, text 13: the QK op reaches the gate in every attention (joint attn with
+    text, context_pre_only last block, attn2 without text), is verified (kernel == reference on
+    first sight) and then runs as the kernel; the output stays bitwise diffusers'."""
+    m = _model("sd35")
+    inp = _inputs(m, batch=batch, txt=13)
+    base = _run(m, inp)
+    ditfuse.gate.reset()
+    h = ditfuse.accelerate(m)
+    seen = []
+    for name, mod in m.named_modules():
+        if name.endswith((".attn", ".attn2")):
+            mod.register_forward_pre_hook(lambda mod, a, name=name: seen.append(name))
+    try:
+        assert_bitwise_equal(_run(m, inp), base, "sd35 with the QK op")
+        gate = ditfuse.gate.report()
+    finally:
+        h.unmount()
+    assert sorted(seen) == sorted(["transformer_blocks.0.attn", "transformer_blocks.0.attn2",
+                                   "transformer_blocks.1.attn", "transformer_blocks.2.attn"])
+    calls = gate.calls.get(QK_OP, {})
+    assert QK_OP not in gate.disabled, gate.disabled
+    assert len(gate.verified.get(QK_OP, [])) == 2  # one key with text, one without (attn2)
+    # every attention call went through the gate: each first sight is verify (+ reference), then kernel
+    assert calls.get("verify", 0) + calls.get("kernel", 0) == len(seen), calls
+    assert calls.get("kernel", 0) >= 2, calls
