@@ -46,7 +46,7 @@ class Family:
         except KeyError:
             raise ValueError(f"{self.name} has no config {name!r} (configs: {', '.join(self.configs)})") from None
         if layers is not None:
-            keys = [k for k in ("num_layers", "num_single_layers") if k in cfg]
+            keys = [k for k in ("num_layers", "num_single_layers", "n_layers", "n_refiner_layers") if k in cfg]
             if len(layers) != len(keys):
                 raise ValueError(f"{self.name} takes {len(keys)} layer count(s) ({', '.join(keys)}), got {list(layers)}")
             cfg.update(dict(zip(keys, layers)))
