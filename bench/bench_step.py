@@ -72,7 +72,61 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int) -> tuple[list[flo
     return times, out
 
 
-def profile_breakdown(fn: Callable[[], Any]) -> dict[str, float]:
+def _gpu_intervals(prof: Any) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every kernel, memcpy and memset in a finished profile."""
+    import json
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    out = []
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e:
+            out.append((float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", "")))
+    return sorted(out)
+
+
+def gpu_occupancy(intervals: list[tuple[float, float, str]]) -> dict[str, float]:
+    """GPU busy time (union of kernel intervals), span and idle time in ms, plus the kernel count.
+
+    idle = span - busy is the time the GPU waited between kernels: host launch cost when it is
+    large and a CUDA graph removes it; ~0 for a GPU-bound step.
+    """
+    if not intervals:
+        return {}
+    busy = 0.0
+    cur_s, cur_e = intervals[0][0], intervals[0][1]
+    for s, e, _ in intervals[1:]:
+        if s > cur_e:
+            busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += cur_e - cur_s
+    span = max(e for _, e, _ in intervals) - intervals[0][0]
+    return {"gpu_busy": busy / 1000.0, "gpu_span": span / 1000.0, "gpu_idle": (span - busy) / 1000.0,
+            "kernels": float(len(intervals))}
+
+
+def top_kernels(intervals: list[tuple[float, float, str]], n: int = 15) -> list[tuple[str, float, int]]:
+    """The n kernels with the most total time: (name, total ms, calls)."""
+    agg: dict[str, list[float]] = {}
+    for s, e, name in intervals:
+        a = agg.setdefault(name, [0.0, 0])
+        a[0] += (e - s) / 1000.0
+        a[1] += 1
+    return sorted(((k, v[0], int(v[1])) for k, v in agg.items()), key=lambda t: -t[1])[:n]
+
+
+def profile_breakdown(fn: Callable[[], Any], label: str = "") -> dict[str, float]:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -89,6 +143,17 @@ def profile_breakdown(fn: Callable[[], Any]) -> dict[str, float]:
         if not dev_us:  # only CUDA activity is recorded: every row with device time is a kernel/memcpy
             continue
         cats[categorize(evt.key)] = cats.get(categorize(evt.key), 0.0) + dev_us / 1000.0
+    try:
+        intervals = _gpu_intervals(prof)
+    except Exception as e:  # the breakdown stands without the trace; say why it is missing
+        print(f"[bench] {label}: no kernel trace ({type(e).__name__}: {e})", flush=True)
+        return cats
+    occ = gpu_occupancy(intervals)
+    print(f"[bench] {label}: GPU busy {occ.get('gpu_busy', 0):.2f} ms of a {occ.get('gpu_span', 0):.2f} ms span "
+          f"(idle {occ.get('gpu_idle', 0):.2f} ms), {int(occ.get('kernels', 0))} kernels; top kernels:", flush=True)
+    for name, ms, calls in top_kernels(intervals):
+        print(f"    {ms:8.2f} ms {calls:6d}x  [{categorize(name)}] {name[:110]}", flush=True)
+    cats.update(occ)
     return cats
 
 
@@ -179,7 +244,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 handle = None if prov == "eager" else ditfuse.accelerate(model, quality=prov)
                 try:
                     with torch.no_grad():
-                        breakdown.append({"provider": prov, "batch": batch, **profile_breakdown(step)})
+                        breakdown.append({"provider": prov, "batch": batch,
+                                          **profile_breakdown(step, f"{fam.name} B={batch} {prov}")})
                 finally:
                     if handle is not None:
                         handle.unmount()
