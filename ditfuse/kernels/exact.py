@@ -106,8 +106,10 @@ def qk_rmsnorm_across_heads_rope_fp64(
 
 
 def _rope_complex_fp64(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    c = freqs.real.to(torch.float64)[None, :, None, :]
-    d = freqs.imag.to(torch.float64)[None, :, None, :]
+    # [S, D/2] (one table) or [B, S, D/2] (per sample): broadcast over the head axis
+    f = freqs[None] if freqs.dim() == 2 else freqs
+    c = f.real.to(torch.float64)[:, :, None, :]
+    d = f.imag.to(torch.float64)[:, :, None, :]
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack([a * c - b * d, a * d + b * c], dim=-1).flatten(3)
 

@@ -7,7 +7,7 @@ and a SwiGLU FeedForward; its eager chains map onto ops (notes/families.md §5):
     adaLN_modulation(c).unsqueeze(1).chunk(4, dim=2)   scale_msa, gate_msa, scale_mlp, gate_mlp
     gate = tanh(gate)                                  (eager, as diffusers)
     n = attention_norm1(x) * (1 + scale_msa)           -> rms_norm_diffusers_scale
-    a = attention(n, mask, freqs_cis)                  (diffusers' Attention + ZSingleStreamAttnProcessor)
+    a = attention(n, mask, freqs_cis)                  (site zimage.attention below)
     x = x + gate_msa * attention_norm2(a);
     n = ffn_norm1(x) * (1 + scale_mlp)                 -> gate_residual_rms_norm_diffusers_scale
     f = w2(silu(w1(n)) * w3(n))                        -> swiglu on the two projections
@@ -15,9 +15,15 @@ and a SwiGLU FeedForward; its eager chains map onto ops (notes/families.md §5):
 
 Unmodulated blocks run the same ops with ``scale``/``gate`` None. ``1.0 + scale`` is computed
 inside the ops (their reference takes the raw chunk, ``r(1 + scale)`` as eager rounds it). Omni
-mode (``noise_mask``: per-token noisy/clean modulation) runs diffusers' forward. The attention
-stays diffusers' (its QK chain is another op). The final layer is diffusers'. Every op is
-bit-exact and gated at first sight; no quality="high" tier.
+mode (``noise_mask``: per-token noisy/clean modulation) runs diffusers' forward.
+
+The attention (``Attention`` + ``ZSingleStreamAttnProcessor``) is the processor's code with its QK
+chain — per-head diffusers RMSNorm on q and k, then the complex RoPE with the per-sample
+``freqs_cis`` [B, S, D/2] (``x.float()`` as complex64 times ``freqs_cis.unsqueeze(2)``, rounded
+back) — as one op, ``qk_rmsnorm_diffusers_rope_complex`` with a single stream (Qwen-Image's op;
+its tables may carry a batch axis). Projections, mask, ``dispatch_attention_fn`` (the processor's
+backend and context-parallel config) and the output projection stay diffusers'. The final layer
+is diffusers'. Every op is bit-exact and gated at first sight; no quality="high" tier.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import SWIGLU
+from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from ..kernels.norm import (
     GATE_RESIDUAL_RMS_NORM_DIFFUSERS,
     GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE,
@@ -68,6 +75,70 @@ def block_forward(
     )
     f = ff.w2(_ops.swiglu(ff.w1(n), ff.w3(n)))
     return _ops.gate_residual_rms_norm_diffusers(x, gate_mlp, f, block.ffn_norm2.weight, eps)
+
+
+def attention_forward(
+    attn,
+    original,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    _ops: OpSet = LOSSLESS,
+    **kwargs,
+) -> torch.Tensor:
+    """Attention + ZSingleStreamAttnProcessor with q/k RMSNorm + complex RoPE as one gated op."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+
+    processor = attn.processor
+    if (type(processor) is not ZSingleStreamAttnProcessor or encoder_hidden_states is not None
+            or not {"freqs_cis"}.issuperset(kwargs)):
+        # A swapped processor, cross-attention inputs, or kwargs Attention.forward would filter
+        # with a warning: diffusers' own path, its errors included.
+        return original(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+    freqs_cis = kwargs.get("freqs_cis")
+    query = attn.to_q(hidden_states).unflatten(-1, (attn.heads, -1))
+    key = attn.to_k(hidden_states).unflatten(-1, (attn.heads, -1))
+    value = attn.to_v(hidden_states).unflatten(-1, (attn.heads, -1))
+    query, key = _ops.qk_rmsnorm_diffusers_rope_complex(
+        query, key, attn.norm_q.weight, attn.norm_k.weight, freqs_cis, attn.norm_q.eps
+    )
+    if attention_mask is not None and attention_mask.ndim == 2:
+        attention_mask = attention_mask[:, None, None, :]
+    hidden_states = dispatch_attention_fn(
+        query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+        backend=processor._attention_backend, parallel_config=processor._parallel_config,
+    )
+    hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+    output = attn.to_out[0](hidden_states)
+    if len(attn.to_out) > 1:  # dropout
+        output = attn.to_out[1](output)
+    return output
+
+
+def _attn_applies(attn) -> str | None:
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
+    from diffusers.utils import is_torch_npu_available
+
+    if type(attn.processor) is not ZSingleStreamAttnProcessor:
+        return f"processor is {type(attn.processor).__name__}, not ZSingleStreamAttnProcessor"
+    head_dim = attn.inner_dim // attn.heads
+    for name in ("norm_q", "norm_k"):
+        n = getattr(attn, name, None)
+        if type(n) is not RMSNorm:  # qk_norm=False (None): nothing to fuse but the RoPE
+            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
+            return f"{name} is {what}, not diffusers' RMSNorm"
+        if getattr(n, "bias", None) is not None:
+            return f"{name} has a bias"
+        if n.weight is not None and tuple(n.weight.shape) != (head_dim,):
+            return f"{name} weight has shape {tuple(n.weight.shape)}, not (head_dim={head_dim},)"
+    if attn.norm_q.eps != attn.norm_k.eps:
+        return f"norm_k eps {attn.norm_k.eps} differs from norm_q eps {attn.norm_q.eps}"
+    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
+        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    return None
 
 
 def _block_applies(block) -> str | None:
@@ -117,6 +188,17 @@ SITES = (
         high=False,
         description="main / refiner block: RMSNorm + scale, gate + residual + RMSNorm + scale, SwiGLU, "
                     "gate + residual + RMSNorm (modulated and unmodulated)",
+    ),
+    Site(
+        name="zimage.attention",
+        cls="diffusers.models.attention_processor:Attention",
+        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs"),
+        forward=attention_forward,
+        ops=(QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,),
+        applies=_attn_applies,
+        high=False,
+        description="attention (ZSingleStreamAttnProcessor): q/k RMSNorm + complex RoPE with per-sample "
+                    "freqs in one pass",
     ),
 )
 

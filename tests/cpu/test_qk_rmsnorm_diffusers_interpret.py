@@ -375,3 +375,58 @@ def test_registry_descriptor():
     d = descriptor("rope.qk_rmsnorm_diffusers_rope_complex")
     assert d.load_reference() is rf.qk_rmsnorm_diffusers_rope_complex
     assert d.specs()[0].load() is op and d.specs()[0].load_predicate() is can_use
+
+
+# -- per-sample freqs (Z-Image's single stream: freqs_cis [B, S, D/2]) -------------------------
+
+
+def _per_sample(B, S, D, g, b1=False):
+    """complex64 [B, S, D/2] with a different table per sample (Z-Image pads each sample's
+    positions separately), or [1, S, D/2] when ``b1``."""
+    return torch.stack([_table(S, D, g) for _ in range(1 if b1 else B)])
+
+
+@pytest.mark.parametrize("B,S,H,D", [(2, 7, 3, 128), (1, 13, 2, 64), (2, 37, 1, 96), (3, 5, 2, 256)])
+def test_per_sample_freqs_single_stream(B, S, H, D):
+    g = torch.Generator().manual_seed(B * 100 + S)
+    args = _make(B, S, 0, H, D, seed=S + D)
+    args["freqs"] = _per_sample(B, S, D, g)
+    out = _check(args, "per-sample freqs")
+    # each sample really reads its own table: swapping samples' tables changes the output
+    swapped = dict(args, freqs=args["freqs"].flip(0))
+    if B > 1:
+        assert first_mismatch(op(**swapped)[0], out[0]) is not None
+    # == the CPU reference chain's broadcasting (freqs.unsqueeze(2)) with the CPU's own mean
+    # and complex multiply is the simulation's job; here: the fp64 math agrees to bf16 precision
+    from ditfuse.kernels import exact
+    q64, _ = exact.qk_rmsnorm_diffusers_rope_complex_fp64(
+        *[a.double() if isinstance(a, torch.Tensor) and not a.is_complex() else a for a in
+          (args["q"], args["k"], args["q_weight"], args["k_weight"])], args["freqs"], args["eps"])
+    assert torch.allclose(out[0].double(), q64, rtol=2e-2, atol=2e-2)
+
+
+def test_per_sample_freqs_broadcast_batch_one_table():
+    """[1, S, D/2] with B = 2: one table for both samples (batch stride 0), == the 2-D table."""
+    g = torch.Generator().manual_seed(5)
+    args = _make(2, 9, 0, 2, 128, seed=9)
+    t = _per_sample(2, 9, 128, g, b1=True)
+    a3 = _check(dict(args, freqs=t))
+    a2 = _check(dict(args, freqs=t[0]))
+    assert_bitwise_equal(a3, a2, "[1,S,D/2] vs [S,D/2]")
+
+
+def test_per_sample_freqs_with_text_stream():
+    g = torch.Generator().manual_seed(11)
+    args = _make(2, 7, 5, 3, 128, seed=11)
+    args["freqs"] = _per_sample(2, 7, 128, g)
+    args["txt_freqs"] = _per_sample(2, 5, 128, g)
+    _check(args, "per-sample freqs, two streams")
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 64), (2, 8, 64), (2, 7, 32), (7, 32), (1, 1, 7, 64)])
+def test_per_sample_freqs_rejected_shapes(shape):
+    args = _make(2, 7, 0, 3, 128, seed=1)
+    args["freqs"] = torch.polar(torch.ones(shape), torch.zeros(shape))
+    assert not can_use(**args)
+    with pytest.raises(UnsupportedInput, match="freqs must be"):
+        op(**args)

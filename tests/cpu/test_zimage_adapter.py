@@ -63,12 +63,11 @@ def test_mount_unmount_outputs_bitwise_unchanged(batch):
     h = ditfuse.accelerate(m)
     rep = h.report().components[0]
     assert rep.adapter == "zimage" and rep.status == "mounted"
-    assert sorted(p for p, s in rep.sites) == sorted(
-        [f"noise_refiner.{i}" for i in range(len(m.noise_refiner))]
-        + [f"context_refiner.{i}" for i in range(len(m.context_refiner))]
-        + [f"layers.{i}" for i in range(len(m.layers))]
-    )
-    assert {s for _, s in rep.sites} == {"zimage.block"}
+    blocks = ([f"noise_refiner.{i}" for i in range(len(m.noise_refiner))]
+              + [f"context_refiner.{i}" for i in range(len(m.context_refiner))]
+              + [f"layers.{i}" for i in range(len(m.layers))])
+    assert sorted(p for p, s in rep.sites) == sorted(blocks + [f"{b}.attention" for b in blocks])
+    assert sorted(s for _, s in rep.sites) == ["zimage.attention"] * len(blocks) + ["zimage.block"] * len(blocks)
     assert not rep.skipped_sites
     assert_bitwise_equal(_run(m, inp), base, "accelerated")
     inp2 = _inputs(m, batch=batch, txt=13, hw=(32, 80), seed=5)
@@ -126,23 +125,25 @@ def test_fast_forward_matches_diffusers(dtype):
     m = _model(dtype)
     inp = _inputs(m, batch=2, txt=29, dtype=dtype)
     base = _run(m, inp)
-    site = zimage_adapter.SITES[0]
     ref = _Ref()
     saved = []
-    for mod in m.modules():
-        if type(mod).__name__ != site.cls_name:
-            continue
-        assert site.applies(mod) is None, site.applies(mod)
-        orig = mod.forward
-        saved.append((mod, orig))
-        mod.forward = (lambda mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=ref, **k))(mod, orig)
-    assert len(saved) == _n_blocks(m)
+    for site in zimage_adapter.SITES:
+        n = 0
+        for mod in m.modules():
+            if type(mod).__name__ != site.cls_name or site.applies(mod) is not None:
+                continue
+            n += 1
+            orig = mod.forward
+            saved.append((mod, orig))
+            mod.forward = (lambda mod, orig, site: lambda *a, **k: site.forward(mod, orig, *a, _ops=ref, **k))(
+                mod, orig, site)
+        assert n == _n_blocks(m), site.name
     try:
         assert_bitwise_equal(_run(m, inp), base, f"reference fast forward {dtype}")
     finally:
         for mod, orig in saved:
             mod.forward = orig
-    assert ref.used == {d.name for d in site.ops}
+    assert ref.used == {d.name for site in zimage_adapter.SITES for d in site.ops}
 
 
 def test_omni_mode_keeps_diffusers_forward():
@@ -166,7 +167,10 @@ def test_omni_mode_keeps_diffusers_forward():
     calls = ditfuse.gate.report().calls
     h.unmount()
     assert_bitwise_equal(out, base, "omni block")
-    assert not any(calls.get(op) for op in zimage_adapter.ADAPTER.ops())
+    # the block's ops are not called (its attention still goes through zimage.attention: the
+    # omni mode changes only the modulation)
+    block_ops = {d.op for d in next(s for s in zimage_adapter.SITES if s.name == "zimage.block").ops}
+    assert not any(calls.get(op) for op in block_ops), calls
 
 
 def test_guards_name_what_they_refuse():
@@ -193,6 +197,58 @@ def test_guards_name_what_they_refuse():
     blk.feed_forward = saved_ff
     blk.adaLN_modulation = torch.nn.Sequential(torch.nn.SiLU(), blk.adaLN_modulation[0])
     assert "adaLN_modulation" in zimage_adapter.SITES[0].applies(blk)
+
+
+def test_attention_guards_name_what_they_refuse():
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    from diffusers.models.normalization import RMSNorm
+
+    m = _model()
+    site = next(s for s in zimage_adapter.SITES if s.name == "zimage.attention")
+    attn = m.layers[0].attention
+    assert site.applies(attn) is None
+    head_dim = m.dim // m.n_heads
+    saved = attn.norm_k
+    attn.norm_k = torch.nn.RMSNorm(head_dim, eps=1e-5)
+    assert "norm_k" in site.applies(attn) and "not diffusers' RMSNorm" in site.applies(attn)
+    attn.norm_k = None
+    assert "norm_k is None" in site.applies(attn)
+    attn.norm_k = RMSNorm(head_dim, eps=1e-6)
+    assert "eps" in site.applies(attn)
+    attn.norm_k = saved
+    proc = attn.processor
+    attn.processor = AttnProcessor2_0()
+    assert "ZSingleStreamAttnProcessor" in site.applies(attn)
+    attn.processor = proc
+
+
+def test_swapped_processor_and_no_freqs_stay_bitwise():
+    """A processor swapped after mounting runs diffusers' forward; freqs_cis=None is a norm-only
+    call of the op; both equal diffusers bitwise."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    m = _model()
+    attn = m.layers[0].attention
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 11, m.dim, generator=g).bfloat16()
+    with torch.no_grad():
+        base_nofreq = attn(x, freqs_cis=None)
+    h = ditfuse.accelerate(m)
+    with torch.no_grad():
+        assert_bitwise_equal(attn(x, freqs_cis=None), base_nofreq, "freqs None")
+        proc = attn.processor
+        attn.processor = AttnProcessor2_0()
+        try:
+            swapped = attn(x)
+        finally:
+            attn.processor = proc
+    h.unmount()
+    with torch.no_grad():
+        attn.processor = AttnProcessor2_0()
+        try:
+            assert_bitwise_equal(swapped, attn(x), "swapped processor")
+        finally:
+            attn.processor = proc
 
 
 def test_refused_block_keeps_its_forward_and_is_reported():
@@ -246,4 +302,4 @@ def test_family_fixture_and_pipeline_mount():
     h = ditfuse.accelerate(pipe)
     rep = {c.component: (c.adapter, c.status, len(c.sites)) for c in h.report().components}
     h.unmount()
-    assert rep["transformer"] == ("zimage", "mounted", _n_blocks(m)), rep
+    assert rep["transformer"] == ("zimage", "mounted", 2 * _n_blocks(m)), rep

@@ -194,3 +194,28 @@ def test_layer_norm_kernel_is_not_interchangeable():
     a = op(**args)
     b = qk_rmsnorm_rope(args["q"], args["k"], args["q_weight"], args["k_weight"], None, None, 1e-6)
     assert first_mismatch(a[0], b[0]) is not None
+
+
+# -- per-sample freqs: Z-Image's single-stream attention (freqs_cis [B, S, D/2]) -----------------
+
+
+@pytest.mark.parametrize("B,S,H_", [(1, 4640, 30), (2, 4640, 30), (2, 4111, 30), (2, 13, 30), (1, 1, 30), (3, 37, 2)],
+                         ids=["B1-1024px", "B2-1024px", "B2-odd", "B2-13", "B1-1row", "B3-37"])
+def test_z_image_per_sample_freqs(B, S, H_):
+    """Z-Image 6B: 30 heads of 128, a unified image + caption sequence, each sample its own table
+    (bitwise vs the eager chain, whose ``freqs.unsqueeze(2)`` broadcasts over heads)."""
+    g = torch.Generator(device=DEV).manual_seed(B * 1000 + S)
+    args = _make(B, S, 0, H=H_, seed=S)
+    args["freqs"] = torch.stack([_table(S, D, g) for _ in range(B)])
+    out = _check(args, f"per-sample freqs B={B} S={S}")
+    if B > 1 and S > 1:
+        assert first_mismatch(op(**dict(args, freqs=args["freqs"].flip(0)))[0], out[0]) is not None
+
+
+def test_z_image_per_sample_freqs_fp32_and_broadcast_table():
+    g = torch.Generator(device=DEV).manual_seed(7)
+    args = _make(2, 333, 0, H=4, dtype=torch.float32, seed=7)
+    args["freqs"] = torch.stack([_table(333, D, g) for _ in range(2)])
+    _check(args, "per-sample freqs fp32")
+    args["freqs"] = args["freqs"][:1]
+    _check(args, "[1, S, D/2] table with B=2")

@@ -164,8 +164,9 @@ def rope_complex_cuda(x: torch.Tensor, freqs: torch.Tensor, cmul: int) -> torch.
     x's dtype."""
     xf = x.float()
     a, b = xf[..., 0::2], xf[..., 1::2]
-    c = freqs.real.float()[None, :, None, :]
-    d = freqs.imag.float()[None, :, None, :]
+    f = freqs[None] if freqs.dim() == 2 else freqs  # [S, D/2] or per sample [B, S, D/2] (Z-Image)
+    c = f.real.float()[:, :, None, :]
+    d = f.imag.float()[:, :, None, :]
     re, im = cmul_fp32(a, b, c, d, cmul)
     return torch.stack([re, im], dim=-1).flatten(3).to(x.dtype)
 

@@ -65,7 +65,8 @@ QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX = OpDescriptor(
     replaces="r(rope_c(RMS_d(q|k))) per stream (own complex freqs), written into the joint "
              "[B, S_txt+S_img, H, D]",
     summary="diffusers RMSNorm (two roundings, torch's mean order and factor) + complex64 RoPE "
-            "with per-stream tables (Qwen-Image), writes the concatenated q/k",
+            "with per-stream tables (Qwen-Image; Z-Image's single stream with per-sample [B, S, D/2] "
+            "tables), writes the concatenated q/k",
     reference=f"{_REF}:qk_rmsnorm_diffusers_rope_complex",
     exact=f"{_EXACT}:qk_rmsnorm_diffusers_rope_complex_fp64",
     impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_diffusers_rope_complex"),),

@@ -198,7 +198,7 @@ def _qk_rmsnorm_rope_kernel(
     cos_ptr, sin_ptr, q_out, k_out,
     qi_sb, qi_ss, qi_sh, qi_sd, ki_sb, ki_ss, ki_sh, ki_sd,
     qt_sb, qt_ss, qt_sh, qt_sd, kt_sb, kt_ss, kt_sh, kt_sd,
-    c_ss, c_sd, s_ss, s_sd,
+    c_ss, c_sd, s_ss, s_sd, c_sb, s_sb,
     n_rows, S_TXT, S_TOT, H, eps, fac_img, fac_txt,
     D: tl.constexpr, DP: tl.constexpr, R: tl.constexpr,
     HAS_TXT: tl.constexpr, ROPE: tl.constexpr,
@@ -210,7 +210,8 @@ def _qk_rmsnorm_rope_kernel(
     """ROPE 0: none; 1 (FLUX): ``cos_ptr``/``sin_ptr`` are cos/sin [S_tot, D] with strides
     (c_ss, c_sd)/(s_ss, s_sd); 2 (complex): ``cos_ptr`` is the image table and ``sin_ptr`` the
     text table, each fp32 [S, D/2, 2] (``view_as_real`` of complex64: re at +0, im at +1) with
-    row/pair strides (c_ss, c_sd)/(s_ss, s_sd). NORM 0: torch.nn.RMSNorm (``_fused_rms_norm``);
+    row/pair strides (c_ss, c_sd)/(s_ss, s_sd) and batch strides c_sb/s_sb (0: one table for
+    every sample; Z-Image's per-sample [B, S, D/2] freqs otherwise). NORM 0: torch.nn.RMSNorm (``_fused_rms_norm``);
     1: diffusers RMSNorm (W_IMG/W_TXT lanes, VEC, per-stream mean factors fac_img/fac_txt)."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
@@ -242,12 +243,12 @@ def _qk_rmsnorm_rope_kernel(
         pi = tl.arange(0, DP // 2)
         p_ok = (pi < D // 2)[None, :] & row_ok[:, None]
         m_img = p_ok & (~in_txt)[:, None]
-        f_img = cos_ptr + (s - S_TXT)[:, None] * c_ss + pi[None, :] * c_sd
+        f_img = cos_ptr + (b * c_sb + (s - S_TXT) * c_ss)[:, None] + pi[None, :] * c_sd
         cos_e = tl.load(f_img, mask=m_img, other=0.0)
         sin_e = tl.load(f_img + 1, mask=m_img, other=0.0)
         if HAS_TXT:
             m_txt = p_ok & in_txt[:, None]
-            f_txt = sin_ptr + s[:, None] * s_ss + pi[None, :] * s_sd
+            f_txt = sin_ptr + (b * s_sb + s * s_ss)[:, None] + pi[None, :] * s_sd
             cos_e = tl.where(m_txt, tl.load(f_txt, mask=m_txt, other=0.0), cos_e)
             sin_e = tl.where(m_txt, tl.load(f_txt + 1, mask=m_txt, other=0.0), sin_e)
         cos_o = cos_e
@@ -427,6 +428,16 @@ def _block_rows(D: int) -> int:
     return max(1, 1024 // triton.next_power_of_2(D))
 
 
+def _table_strides(t: torch.Tensor) -> tuple[int, int]:
+    """(row, column) strides of a [S, X] or [B, S, X] table."""
+    return t.stride()[-2], t.stride()[-1]
+
+
+def _batch_stride(t: torch.Tensor) -> int:
+    """A [B, S, X] table's sample stride; 0 for a [S, X] or [1, S, X] table (shared by all samples)."""
+    return t.stride(0) if t.dim() == 3 and t.shape[0] > 1 else 0
+
+
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
             exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2,
             rope: int | None = None, diffusers: dict | None = None):
@@ -464,7 +475,8 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         cos if has_rope else dummy, sin if has_rope else dummy,
         q_out, k_out,
         *q.stride(), *k.stride(), *qt.stride(), *kt.stride(),
-        *(cos.stride() if has_rope else (0, 0)), *(sin.stride() if has_rope else (0, 0)),
+        *(_table_strides(cos) if has_rope else (0, 0)), *(_table_strides(sin) if has_rope else (0, 0)),
+        _batch_stride(cos) if has_rope else 0, _batch_stride(sin) if has_rope else 0,
         n_rows, S_txt, S_tot, H, float(eps), fac_img, fac_txt,
         D=D, DP=triton.next_power_of_2(D), R=R,
         HAS_TXT=has_txt, ROPE=rope,
@@ -677,8 +689,10 @@ def _diffusers_reason(
         for f, S, name in streams:
             if f.dtype != torch.complex64:
                 return f"{name} is {f.dtype}, not complex64"
-            if f.dim() != 2 or tuple(f.shape) != (S, D // 2):
-                return f"{name} must be [{S}, {D // 2}] (complex64 [S, D/2]), got {tuple(f.shape)}"
+            if not ((f.dim() == 2 and tuple(f.shape) == (S, D // 2))
+                    or (f.dim() == 3 and f.shape[0] in (1, B) and tuple(f.shape[1:]) == (S, D // 2))):
+                return (f"{name} must be [{S}, {D // 2}] or [{B} or 1, {S}, {D // 2}] (complex64 [S, D/2], "
+                        f"or per sample), got {tuple(f.shape)}")
             # No conj bit under tracing (dynamo cannot trace is_conj; a traced conj view would
             # then fail in view_as_real inside the op, which the gate reports as an error).
             if not torch.compiler.is_compiling() and f.is_conj():
@@ -717,7 +731,8 @@ def can_use_qk_rmsnorm_diffusers_rope_complex(
       suggest channels-last (torch's mean would then run another launch);
     - a stream whose mean torch splits across warps (very wide rows with few rows; never for
       head dims <= 4096);
-    - freqs / txt_freqs not complex64 [S, D/2] of their stream, or conjugate views; D odd with RoPE.
+    - freqs / txt_freqs not complex64 [S, D/2] (or per sample [B or 1, S, D/2], Z-Image) of their
+      stream, or conjugate views; D odd with RoPE.
     Strided inputs (unflattened projections, chunks of a fused qkv) and misaligned ones are
     accepted: torch's mean reads the fresh fp32 ``pow(2)`` tensor, never the input's memory.
     """
@@ -791,7 +806,8 @@ def qk_rmsnorm_diffusers_rope_complex(
 
     q, k: [B, S_img, H, D], any strides with the head dim innermost; q_txt, k_txt:
     [B, S_txt, H, D] or None; weights: [D] in the input dtype or None (affine-free);
-    freqs: complex64 [S_img, D/2] or None (no RoPE); txt_freqs: complex64 [S_txt, D/2], given
+    freqs: complex64 [S_img, D/2] or [B or 1, S_img, D/2] (per sample: Z-Image) or None (no RoPE);
+    txt_freqs: complex64 [S_txt, D/2] (or per sample), given
     exactly when there is text and freqs. Returns contiguous (q_joint, k_joint), each
     [B, S_txt + S_img, H, D], text first. Formula: the module docstring. Raises
     :class:`UnsupportedInput` exactly where :func:`can_use_qk_rmsnorm_diffusers_rope_complex` is False.
