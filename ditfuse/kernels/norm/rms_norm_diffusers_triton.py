@@ -36,8 +36,13 @@ tile, then the quarter split and the fold spelled out (:func:`_reduce_lanes`).
 ``factor`` is MeanOps' ``float(rows) / float(rows * D)`` for the rows of the eager call (B*S): it
 is not ``1/D`` in fp32 for D = 3840 at Z-Image's row counts; it is computed on the host and passed
 in. Every elementwise op rounds where eager stores; the kernel is launched with
-``enable_fp_fusion=False``. MODE 2 recomputes ``h`` from its inputs for the second norm (the same
-ops, so the same bits) instead of re-reading what it stored.
+``enable_fp_fusion=False``. By default MODE 2 recomputes ``h`` from its inputs for the second
+norm's last pass (the same ops, so the same bits) instead of re-reading what it stored;
+``_launch(..., readback=True)`` (constexpr ``READBACK``) re-reads the stored ``h`` instead (the
+stored bf16/fp16/fp32 value is exactly the fp32 value the recompute gives; a NaN stays a NaN).
+How a program tiles its rows (``block_rows``, ``num_warps``) does not change any row's arithmetic
+order: the chunk loop fixes it (tests/cpu/test_rms_norm_diffusers_tiling_interpret.py, GPU probe
+bench/probes/probe_rms_diffusers_tiling.py).
 
 Under ``TRITON_INTERPRET=1`` ``rsqrt.approx`` is numpy's ``1/sqrt``: CPU tests compare against a
 simulation with the same rsqrt (tests/support/rms_diffusers_rows_sim.py); the GPU tests compare
@@ -175,9 +180,11 @@ def _rms_d_kernel(
     MODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
     WMODE: tl.constexpr, W2MODE: tl.constexpr, DTYPE: tl.constexpr,
     W: tl.constexpr, VEC: tl.constexpr, BR: tl.constexpr, NCH: tl.constexpr,
+    READBACK: tl.constexpr = False,
 ):
     """Program p: rows ``p*BR ..`` of the flattened [B*S] rows; every pass walks the row in NCH
-    chunks of ``VEC * W`` columns. Outputs are contiguous [B*S, D]."""
+    chunks of ``VEC * W`` columns. Outputs are contiguous [B*S, D]. ``READBACK`` (MODE 2): the
+    last pass loads the ``h`` stored in pass 2 instead of recomputing it from three operands."""
     CW: tl.constexpr = VEC * W
     rows = tl.program_id(0) * BR + tl.arange(0, BR)
     rmask = rows < n_rows
@@ -227,12 +234,27 @@ def _rms_d_kernel(
         if MODE == 2:
             rstd2 = _rstd(_reduce_lanes(acc2, BR, W, VEC), fac32, eps32)
             srow = b * ssb + s * sss
+            if READBACK:
+                # Only this program wrote these rows of h, but not necessarily this thread: the
+                # read-back tile has the store's shape, pointers and mask, yet Triton gives each
+                # memory op its own layout. The sm_90a build of the default tiling (BR 16, 4 warps,
+                # CW 128) stores h as 1 element x 32 lanes x 4 warps along the columns and
+                # re-loads it as 8 elements x (2 x 16) lanes x 4 warps along the rows (the
+                # layout-conversion pass rematerializes the load in its users' layout); a layout
+                # with more threads than elements (BR 1, 8 warps) stores from one replica only.
+                # So threads read other threads' (other warps') global writes: bar.sync makes the
+                # CTA's writes visible to all its threads. One barrier per program, after pass 2.
+                tl.debug_barrier()
             for k in range(NCH):
                 cols = k * CW + lane_cols
                 cmask = cols < D
                 m = rmask[:, None] & cmask[None, :]
-                h = _gated_h(x_ptr, r_ptr, g_ptr, w_ptr, xrow, rrow, grow, cols, m, cmask, rstd, srd, sgd,
-                             HAS_GATE, WMODE, DTYPE)
+                if READBACK:
+                    # the stored value widened exactly: the fp32 value pass 2 rounded and stored
+                    h = load_f32(h_ptr + orow[:, None] + cols[None, :], m)
+                else:
+                    h = _gated_h(x_ptr, r_ptr, g_ptr, w_ptr, xrow, rrow, grow, cols, m, cmask, rstd, srd, sgd,
+                                 HAS_GATE, WMODE, DTYPE)
                 n = _apply_weight(h * rstd2[:, None], w2_ptr, cols, cmask, W2MODE, DTYPE)
                 if HAS_SCALE:
                     sc = load_f32(s_ptr + srow[:, None] + cols[None, :] * ssd, m)
@@ -346,7 +368,11 @@ def _unsupported_reason(
     return None
 
 
-def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None):
+def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
+            num_warps: int | None = None, readback: bool | None = None):
+    """Run MODE ``mode``; returns ``(out, h)`` (``h is out`` in MODE 0). ``block_rows`` (a power of
+    two; None: ~``_TILE`` fp32 elements of one chunk per program), ``num_warps`` (None: 4) and
+    ``readback`` (MODE 2 only; None: False, recompute ``h``) choose the tiling, never the bits."""
     D = x.shape[-1]
     rows = x.numel() // D if D else 0
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -362,6 +388,8 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
     CW = VEC * W
     NCH = triton.cdiv(D, CW)
     BR = block_rows or max(1, min(triton.next_power_of_2(rows), _TILE // CW))
+    if BR & (BR - 1):
+        raise ValueError(f"block_rows must be a power of two, got {BR}")
     wt = w.contiguous() if w is not None else x
     wt2 = w2.contiguous() if w2 is not None else x
     _rms_d_kernel[(triton.cdiv(rows, BR),)](
@@ -371,8 +399,8 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
         mean_factor(rows, D), float(eps),
         MODE=mode, HAS_GATE=gate is not None, HAS_SCALE=scale is not None,
         WMODE=_wmode(w), W2MODE=_wmode(w2), DTYPE=tl_dtype(x.dtype),
-        W=W, VEC=VEC, BR=BR, NCH=NCH,
-        num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False,
+        W=W, VEC=VEC, BR=BR, NCH=NCH, READBACK=mode == 2 and bool(readback),
+        num_warps=num_warps or 4, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return out, h
 
