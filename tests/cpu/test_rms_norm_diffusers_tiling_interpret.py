@@ -54,19 +54,20 @@ def _run(mode, ops, launch):
 
 
 @pytest.mark.parametrize("mode", [0, 1, 2])
-@pytest.mark.parametrize("B,S,D", [(1, 1, 3840), (1, 7, 3840), (1, 17, 3840), (1, 37, 96), (1, 37, 256),
+@pytest.mark.parametrize("B,S,D", [(1, 1, 3840), (1, 7, 3840), (2, 8, 3840), (1, 37, 96), (1, 37, 256),
                                    (2, 7, 96), (1, 1, 256)])
 def test_launch_tiling_is_bitwise_neutral(mode, B, S, D):
-    """17 rows at D 3840 is Z-Image's launch (32 lanes x 4-vectors, 30 chunks, 16 rows per
-    program by default): one program of 32 rows, three of 8 against the default's two of 16."""
+    """16 rows at D 3840 is Z-Image's launch (32 lanes x 4-vectors, 30 chunks, 16 rows per
+    program by default): one program of 32 rows (half masked) and two of 8 against the default's
+    one of 16. 37 rows leave a partial last program at most tilings."""
     ops = _operands(B, S, D, torch.Generator().manual_seed(1000 * mode + 10 * S + D % 97))
     assert ops[2].stride() == (4 * D, 4 * D, 1) and ops[3].stride() == (4 * D, 4 * D, 1)
     want = _run(mode, ops, (None, None, None))
     rows = B * S
     for launch in LAUNCHES:
         W, VEC, _ = mod.reduce_launch(D, rows)
-        if launch[0] and -(-rows // launch[0]) * -(-D // (W * VEC)) > 100:
-            continue  # more than 100 program-chunks: slow under the interpreter
+        if launch[0] and -(-rows // launch[0]) * -(-D // (W * VEC)) > 64:
+            continue  # more than 64 program-chunks: slow under the interpreter
         got = _run(mode, ops, launch)
         for i, (a, e) in enumerate(zip(got, want)):
             assert_bitwise_equal(a, e, f"mode {mode} [{B},{S},{D}] launch {launch} output {i}")
