@@ -36,10 +36,10 @@ tile, then the quarter split and the fold spelled out (:func:`_reduce_lanes`).
 ``factor`` is MeanOps' ``float(rows) / float(rows * D)`` for the rows of the eager call (B*S): it
 is not ``1/D`` in fp32 for D = 3840 at Z-Image's row counts; it is computed on the host and passed
 in. Every elementwise op rounds where eager stores; the kernel is launched with
-``enable_fp_fusion=False``. By default MODE 2 recomputes ``h`` from its inputs for the second
-norm's last pass (the same ops, so the same bits) instead of re-reading what it stored;
-``_launch(..., readback=True)`` (constexpr ``READBACK``) re-reads the stored ``h`` instead (the
-stored bf16/fp16/fp32 value is exactly the fp32 value the recompute gives; a NaN stays a NaN).
+``enable_fp_fusion=False``. By default MODE 2's last pass re-reads the ``h`` it stored (constexpr
+``READBACK``, as eager's second norm reads the stored tensor; the stored bf16/fp16/fp32 value is
+exactly the fp32 value a recompute gives, a NaN stays a NaN); ``_launch(..., readback=False)``
+recomputes it from its inputs (the same ops, so the same bits: 1.3-1.6x slower on the H200).
 How a program tiles its rows (``block_rows``, ``num_warps``) does not change any row's arithmetic
 order: the chunk loop fixes it (tests/cpu/test_rms_norm_diffusers_tiling_interpret.py, GPU probe
 bench/probes/probe_rms_diffusers_tiling.py).
@@ -171,7 +171,10 @@ def _gated_h(x_ptr, r_ptr, g_ptr, w_ptr, xrow, rrow, grow, cols, m, cmask, rstd,
     return rround(res + n, DTYPE)
 
 
-@triton.jit(do_not_specialize=["n_rows", "S", "D", "factor", "eps"])
+# D stays specialized: with it in do_not_specialize Triton cannot prove the column mask and the
+# row offsets 16-byte aligned, every access became a 2-byte ld/st and MODE 2 spilled at 255
+# registers (notes/rms_diffusers_tiling.md); D is fixed per model, so this costs no recompiles.
+@triton.jit(do_not_specialize=["n_rows", "S", "factor", "eps"])
 def _rms_d_kernel(
     x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, w2_ptr, h_ptr, o_ptr,
     n_rows, S, D,
@@ -371,8 +374,11 @@ def _unsupported_reason(
 def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
             num_warps: int | None = None, readback: bool | None = None):
     """Run MODE ``mode``; returns ``(out, h)`` (``h is out`` in MODE 0). ``block_rows`` (a power of
-    two; None: ~``_TILE`` fp32 elements of one chunk per program), ``num_warps`` (None: 4) and
-    ``readback`` (MODE 2 only; None: False, recompute ``h``) choose the tiling, never the bits."""
+    two), ``num_warps`` and ``readback`` (MODE 2 only: re-read the stored ``h`` instead of
+    recomputing it) choose the tiling, never the bits. Defaults (None) are the fastest launches of
+    the H200 sweep over Z-Image's shapes (bench/results/probe_rms_diffusers_tiling_h200.csv, D
+    specialized): MODE 0/1 up to 8 rows on 8 warps (1 warp per 128-column chunk row), MODE 2 one
+    row per program, one warp per 128 columns, with read-back."""
     D = x.shape[-1]
     rows = x.numel() // D if D else 0
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -387,7 +393,13 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
     (sxb, sxs, _), (srb, srs, srd), (sgb, sgs, sgd), (ssb, sss, ssd) = strides
     CW = VEC * W
     NCH = triton.cdiv(D, CW)
-    BR = block_rows or max(1, min(triton.next_power_of_2(rows), _TILE // CW))
+    if block_rows is None:
+        block_rows = 1 if mode == 2 else max(1, min(8, triton.next_power_of_2(rows), _TILE * 8 // CW))
+    if num_warps is None:
+        num_warps = max(1, min(8, block_rows * CW // 128))
+    if readback is None:
+        readback = mode == 2
+    BR = block_rows
     if BR & (BR - 1):
         raise ValueError(f"block_rows must be a power of two, got {BR}")
     wt = w.contiguous() if w is not None else x
@@ -400,7 +412,7 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
         MODE=mode, HAS_GATE=gate is not None, HAS_SCALE=scale is not None,
         WMODE=_wmode(w), W2MODE=_wmode(w2), DTYPE=tl_dtype(x.dtype),
         W=W, VEC=VEC, BR=BR, NCH=NCH, READBACK=mode == 2 and bool(readback),
-        num_warps=num_warps or 4, enable_fp_fusion=False, enable_reflect_ftz=False,
+        num_warps=num_warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return out, h
 
