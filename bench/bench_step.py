@@ -54,21 +54,33 @@ def _commit() -> str:
         return "unknown"
 
 
+HOST_MS: dict[int, list[float]] = {}  # id(times list) -> host enqueue ms of the same steps
+
+
 def time_steps(fn: Callable[[], Any], steps: int, warmup: int) -> tuple[list[float], Any]:
+    """Step times (ms, CUDA events, one synchronised step at a time). The host time of each
+    step's call (until it returns, before the synchronisation: the enqueue cost; a step whose
+    enqueue time reaches its step time is host-bound) is kept in ``HOST_MS[id(times)]``."""
+    import time as _time
+
     import torch
 
     out = None
     for _ in range(warmup):
         out = fn()
     torch.cuda.synchronize()
-    times = []
+    times: list[float] = []
+    host: list[float] = []
     for _ in range(steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
+        t0 = _time.perf_counter()
         out = fn()
+        host.append((_time.perf_counter() - t0) * 1e3)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
+    HOST_MS[id(times)] = host
     return times, out
 
 
@@ -195,7 +207,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             times, ref_out = time_steps(step, args.steps, args.warmup)
             ref_out = ref_out.clone()
         results = {"eager": (times, True, 0.0)}
-        print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms", flush=True)
+        print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms "
+              f"(host enqueue {statistics.median(HOST_MS[id(times)]):.1f} ms)", flush=True)
 
         for prov in providers:
             if prov == "eager":
@@ -229,7 +242,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if handle is not None:
                     rep = ditfuse.gate.report()
                     extra = f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)}"
-                print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms bitwise={mm is None} "
+                print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
+                      f"(host enqueue {statistics.median(HOST_MS[id(times)]):.1f} ms) bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
             finally:
                 if handle is not None:
@@ -253,7 +267,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(
                 dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
                      txt_tokens=txt, median_ms=round(statistics.median(times), 3),
-                     min_ms=round(min(times), 3), steps=len(times), bitwise_equal=bitwise,
+                     min_ms=round(min(times), 3), host_ms=round(statistics.median(HOST_MS[id(times)]), 3),
+                     steps=len(times), bitwise_equal=bitwise,
                      rel_diff_vs_eager=f"{rel:.3e}", **meta)
             )
         torch.cuda.empty_cache()
