@@ -311,6 +311,38 @@ def _vector_aligned(t: torch.Tensor) -> bool:
     return not t.is_contiguous() or t.data_ptr() % (RMS_VEC_WIDTH * t.element_size()) == 0
 
 
+def _qk_inputs_reason(q, k, q_weight, k_weight, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                      tables: tuple) -> str | None:
+    """The checks every QK op shares: q/k (and the text q/k) tensors of one [B, S, H, D] shape
+    per stream with B, H, D in common, text weights only with text, one device, no grad, one
+    supported dtype (``torch.cat`` would type-promote mixed ones). ``tables``: the op's RoPE
+    tensors (or Nones), checked for device and grad only."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
+        return "q and k must be tensors"
+    if (q_txt is None) != (k_txt is None):
+        return "q_txt and k_txt must be given together"
+    if q_txt is None and (q_txt_weight is not None or k_txt_weight is not None):
+        return "text weights given without text inputs"
+    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
+    tensors = inputs + [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight, *tables) if t is not None]
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
+    if q.dim() != 4 or q.shape != k.shape:
+        return f"q and k must be [B, S, H, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
+    B, _, H, D = q.shape
+    if q_txt is not None:
+        if q_txt.dim() != 4 or q_txt.shape != k_txt.shape:
+            return "q_txt and k_txt must be [B, S_txt, H, D] of one shape"
+        if (q_txt.shape[0], q_txt.shape[2], q_txt.shape[3]) != (B, H, D):
+            return "text and image inputs differ in B, H or D"
+    if q.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {q.dtype} is not bf16, fp16 or fp32"
+    if any(t.dtype != q.dtype for t in inputs):
+        return "q, k, q_txt, k_txt have different dtypes (torch.cat would type-promote)"
+    return None
+
+
 def _unsupported_reason(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -324,34 +356,15 @@ def _unsupported_reason(
     q_txt_weight: torch.Tensor | None,
     k_txt_weight: torch.Tensor | None,
 ) -> str | None:
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-        return "q and k must be tensors"
-    if (q_txt is None) != (k_txt is None):
-        return "q_txt and k_txt must be given together"
     if (cos is None) != (sin is None):
         return "cos and sin must be given together"
-    if q_txt is None and (q_txt_weight is not None or k_txt_weight is not None):
-        return "text weights given without text inputs"
-    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
-    weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
-    rope = [t for t in (cos, sin) if t is not None]
-    tensors = inputs + weights + rope
-    reason = device_reason(*tensors) or grad_reason(*tensors)
+    reason = _qk_inputs_reason(q, k, q_weight, k_weight, q_txt, k_txt, q_txt_weight, k_txt_weight, (cos, sin))
     if reason:
         return reason
-    if q.dim() != 4 or q.shape != k.shape:
-        return f"q and k must be [B, S, H, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
     B, S_img, H, D = q.shape
-    if q_txt is not None:
-        if q_txt.dim() != 4 or q_txt.shape != k_txt.shape:
-            return "q_txt and k_txt must be [B, S_txt, H, D] of one shape"
-        if (q_txt.shape[0], q_txt.shape[2], q_txt.shape[3]) != (B, H, D):
-            return "text and image inputs differ in B, H or D"
+    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
+    weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
     dtype = q.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} is not bf16, fp16 or fp32"
-    if any(t.dtype != dtype for t in inputs):
-        return "q, k, q_txt, k_txt have different dtypes (torch.cat would type-promote)"
     if D % RMS_VEC_WIDTH != 0:
         return f"head_dim {D} is not a multiple of 4 (torch takes its non-vectorized RMSNorm path)"
     if D > RMS_MAX_WIDTH:
@@ -636,36 +649,18 @@ def _diffusers_reason(
     k_txt_weight: torch.Tensor | None,
     txt_freqs: torch.Tensor | None,
 ) -> str | None:
-    if not isinstance(q, torch.Tensor) or not isinstance(k, torch.Tensor):
-        return "q and k must be tensors"
-    if (q_txt is None) != (k_txt is None):
-        return "q_txt and k_txt must be given together"
-    if q_txt is None and (q_txt_weight is not None or k_txt_weight is not None):
-        return "text weights given without text inputs"
     if txt_freqs is not None and (q_txt is None or freqs is None):
         return "txt_freqs given without text inputs or without image freqs"
     if freqs is not None and q_txt is not None and txt_freqs is None:
         return "text inputs with image freqs need txt_freqs (each stream has its own table)"
-    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
-    weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
-    tables = [t for t in (freqs, txt_freqs) if t is not None]
-    tensors = inputs + weights + tables
-    reason = device_reason(*tensors) or grad_reason(*tensors)
+    reason = _qk_inputs_reason(q, k, q_weight, k_weight, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                               (freqs, txt_freqs))
     if reason:
         return reason
-    if q.dim() != 4 or q.shape != k.shape:
-        return f"q and k must be [B, S, H, D] of one shape, got {tuple(q.shape)} and {tuple(k.shape)}"
     B, S_img, H, D = q.shape
-    if q_txt is not None:
-        if q_txt.dim() != 4 or q_txt.shape != k_txt.shape:
-            return "q_txt and k_txt must be [B, S_txt, H, D] of one shape"
-        if (q_txt.shape[0], q_txt.shape[2], q_txt.shape[3]) != (B, H, D):
-            return "text and image inputs differ in B, H or D"
+    inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
+    weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
     dtype = q.dtype
-    if dtype not in SUPPORTED_DTYPES:
-        return f"dtype {dtype} is not bf16, fp16 or fp32"
-    if any(t.dtype != dtype for t in inputs):
-        return "q, k, q_txt, k_txt have different dtypes (torch.cat would type-promote)"
     for w in weights:
         if w.dim() != 1 or w.shape[0] != D:
             return f"a weight has shape {tuple(w.shape)}, expected ({D},)"
