@@ -105,6 +105,19 @@ class Site:
         ]
 
 
+ATTENTION_CLS = "diffusers.models.attention_processor:Attention"
+ATTENTION_PARAMS = ("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs")
+
+
+def attention_site(name: str, forward: Callable[..., Any], ops: tuple[OpDescriptor, ...],
+                   applies: Callable[[torch.nn.Module], "str | None"], description: str,
+                   high: bool = False) -> Site:
+    """A site on diffusers' processor-based ``Attention`` (``attention_processor.Attention``): one
+    class for many families, told apart by ``applies`` (each checks for its own processor type)."""
+    return Site(name=name, cls=ATTENTION_CLS, params=ATTENTION_PARAMS, forward=forward, ops=ops,
+                applies=applies, high=high, description=description)
+
+
 # ------------------------------------------------------------------------------ guards
 
 

@@ -28,7 +28,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
-from .base import Adapter, Site
+from .base import Adapter, Site, attention_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_qwenimage"
@@ -231,16 +231,10 @@ SITES = (
         high=False,
         description="dual-stream block: LN + modulate, gate+residual+norm2+modulate, FF gate residual",
     ),
-    Site(
-        name="qwenimage.attention",
-        cls="diffusers.models.attention_processor:Attention",
-        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs"),
-        forward=attention_forward,
-        ops=(QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,),
-        applies=_attn_applies,
-        high=False,
-        description="attention (QwenDoubleStreamAttnProcessor2_0): per-stream QK RMSNorm + complex RoPE + "
-                    "text-first concat in one pass",
+    attention_site(
+        "qwenimage.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,), _attn_applies,
+        "attention (QwenDoubleStreamAttnProcessor2_0): per-stream QK RMSNorm + complex RoPE + "
+        "text-first concat in one pass",
     ),
     norm_out_site("qwenimage", high=False),
 )

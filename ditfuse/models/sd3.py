@@ -27,7 +27,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
 from .adaln import ada_zero, ada_zero_applies, norm_out_site, plain_layernorm
-from .base import Adapter, Site
+from .base import Adapter, Site, attention_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 
@@ -233,16 +233,10 @@ SITES = (
         description="joint block: adaLN-Zero (SD3.5 dual: one LN, two modulations), "
                     "gate+residual+norm2+modulate, FF gate residual",
     ),
-    Site(
-        name="sd3.attention",
-        cls="diffusers.models.attention_processor:Attention",
-        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs"),
-        forward=attention_forward,
-        ops=(QK_RMSNORM_DIFFUSERS_CAT,),
-        applies=_attn_applies,
-        high=False,
-        description="attention (JointAttnProcessor2_0, SD3.5 QK RMSNorm): the four RMSNorms + image-first "
-                    "q/k cats in one pass (attn and attn2)",
+    attention_site(
+        "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT,), _attn_applies,
+        "attention (JointAttnProcessor2_0, SD3.5 QK RMSNorm): the four RMSNorms + image-first "
+        "q/k cats in one pass (attn and attn2)",
     ),
     norm_out_site("sd3", high=False),
 )

@@ -38,7 +38,7 @@ from ..kernels.norm import (
     GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE,
     RMS_NORM_DIFFUSERS_SCALE,
 )
-from .base import Adapter, Site
+from .base import Adapter, Site, attention_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_z_image"
@@ -189,16 +189,10 @@ SITES = (
         description="main / refiner block: RMSNorm + scale, gate + residual + RMSNorm + scale, SwiGLU, "
                     "gate + residual + RMSNorm (modulated and unmodulated)",
     ),
-    Site(
-        name="zimage.attention",
-        cls="diffusers.models.attention_processor:Attention",
-        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "cross_attention_kwargs"),
-        forward=attention_forward,
-        ops=(QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,),
-        applies=_attn_applies,
-        high=False,
-        description="attention (ZSingleStreamAttnProcessor): q/k RMSNorm + complex RoPE with per-sample "
-                    "freqs in one pass",
+    attention_site(
+        "zimage.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,), _attn_applies,
+        "attention (ZSingleStreamAttnProcessor): q/k RMSNorm + complex RoPE with per-sample "
+        "freqs in one pass",
     ),
 )
 
