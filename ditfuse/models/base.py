@@ -121,6 +121,32 @@ def attention_site(name: str, forward: Callable[..., Any], ops: tuple[OpDescript
 # ------------------------------------------------------------------------------ guards
 
 
+def diffusers_rmsnorms(module: torch.nn.Module, names: tuple[str, ...], width: int | None = None) -> str | None:
+    """None when ``module.<name>`` for every name is diffusers' own ``RMSNorm`` (the two-rounding
+    one the diffusers-RMSNorm kernels reproduce) without bias, with a ``[width]`` weight or none
+    (``width=None``: not checked), all with one eps, and torch_npu is absent (diffusers would
+    take its NPU path); else why not."""
+    from diffusers.models.normalization import RMSNorm
+    from diffusers.utils import is_torch_npu_available
+
+    first = eps = None
+    for name in names:
+        n = getattr(module, name, None)
+        if type(n) is not RMSNorm:
+            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
+            return f"{name} is {what}, not diffusers' RMSNorm"
+        if getattr(n, "bias", None) is not None:
+            return f"{name} has a bias"
+        if width is not None and n.weight is not None and tuple(n.weight.shape) != (width,):
+            return f"{name} weight has shape {tuple(n.weight.shape)}, not ({width},)"
+        if eps is not None and n.eps != eps:
+            return f"{name} eps {n.eps} differs from {first} eps {eps}"
+        first, eps = (first or name), (eps if eps is not None else n.eps)
+    if is_torch_npu_available():
+        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    return None
+
+
 def half_precision(module: torch.nn.Module) -> str | None:
     """The module computes in bf16/fp16: most of its GEMM weight elements (nn.Linear; all
     parameters if it has none) are one of those dtypes. Modules a checkpoint keeps in fp32 (Wan's

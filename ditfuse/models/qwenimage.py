@@ -28,7 +28,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
-from .base import Adapter, Site, attention_site
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_qwenimage"
@@ -41,28 +41,13 @@ _ATTN_KWARGS = frozenset(("encoder_hidden_states_mask", "image_rotary_emb"))
 
 
 def _attn_applies(attn) -> str | None:
-    from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_qwenimage import QwenDoubleStreamAttnProcessor2_0
-    from diffusers.utils import is_torch_npu_available
 
     if type(attn.processor) is not QwenDoubleStreamAttnProcessor2_0:
         return f"processor is {type(attn.processor).__name__}, not QwenDoubleStreamAttnProcessor2_0"
-    head_dim = attn.inner_dim // attn.heads
-    eps = None
-    for name in _QK_NORMS:
-        n = getattr(attn, name, None)
-        if type(n) is not RMSNorm:
-            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
-            return f"{name} is {what}, not diffusers' RMSNorm"
-        if n.bias is not None:
-            return f"{name} has a bias"
-        if n.weight is not None and tuple(n.weight.shape) != (head_dim,):
-            return f"{name} weight has shape {tuple(n.weight.shape)}, not (head_dim={head_dim},)"
-        if eps is not None and n.eps != eps:
-            return f"{name} eps {n.eps} differs from norm_q eps {eps}"
-        eps = n.eps
-    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
-        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    reason = diffusers_rmsnorms(attn, _QK_NORMS, attn.inner_dim // attn.heads)
+    if reason:
+        return reason
     for name in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "to_out"):
         if getattr(attn, name, None) is None:
             return f"{name} is None (not a joint text/image attention)"

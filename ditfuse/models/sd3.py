@@ -27,7 +27,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
 from .adaln import ada_zero, ada_zero_applies, norm_out_site, plain_layernorm
-from .base import Adapter, Site, attention_site
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 
@@ -37,29 +37,17 @@ DIFFUSERS_VERSIONS = ("0.42.1",)
 
 def _attn_applies(attn) -> str | None:
     from diffusers.models.attention_processor import JointAttnProcessor2_0
-    from diffusers.models.normalization import RMSNorm
-    from diffusers.utils import is_torch_npu_available
 
     if type(attn.processor) is not JointAttnProcessor2_0:
         return f"processor is {type(attn.processor).__name__}, not JointAttnProcessor2_0"
     if attn.norm_q is None and attn.norm_k is None:
         return "no QK norm (SD3's qk_norm=None): nothing to fuse, the cats stay diffusers'"
     names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.add_q_proj is not None else ())
-    eps = None
-    for name in names:
-        n = getattr(attn, name, None)
-        if type(n) is not RMSNorm:
-            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
-            return f"{name} is {what}, not diffusers' RMSNorm"
-        if n.bias is not None:
-            return f"{name} has a bias"
-        if eps is not None and n.eps != eps:
-            return f"{name} eps {n.eps} differs from norm_q eps {eps}"
-        eps = n.eps
+    reason = diffusers_rmsnorms(attn, names)
+    if reason:
+        return reason
     if attn.add_q_proj is None and getattr(attn, "norm_added_q", None) is not None:
         return "norm_added_q without add_q_proj"
-    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
-        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
     return None
 
 

@@ -38,7 +38,7 @@ from ..kernels.norm import (
     GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE,
     RMS_NORM_DIFFUSERS_SCALE,
 )
-from .base import Adapter, Site, attention_site
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_z_image"
@@ -118,49 +118,20 @@ def attention_forward(
 
 
 def _attn_applies(attn) -> str | None:
-    from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_z_image import ZSingleStreamAttnProcessor
-    from diffusers.utils import is_torch_npu_available
 
     if type(attn.processor) is not ZSingleStreamAttnProcessor:
         return f"processor is {type(attn.processor).__name__}, not ZSingleStreamAttnProcessor"
-    head_dim = attn.inner_dim // attn.heads
-    for name in ("norm_q", "norm_k"):
-        n = getattr(attn, name, None)
-        if type(n) is not RMSNorm:  # qk_norm=False (None): nothing to fuse but the RoPE
-            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
-            return f"{name} is {what}, not diffusers' RMSNorm"
-        if getattr(n, "bias", None) is not None:
-            return f"{name} has a bias"
-        if n.weight is not None and tuple(n.weight.shape) != (head_dim,):
-            return f"{name} weight has shape {tuple(n.weight.shape)}, not (head_dim={head_dim},)"
-    if attn.norm_q.eps != attn.norm_k.eps:
-        return f"norm_k eps {attn.norm_k.eps} differs from norm_q eps {attn.norm_q.eps}"
-    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
-        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
-    return None
+    # qk_norm=False (norms None) is refused too: nothing to fuse but the RoPE
+    return diffusers_rmsnorms(attn, ("norm_q", "norm_k"), attn.inner_dim // attn.heads)
 
 
 def _block_applies(block) -> str | None:
-    from diffusers.models.normalization import RMSNorm
     from diffusers.models.transformers.transformer_z_image import FeedForward
-    from diffusers.utils import is_torch_npu_available
 
-    eps = None
-    for name in _NORMS:
-        n = getattr(block, name, None)
-        if type(n) is not RMSNorm:
-            what = "None" if n is None else f"{type(n).__module__}.{type(n).__qualname__}"
-            return f"{name} is {what}, not diffusers' RMSNorm"
-        if getattr(n, "bias", None) is not None:
-            return f"{name} has a bias"
-        if n.weight is not None and tuple(n.weight.shape) != (block.dim,):
-            return f"{name} weight has shape {tuple(n.weight.shape)}, not (dim={block.dim},)"
-        if eps is not None and n.eps != eps:
-            return f"{name} eps {n.eps} differs from attention_norm1 eps {eps}"
-        eps = n.eps
-    if is_torch_npu_available():  # diffusers' RMSNorm then runs torch_npu.npu_rms_norm
-        return "torch_npu is available: diffusers RMSNorm takes its NPU path"
+    reason = diffusers_rmsnorms(block, _NORMS, block.dim)
+    if reason:
+        return reason
     ff = block.feed_forward
     if type(ff) is not FeedForward:
         return f"feed_forward is {type(ff).__name__}, not Z-Image's FeedForward"
