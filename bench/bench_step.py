@@ -54,13 +54,11 @@ def _commit() -> str:
         return "unknown"
 
 
-HOST_MS: dict[int, list[float]] = {}  # id(times list) -> host enqueue ms of the same steps
-
-
-def time_steps(fn: Callable[[], Any], steps: int, warmup: int) -> tuple[list[float], Any]:
-    """Step times (ms, CUDA events, one synchronised step at a time). The host time of each
-    step's call (until it returns, before the synchronisation: the enqueue cost; a step whose
-    enqueue time reaches its step time is host-bound) is kept in ``HOST_MS[id(times)]``."""
+def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
+               host: list[float] | None = None) -> tuple[list[float], Any]:
+    """Step times (ms, CUDA events, one synchronised step at a time). ``host``, if given, gets the
+    host time of each step's call (until it returns, before the synchronisation: the enqueue
+    cost; a step whose enqueue time reaches its step time is host-bound)."""
     import time as _time
 
     import torch
@@ -70,17 +68,16 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int) -> tuple[list[flo
         out = fn()
     torch.cuda.synchronize()
     times: list[float] = []
-    host: list[float] = []
     for _ in range(steps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         t0 = _time.perf_counter()
         out = fn()
-        host.append((_time.perf_counter() - t0) * 1e3)
+        if host is not None:
+            host.append((_time.perf_counter() - t0) * 1e3)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    HOST_MS[id(times)] = host
     return times, out
 
 
@@ -204,11 +201,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ehs = inp.get("encoder_hidden_states")
         txt = args.txt_tokens if args.txt_tokens is not None else (ehs.shape[1] if hasattr(ehs, "shape") else "")
         with torch.no_grad():
-            times, ref_out = time_steps(step, args.steps, args.warmup)
+            host: list[float] = []
+            times, ref_out = time_steps(step, args.steps, args.warmup, host)
             ref_out = ref_out.clone()
-        results = {"eager": (times, True, 0.0)}
+        results = {"eager": (times, True, 0.0, host)}
         print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms "
-              f"(host enqueue {statistics.median(HOST_MS[id(times)]):.1f} ms)", flush=True)
+              f"(host enqueue {statistics.median(host):.1f} ms)", flush=True)
 
         for prov in providers:
             if prov == "eager":
@@ -234,16 +232,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             try:
                 t1 = time.time()
                 with torch.no_grad():
-                    times, out = time_steps(fn, args.steps, args.warmup)
+                    host = []
+                    times, out = time_steps(fn, args.steps, args.warmup, host)
                 mm = first_mismatch(out, ref_out)
                 rel = float(((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item())
-                results[prov] = (times, mm is None, rel)
+                results[prov] = (times, mm is None, rel, host)
                 extra = ""
                 if handle is not None:
                     rep = ditfuse.gate.report()
                     extra = f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)}"
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
-                      f"(host enqueue {statistics.median(HOST_MS[id(times)]):.1f} ms) bitwise={mm is None} "
+                      f"(host enqueue {statistics.median(host):.1f} ms) bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
             finally:
                 if handle is not None:
@@ -263,11 +262,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 finally:
                     if handle is not None:
                         handle.unmount()
-        for prov, (times, bitwise, rel) in results.items():
+        for prov, (times, bitwise, rel, host) in results.items():
             rows.append(
                 dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
                      txt_tokens=txt, median_ms=round(statistics.median(times), 3),
-                     min_ms=round(min(times), 3), host_ms=round(statistics.median(HOST_MS[id(times)]), 3),
+                     min_ms=round(min(times), 3), host_ms=round(statistics.median(host), 3),
                      steps=len(times), bitwise_equal=bitwise,
                      rel_diff_vs_eager=f"{rel:.3e}", **meta)
             )
