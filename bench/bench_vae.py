@@ -6,7 +6,7 @@
 mults 1/2/4/4, two residual blocks per stage) at 480x832 with ``--frames`` 17 (5 latent frames).
 
     PYTHONPATH=. python3 bench/bench_vae.py [--model flux|wan] [--sizes 1024 2048 | 480x832]
-        [--frames 17] [--no-compile] [--out PATH]
+        [--frames 17] [--no-compile] [--out PATH] [--breakdown PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--out", default="bench/results/vae_decode_h200.csv")
+    p.add_argument("--breakdown", default=None,
+                   help="also profile one decode per provider (eager, lossless) and write the kernel-time "
+                        "categories (ms) here")
     args = p.parse_args(argv)
 
     import torch
@@ -52,7 +55,19 @@ def main(argv: list[str] | None = None) -> int:
                 triton=triton.__version__, commit=os.environ.get("DITFUSE_COMMIT", "unknown"))
     rows = []
 
+    breakdown: list[dict] = []
+
+    def profiled(fn, label, **row):
+        if args.breakdown:
+            from bench.bench_step import profile_breakdown
+
+            cats = profile_breakdown(fn, label)
+            breakdown.append(dict(row, **{k: round(v, 2) for k, v in cats.items()}, **meta))
+
     def timed(fn):
+        # two warm-ups: the Wan adapter's first decode records eager's layouts (NCDHW), the second
+        # is the first channels-last one (the gate verifies each new convolution signature)
+        fn()
         fn()
         torch.cuda.synchronize()
         ts = []
@@ -78,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
                 ms, ref = timed(dec)
                 rows.append(dict(size=label, batch=batch, provider="eager", median_ms=round(ms, 2), bitwise_equal=True, **meta))
                 print(f"[vae] {label} B={batch} eager {ms:.2f} ms", flush=True)
+                profiled(dec, f"{label} B={batch} eager", size=label, batch=batch, provider="eager")
                 ditfuse.gate.reset()
                 h = ditfuse.accelerate(vae)
                 try:
                     ms, out = timed(dec)
+                    profiled(dec, f"{label} B={batch} lossless", size=label, batch=batch, provider="lossless")
                 finally:
                     h.unmount()
                 rep = ditfuse.gate.report()
@@ -104,6 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+    if breakdown:
+        keys = list(dict.fromkeys(k for r in breakdown for k in r))
+        with open(args.breakdown, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(breakdown)
+        for r in breakdown:
+            print(f"[vae] breakdown {r['size']} B={r['batch']} {r['provider']}: " + ", ".join(
+                f"{k} {r[k]}" for k in ("gemm", "copies", "elementwise", "norms", "attention", "other", "gpu_busy") if k in r))
     for r in rows:
         print(f"{r['model']} {r['size']:>11} B={r['batch']} {r['provider']:<9} {r['median_ms']:>9.2f} ms  bitwise={r['bitwise_equal']}")
     return 0

@@ -189,9 +189,11 @@ __all__ += ["group_norm_silu_fp64"]
 
 
 def wan_rms_norm_silu_fp64(
-    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0, silu: bool = True
+    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0, silu: bool = True,
+    ncdhw: bool = False,
 ) -> torch.Tensor:
-    """``x / max(||x||_2 over C, 1e-12) * sqrt(C) * gamma + bias`` (then SiLU) in fp64."""
+    """``x / max(||x||_2 over C, 1e-12) * sqrt(C) * gamma + bias`` (then SiLU) in fp64 (``ncdhw``
+    only picks a rounding order, which exact math has none of)."""
     x64 = _d(x)
     y = x64 / torch.linalg.vector_norm(x64, dim=1, keepdim=True).clamp_min(1e-12) * (x.shape[1] ** 0.5)
     y = y * _d(gamma) + (_d(bias) if isinstance(bias, torch.Tensor) else bias)

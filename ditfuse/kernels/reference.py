@@ -268,16 +268,41 @@ def wan_rms_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | floa
     return normalized * (x.shape[1] ** 0.5) * gamma + bias
 
 
+def _channels_last_format(x: torch.Tensor) -> torch.memory_format | None:
+    """The channels-last memory format x is dense in, if it is not also contiguous."""
+    if x.dim() not in (4, 5) or x.is_contiguous():
+        return None
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    return fmt if x.is_contiguous(memory_format=fmt) else None
+
+
 def wan_rms_norm_silu(
-    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0, silu: bool = True
+    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0, silu: bool = True,
+    ncdhw: bool = False,
 ) -> torch.Tensor:
     """``WanRMS_norm`` then ``nn.SiLU`` (WanResidualBlock's norm1/norm2 + nonlinearity, the Wan
-    decoder's norm_out + nonlinearity): ``r(silu(wan_rms_norm(x)))``."""
+    decoder's norm_out + nonlinearity): ``r(silu(wan_rms_norm(x)))``.
+
+    ``ncdhw=True``: x is channels-last memory standing in for the contiguous tensor the NCDHW
+    decode holds there (ditfuse's channels-last Wan decode, models/autoencoder_kl_wan.py); the
+    norm's reduction order follows the layout, so the chain runs on ``x.contiguous()`` and the
+    values come back in x's layout. Without it (and for any other layout) the chain runs on x."""
+    fmt = _channels_last_format(x) if ncdhw else None
+    if fmt is not None:
+        return wan_rms_norm_silu(x.contiguous(), gamma, bias, silu).contiguous(memory_format=fmt)
     y = wan_rms_norm(x, gamma, bias)
     return F.silu(y) if silu else y
 
 
-__all__ += ["wan_rms_norm", "wan_rms_norm_silu"]
+def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       stride: tuple[int, ...], padding: tuple[int, ...]) -> torch.Tensor:
+    """``F.conv2d`` / ``F.conv3d`` as the NCHW / NCDHW model runs it: contiguous input and weight
+    (cuDNN transposes to NHWC inside, runs its kernel, transposes back), whatever layout x has."""
+    conv = F.conv3d if x.dim() == 5 else F.conv2d
+    return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
+
+
+__all__ += ["wan_rms_norm", "wan_rms_norm_silu", "conv_channels_last"]
 
 
 # ----------------------------------------------------------------------------- image families

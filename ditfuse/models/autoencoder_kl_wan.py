@@ -1,32 +1,143 @@
-"""AutoencoderKLWan adapter (Wan 2.1 / 2.2 video VAE): diffusers 0.42.1's ``WanRMS_norm`` (+ the
-SiLU after it) on the bit-exact ``norm.wan_rms_norm_silu``.
+"""AutoencoderKLWan adapter (Wan 2.1 / 2.2 video VAE), diffusers 0.42.1: the RMS_norm + SiLU
+chains on one kernel, and the Wan 2.1 decoder run in channels-last memory.
 
 Eager ``WanRMS_norm`` is nine kernels (cast, norm reduction, clamp, divide, cast, three
 elementwise ops) and the SiLU a tenth, ~38 bytes of traffic per bf16 element; the kernel reads x
 once and writes once, with the reduction in ``F.normalize``'s CUDA order (notes/wan_vae.md).
-Sites:
 
-- ``WanResidualBlock``: ``norm1 -> nonlinearity`` and ``norm2 -> nonlinearity`` each become one
-  fused call; the causal convolutions, their feature cache and the shortcut stay diffusers' own.
-- ``WanRMS_norm`` (every other one: the decoder/encoder ``norm_out`` before their SiLU, the
-  attention block's ``norm``): the norm alone, same kernel with ``silu=False``.
+**Channels-last decode.** cuDNN runs every NCDHW convolution of the decoder as a transpose to
+NDHWC, its NHWC kernel, and a transpose back (41.7 ms of a 480x832x17 decode on the H200). Fed
+channels-last tensors it runs the same NHWC kernel without the transposes, so the bits are the
+same (``layout.conv_channels_last``, verified per signature by the gate). The decoder site turns
+the latent chunk channels-last; everything in between keeps that layout (views, elementwise ops,
+nearest upsampling and the norm kernel all follow their input), and the chunk leaves the decoder
+contiguous again. Sites:
 
-The causal-conv ``cat``/``pad`` copies, the resample gathers and the decode's growing output
-``cat`` are removable bit-exactly too (notes/wan_vae.md §3) but are not done here.
+- ``WanDecoder3d``: channels-last in, contiguous out, when the decode qualifies (:func:`_cl_problem`).
+- ``WanCausalConv3d``: on a channels-last input, the ``cat([cache, x])`` + ``F.pad`` of the causal
+  padding become one zero-bordered channels-last buffer the convolution reads directly.
+- ``nn.Conv2d`` (WanResample's and the attention block's): the channels-last convolution.
+- ``WanResample`` (upsample3d): the frame interleave after the time convolution writes
+  channels-last (eager's ``stack`` writes NCDHW, which would end the channels-last run).
+- ``WanResidualBlock``: ``norm1 -> SiLU`` and ``norm2 -> SiLU``, each one RMS_norm+SiLU kernel.
+- ``WanRMS_norm`` (every other one: ``norm_out``, the attention block's): the norm alone.
+
+The norm's reduction order depends on its input's layout; the NCDHW decode hands it contiguous or
+WanResample's T-major tensors, which reduce in the same order when the latent's H*W is a multiple
+of 4 (the vector width of torch's reduce kernel), so the channels-last decode runs only then and
+the kernel reproduces that order on channels-last memory.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels import reference as ref
+from ..kernels.layout import CONV_CHANNELS_LAST
 from ..kernels.norm import WAN_RMS_NORM_SILU
 from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 CACHE_T = 2  # diffusers.models.autoencoders.autoencoder_kl_wan.CACHE_T: frames kept per causal conv
+logger = logging.getLogger("ditfuse.models")
+
+
+# ------------------------------------------------------------------------------ eager's layouts
+#
+# The NCDHW decode is not NCDHW throughout: the mid block's attention returns a channels-last view
+# (its 1x1 projection runs channels-last), and every op after it keeps that layout until
+# WanResample's frame interleave writes NCDHW again. Convolutions and norms read their input's
+# layout: a channels-last input makes cuDNN skip its transposes and the norm reduce along the
+# channels (another order). The channels-last decode must therefore know, for each norm and
+# convolution call, which layout the NCDHW decode gave it. The first call of each chunk kind runs
+# the NCDHW decode (our kernels, eager's layouts) and records them; later calls replay them:
+# an input eager had channels-last runs eager's very call, an NCDHW one our channels-last ops.
+
+NCDHW, CL, OTHER = "ncdhw", "channels-last", "other"
+
+
+def _layout_class(x: torch.Tensor) -> str:
+    if x.is_contiguous():
+        return NCDHW
+    if _is_cl(x):
+        return CL
+    if x.dim() == 5:
+        B, C, T, Hh, Ww = x.shape
+        sb, sc, st, sh, sw = x.stride()
+        if (sw, sh, sc, st) == (1, Ww, Hh * Ww, C * Hh * Ww) and (B == 1 or sb == T * C * Hh * Ww):
+            return NCDHW  # WanResample's T-major view: reduces like contiguous when H*W % 4 == 0
+    return OTHER
+
+
+class _Layouts:
+    """The layouts one chunk kind of the NCDHW decode gave each norm / convolution call."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[int, tuple[int, ...]], str] = {}
+        self.problem: str | None = None
+
+    def record(self, module: Any, x: torch.Tensor, consumed: torch.Tensor | None = None) -> None:
+        """``module`` was called with x and ran its computation on ``consumed`` (x by default;
+        a causal convolution's padded copy of it)."""
+        key, cls = (id(module), tuple(x.shape)), _layout_class(x if consumed is None else consumed)
+        if self.seen.setdefault(key, cls) != cls:
+            self.problem = f"{type(module).__name__} saw two layouts at one shape"
+        elif cls == OTHER:
+            self.problem = f"{type(module).__name__} input {tuple(x.shape)} strides {x.stride()}: not reproduced"
+
+    def get(self, module: Any, x: torch.Tensor) -> str:
+        return self.seen.get((id(module), tuple(x.shape)), OTHER)
+
+
+_state = threading.local()  # .recording / .replaying: the _Layouts of the decoder call under way
+_TABLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, _Layouts]]" = weakref.WeakKeyDictionary()
+_said: set[str] = set()
+
+
+@contextmanager
+def _active(name: str, layouts: _Layouts) -> Iterator[None]:
+    prev = getattr(_state, name, None)
+    setattr(_state, name, layouts)
+    try:
+        yield
+    finally:
+        setattr(_state, name, prev)
+
+
+def _eager_layout(module: Any, x: torch.Tensor) -> str | None:
+    """Recording: note x's layout, None. Replaying: the layout the NCDHW decode had here."""
+    rec = getattr(_state, "recording", None)
+    if rec is not None:
+        rec.record(module, x)
+        return None
+    rep = getattr(_state, "replaying", None)
+    return None if rep is None else rep.get(module, x)
+
+
+def _say_once(msg: str) -> None:
+    if msg not in _said:
+        _said.add(msg)
+        logger.info("ditfuse: %s", msg)
+
+
+def _norm(norm: Any, x: torch.Tensor, silu: bool, _ops: OpSet) -> torch.Tensor:
+    """One WanRMS_norm (+ SiLU): the kernel on eager's layout, or in the channels-last decode on
+    the layout the NCDHW decode had (channels-last there: eager's own chain on it)."""
+    lay = _eager_layout(norm, x)
+    if lay is None or not _is_cl(x):
+        return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
+    if lay == CL:
+        return ref.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
+    return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu, True)
 
 
 def _rms_applies(norm: Any) -> str | None:
@@ -42,7 +153,7 @@ def _rms_applies(norm: Any) -> str | None:
 
 def rms_norm_forward(norm, original, x: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
     """WanRMS_norm.forward: ``F.normalize(x.float(), dim=1).to(x.dtype) * scale * gamma + bias``."""
-    return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, False)
+    return _norm(norm, x, False, _ops)
 
 
 def _causal_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int]) -> torch.Tensor:
@@ -63,9 +174,9 @@ def residual_forward(block, original, x: torch.Tensor, feat_cache: list | None =
                      feat_idx: list[int] = [0], *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: B006 (diffusers' default)
     """WanResidualBlock.forward with each ``WanRMS_norm -> SiLU`` fused."""
     h = block.conv_shortcut(x)
-    x = _ops.wan_rms_norm_silu(x, block.norm1.gamma, block.norm1.bias, True)
+    x = _norm(block.norm1, x, True, _ops)
     x = _causal_conv(block.conv1, x, feat_cache, feat_idx)
-    x = _ops.wan_rms_norm_silu(x, block.norm2.gamma, block.norm2.bias, True)
+    x = _norm(block.norm2, x, True, _ops)
     x = block.dropout(x)
     x = _causal_conv(block.conv2, x, feat_cache, feat_idx)
     return x + h
@@ -79,6 +190,174 @@ def _residual_applies(block: Any) -> str | None:
         if r is not None:
             return f"{name}: {r}"
     return None
+
+
+def _is_cl(x: torch.Tensor) -> bool:
+    """x is dense channels-last(-3d) memory (and not also contiguous)."""
+    if x.dim() not in (4, 5) or x.is_contiguous():
+        return False
+    return x.is_contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
+
+
+def _keep_cl(out: torch.Tensor) -> torch.Tensor:
+    """Eager's own call on a channels-last input, its output kept channels-last (cuDNN returns it
+    so; other backends may not)."""
+    return out.contiguous(memory_format=torch.channels_last_3d if out.dim() == 5 else torch.channels_last)
+
+
+def _cl_problem(decoder: Any, x: torch.Tensor) -> str | None:
+    """Why this decoder call keeps the NCDHW layout (None: it runs channels-last)."""
+    if x.device.type != "cuda" or x.dim() != 5:
+        return "not a 5-D CUDA latent"
+    if (x.shape[3] * x.shape[4]) % 4:
+        return ("latent H*W is not a multiple of 4: the NCDHW decode's norms would reduce in two layout-"
+                "dependent orders")
+    if not torch.backends.cudnn.is_available() or not torch.backends.cudnn.enabled or torch.backends.cudnn.benchmark:
+        return "cuDNN unavailable, disabled or in benchmark mode"
+    for blk in decoder.up_blocks:
+        if type(blk).__name__ != "WanUpBlock":
+            return f"{type(blk).__name__} (Wan 2.2 residual up blocks) is not mirrored"
+    return None
+
+
+def _chunk_kind(feat_cache: list | None) -> tuple:
+    """Which cache entries are empty, "Rep" or frames: the first, second and later chunks of a
+    decode take different branches (and shapes) through the causal convolutions and resamples."""
+    if feat_cache is None:
+        return (None,)
+    return tuple(None if c is None else ("Rep" if isinstance(c, str) else "t") for c in feat_cache)
+
+
+def decoder_forward(decoder, original, x: torch.Tensor, feat_cache: list | None = None,
+                    feat_idx: list[int] = [0], first_chunk: bool = False,  # noqa: B006 (diffusers' default)
+                    *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """WanDecoder3d.forward. The first call of each chunk kind (shape, dtype, cache state) runs the
+    NCDHW decode and records its layouts; later ones run on a channels-last copy of the chunk,
+    replaying them, and hand the output back contiguous (the decode's ``cat`` of chunks and its
+    ``clamp`` then see eager's layout)."""
+    problem = _cl_problem(decoder, x)
+    if problem is not None:
+        _say_once(f"Wan decoder stays NCDHW for latent chunks {tuple(x.shape)}: {problem}")
+        return original(x, feat_cache, feat_idx, first_chunk)
+    tables = _TABLES.setdefault(decoder, {})
+    key = (tuple(x.shape), x.dtype, x.device, _chunk_kind(feat_cache))
+    layouts = tables.get(key)
+    if layouts is None:
+        layouts = _Layouts()
+        with _active("recording", layouts):
+            out = original(x, feat_cache, feat_idx, first_chunk)
+        tables[key] = layouts
+        return out
+    if layouts.problem is not None:
+        _say_once(f"Wan decoder stays NCDHW for latent chunks {tuple(x.shape)}: {layouts.problem}")
+        return original(x, feat_cache, feat_idx, first_chunk)
+    with _active("replaying", layouts):
+        out = original(x.contiguous(memory_format=torch.channels_last_3d), feat_cache, feat_idx, first_chunk)
+    return out.contiguous()
+
+
+def causal_conv_forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor | None = None,
+                        *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """WanCausalConv3d.forward on a channels-last x: ``F.pad(cat([cache_x, x], 2), causal padding)``
+    built as one channels-last buffer (zero border, cache frames, x), then the convolution on it.
+    Where the NCDHW decode had x channels-last too, its own call."""
+    rec = getattr(_state, "recording", None)
+    if rec is not None:  # diffusers' forward, spelled out to see the layout its convolution gets
+        padding = list(conv._padding)
+        if cache_x is not None and conv._padding[4] > 0:
+            x_in = torch.cat([cache_x.to(x.device), x], dim=2)
+            padding[4] -= cache_x.shape[2]
+        else:
+            x_in = x
+        x_in = F.pad(x_in, padding)
+        rec.record(conv, x, x_in)
+        return torch.nn.Conv3d.forward(conv, x_in)
+    lay = _eager_layout(conv, x)
+    if lay == CL and _is_cl(x):
+        return _keep_cl(original(x, cache_x))
+    if lay != NCDHW or not _is_cl(x) or (cache_x is not None and cache_x.shape[1:2] + cache_x.shape[3:] != x.shape[1:2] + x.shape[3:]):
+        return original(x, cache_x)
+    wl, wr, ht, hb, front, back = conv._padding
+    tc = cache_x.shape[2] if cache_x is not None and front > 0 else 0
+    front -= tc
+    if front < 0 or back:
+        return original(x, cache_x)
+    B, C, T, H, W = x.shape
+    if not (wl or wr or ht or hb or front or tc):
+        xp = x  # F.pad with no padding only copies
+    else:
+        xp = torch.empty((B, C, front + tc + T, H + ht + hb, W + wl + wr), dtype=x.dtype, device=x.device,
+                         memory_format=torch.channels_last_3d)
+        if front:
+            xp[:, :, :front].zero_()
+        body = xp[:, :, front:]
+        for sl in ((slice(None), slice(None), slice(None), slice(0, ht)),
+                   (slice(None), slice(None), slice(None), slice(H + ht, None)),
+                   (slice(None), slice(None), slice(None), slice(ht, H + ht), slice(0, wl)),
+                   (slice(None), slice(None), slice(None), slice(ht, H + ht), slice(W + wl, None))):
+            part = body[sl]
+            if part.numel():
+                part.zero_()
+        inner = body[:, :, :, ht:ht + H, wl:wl + W]
+        if tc:
+            inner[:, :, :tc].copy_(cache_x.to(x.device))
+        inner[:, :, tc:].copy_(x)
+    return _ops.conv_channels_last(xp, conv.weight, conv.bias, conv.stride, (0, 0, 0))
+
+
+def conv2d_forward(conv, original, input: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: A002
+    """nn.Conv2d.forward: the channels-last convolution on a channels-last input whose NCDHW-decode
+    counterpart was contiguous (one that was channels-last there runs as it did)."""
+    lay = _eager_layout(conv, input)
+    if lay == CL and _is_cl(input):
+        return _keep_cl(original(input))
+    if lay != NCDHW or not _is_cl(input):
+        return original(input)
+    return _ops.conv_channels_last(input, conv.weight, conv.bias, conv.stride, conv.padding)
+
+
+def _conv2d_applies(conv: Any) -> str | None:
+    if conv.padding_mode != "zeros" or conv.groups != 1 or tuple(conv.dilation) != (1, 1) or isinstance(conv.padding, str):
+        return "only zero padding given as ints, groups=1, dilation 1 are mirrored"
+    return None
+
+
+def resample_forward(rs, original, x: torch.Tensor, feat_cache: list | None = None,
+                     feat_idx: list[int] = [0], *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: B006
+    """WanResample.forward (upsample3d, channels-last x): diffusers' cache bookkeeping, the time
+    convolution, and the frame interleave (``reshape(b, 2, c, ...)`` + ``stack(.., 3)``) written
+    channels-last; the 2-D upsampling and convolution then stay channels-last on their own."""
+    if rs.mode != "upsample3d" or feat_cache is None or not _is_cl(x):
+        return original(x, feat_cache, feat_idx)
+    b, c, t, h, w = x.size()
+    idx = feat_idx[0]
+    if feat_cache[idx] is None:
+        feat_cache[idx] = "Rep"
+        feat_idx[0] += 1
+    else:
+        cache_x = x[:, :, -CACHE_T:, :, :].clone()
+        if cache_x.shape[2] < 2 and feat_cache[idx] is not None and feat_cache[idx] != "Rep":
+            cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+        if cache_x.shape[2] < 2 and feat_cache[idx] is not None and feat_cache[idx] == "Rep":
+            cache_x = torch.cat([torch.zeros_like(cache_x).to(cache_x.device), cache_x], dim=2)
+        if feat_cache[idx] == "Rep":
+            x = rs.time_conv(x)
+        else:
+            x = rs.time_conv(x, feat_cache[idx])
+        feat_cache[idx] = cache_x
+        feat_idx[0] += 1
+        if _is_cl(x):
+            # out[:, c', 2t'+j] = x[:, j*c + c', t']: [b, t, h, w, (2, c)] memory -> [b, t, 2, h, w, c]
+            src = x.permute(0, 2, 3, 4, 1).reshape(b, t, h, w, 2, c)
+            x = src.permute(0, 1, 4, 2, 3, 5).contiguous().view(b, 2 * t, h, w, c).permute(0, 4, 1, 2, 3)
+        else:  # the convolution fell back to NCDHW: eager's interleave
+            x = x.reshape(b, 2, c, t, h, w)
+            x = torch.stack((x[:, 0, :, :, :, :], x[:, 1, :, :, :, :]), 3)
+            x = x.reshape(b, c, t * 2, h, w)
+    t = x.shape[2]
+    x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+    x = rs.resample(x)
+    return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
 
 
 _VAE = "diffusers.models.autoencoders.autoencoder_kl_wan"
@@ -103,6 +382,43 @@ SITES = (
         applies=_rms_applies,
         high=False,
         description="every other WanRMS_norm (norm_out before the head's SiLU, the attention block's norm)",
+    ),
+    Site(
+        name="wan_vae.decoder",
+        cls=f"{_VAE}:WanDecoder3d",
+        params=("self", "x", "feat_cache", "feat_idx", "first_chunk"),
+        forward=decoder_forward,
+        ops=(CONV_CHANNELS_LAST,),
+        high=False,
+        description="the decoder on channels-last memory (each latent chunk in, contiguous out)",
+    ),
+    Site(
+        name="wan_vae.causal_conv",
+        cls=f"{_VAE}:WanCausalConv3d",
+        params=("self", "x", "cache_x"),
+        forward=causal_conv_forward,
+        ops=(CONV_CHANNELS_LAST,),
+        high=False,
+        description="WanCausalConv3d on channels-last input: cache frames + zero padding in one buffer, NHWC conv",
+    ),
+    Site(
+        name="wan_vae.conv2d",
+        cls="torch.nn.modules.conv:Conv2d",
+        params=("self", "input"),
+        forward=conv2d_forward,
+        ops=(CONV_CHANNELS_LAST,),
+        applies=_conv2d_applies,
+        high=False,
+        description="nn.Conv2d (resample, attention) on channels-last input: NHWC conv, no transposes",
+    ),
+    Site(
+        name="wan_vae.resample",
+        cls=f"{_VAE}:WanResample",
+        params=("self", "x", "feat_cache", "feat_idx"),
+        forward=resample_forward,
+        ops=(CONV_CHANNELS_LAST,),
+        high=False,
+        description="WanResample upsample3d: the frame interleave written channels-last",
     ),
 )
 

@@ -65,6 +65,47 @@ def test_t_major_layout_from_wan_resample():
     assert ws.output_vec_size(24, 256) == 4 and ws.output_vec_size(24, 256, 0, 6) == 2
 
 
+@pytest.mark.parametrize("shape", [(1, 64, 2, 4, 6), (2, 40, 3, 8), (1, 384, 1, 4, 8), (2, 24, 3, 2, 6)],
+                         ids=["5d-T2", "4d-b2", "384-split4", "5d-b2"])
+@pytest.mark.parametrize("silu", [True, False])
+def test_channels_last_reduces_in_the_ncdhw_order(shape, silu):
+    """The channels-last Wan decode hands the norm channels-last tensors; the NCDHW decode it
+    stands in for had them contiguous: the kernel (and the reference) give the contiguous bits,
+    in the input's channels-last layout."""
+    fmt = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+    x = _rand(shape, torch.bfloat16, 16).contiguous(memory_format=fmt)
+    assert not x.is_contiguous() and wk.channels_last(x)
+    gam = _gamma(shape[1], len(shape) - 2, torch.bfloat16, 17)
+    assert not wk.can_use_wan_rms_norm_silu(x, gam, 0.0, silu)  # eager's own channels-last order: not ours
+    assert wk.can_use_wan_rms_norm_silu(x, gam, 0.0, silu, ncdhw=True)
+    got = wk.wan_rms_norm_silu(x, gam, 0.0, silu, ncdhw=True)
+    exp = ref.wan_rms_norm_silu(x, gam, 0.0, silu, ncdhw=True)
+    assert got.stride() == exp.stride() == x.stride()
+    sim = ws.rms_norm_silu(x.contiguous(), gam, 0.0, silu)
+    mm = compare_outputs(got, sim, f"channels-last {shape}")
+    assert mm is None, str(mm)
+    assert compare_outputs(exp, ref.wan_rms_norm_silu(x.contiguous(), gam, 0.0, silu)) is None
+
+
+def test_channels_last_rejected_where_ncdhw_layouts_disagree():
+    """With T > 1 and H*W not a multiple of 4 the NCDHW decode's contiguous and T-major inputs may
+    reduce in different orders; a channels-last input does not say which it was: rejected there,
+    taken where both agree."""
+    found = 0
+    for C in (16, 64, 96, 128, 200, 384):
+        for T, Hh, Ww in ((2, 1, 3), (4, 2, 3), (3, 3, 5), (2, 5, 6), (8, 3, 3)):
+            B, HW = 1, Hh * Ww
+            orders = {wk.reduce_layout(B, C, T * HW, 0, v)[0] for v in ((T * HW, T * HW * C), (HW, HW, C * HW))}
+            x = torch.zeros(B, C, T, Hh, Ww, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last_3d)
+            reason = wk._unsupported_reason(x, _gamma(C, 3, torch.bfloat16, 0), 0.0, True, True)
+            if len(orders) > 1:
+                found += 1
+                assert reason is not None, (C, T, Hh, Ww)
+            elif max(orders) <= wk.MAX_H:
+                assert reason is None, (C, T, Hh, Ww, reason)
+    assert found, "no shape with disagreeing orders was tried"
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter
 def test_bias_tensor_and_special_values():
     x = _rand((1, 64, 1, 4, 16), torch.bfloat16, 3)

@@ -42,7 +42,8 @@ def test_encode_decode_on_reference_chains_equals_diffusers(batch, frames, monke
     try:
         rep = h.report().components[0]
         assert rep.status == "mounted" and rep.adapter == "autoencoder_kl_wan", rep
-        assert {s for _, s in rep.sites} == {"wan_vae.residual", "wan_vae.rms_norm"}
+        assert {s for _, s in rep.sites} == {"wan_vae.residual", "wan_vae.rms_norm", "wan_vae.decoder",
+                                             "wan_vae.causal_conv", "wan_vae.conv2d", "wan_vae.resample"}
         z1, x1 = _roundtrip(vae, video)
         assert_bitwise_equal(z1, z0, "encode")
         assert_bitwise_equal(x1, x0, "decode")
@@ -89,3 +90,117 @@ def test_fast_path_reaches_the_gate_under_the_interpreter():
         assert sum(c.values()) > 0, c
     finally:
         h.unmount()
+
+
+def _channels_last_on_cpu(monkeypatch):
+    """Let the channels-last decode run on CPU: the decoder's CUDA requirement lifted, and the
+    channels-last convolution stood in for by its reference's values in channels-last memory
+    (cuDNN's NHWC kernel is the GPU tests'). Returns the (input, output) layouts of every call."""
+    from ditfuse.contracts.ops import LOSSLESS
+    from ditfuse.kernels import reference as ref
+    from ditfuse.models import autoencoder_kl_wan as wa
+
+    calls = []
+
+    def conv_cl(x, weight, bias, stride, padding):
+        fmt = torch.channels_last_3d if x.dim() == 5 else torch.channels_last
+        out = ref.conv_channels_last(x, weight, bias, stride, padding).contiguous(memory_format=fmt)
+        calls.append((x.dim(), wa._is_cl(x) or x.is_contiguous(memory_format=fmt)))
+        return out
+
+    monkeypatch.setattr(wa, "_cl_problem", lambda dec, x: None if (x.shape[3] * x.shape[4]) % 4 == 0 else "odd")
+    monkeypatch.setattr(LOSSLESS, "conv_channels_last", conv_cl)
+    return calls
+
+
+@pytest.mark.parametrize("batch,lat", [(1, (3, 4, 6)), (2, (2, 4, 4)), (1, (1, 2, 6))], ids=["b1t3", "b2t2", "b1t1"])
+def test_channels_last_decode_equals_diffusers(batch, lat, monkeypatch):
+    """The channels-last decode's plumbing (padded causal-conv buffers with cache frames, the
+    channels-last frame interleave, the views around the 2-D convolutions, contiguous output) on
+    the reference chains: bitwise equal to diffusers, and every decoder convolution got a
+    channels-last input."""
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    calls = _channels_last_on_cpu(monkeypatch)
+    vae = _vae(torch.bfloat16)
+    z = torch.randn(batch, 4, *lat, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    h = ditfuse.accelerate(vae)
+    try:
+        sites = {s for _, s in h.report().components[0].sites}
+        assert {"wan_vae.decoder", "wan_vae.causal_conv", "wan_vae.conv2d", "wan_vae.resample"} <= sites
+        with torch.no_grad():
+            first = vae.decode(z, return_dict=False)[0]  # NCDHW, recording eager's layouts
+            assert calls == []
+            out = vae.decode(z, return_dict=False)[0]  # channels-last
+    finally:
+        h.unmount()
+    assert_bitwise_equal(first, base, f"recording decode B={batch} {lat}")
+    assert_bitwise_equal(out, base, f"channels-last decode B={batch} {lat}")
+    assert out.is_contiguous()
+    # conv_in, 2 per residual block, the attention's two 1x1, the time and 2-D resample convs, conv_out
+    assert len(calls) >= 8 * lat[0] and all(cl for _, cl in calls), calls
+    assert {d for d, _ in calls} == {4, 5}
+
+
+def test_channels_last_tiled_decode(monkeypatch):
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    calls = _channels_last_on_cpu(monkeypatch)
+    vae = _vae(torch.bfloat16)
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32,
+                      tile_sample_stride_height=24, tile_sample_stride_width=24)
+    z = torch.randn(1, 4, 2, 12, 10, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    h = ditfuse.accelerate(vae)
+    try:
+        with torch.no_grad():
+            vae.decode(z, return_dict=False)
+            out = vae.decode(z, return_dict=False)[0]
+    finally:
+        h.unmount()
+    assert_bitwise_equal(out, base, "tiled")
+    assert calls
+
+
+def test_channels_last_decode_off_for_odd_latents(monkeypatch):
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    calls = _channels_last_on_cpu(monkeypatch)
+    vae = _vae(torch.bfloat16)
+    z = torch.randn(1, 4, 2, 3, 5, dtype=torch.bfloat16)  # H*W = 15
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    h = ditfuse.accelerate(vae)
+    try:
+        with torch.no_grad():
+            vae.decode(z, return_dict=False)
+            out = vae.decode(z, return_dict=False)[0]
+    finally:
+        h.unmount()
+    assert_bitwise_equal(out, base, "odd latent")
+    assert calls == []
+
+
+@pytest.mark.slow  # the RMS_norm kernel through the interpreter, on channels-last tensors
+def test_channels_last_decode_through_the_gate(monkeypatch):
+    """The op tables themselves (the gate, the interpreter kernel) on the channels-last decode: the
+    output equals diffusers' (the CUDA-order kernel differs from CPU eager's order, so the gate
+    sends the norm to its reference on CPU: what is checked is the plumbing around it)."""
+    calls = _channels_last_on_cpu(monkeypatch)
+    vae = _vae(torch.float32)
+    z = torch.randn(1, 4, 2, 4, 4)
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    ditfuse.gate.reset()
+    h = ditfuse.accelerate(vae)
+    try:
+        with torch.no_grad():
+            vae.decode(z, return_dict=False)
+            out = vae.decode(z, return_dict=False)[0]
+        c = ditfuse.gate.report().calls.get("norm.wan_rms_norm_silu", {})
+        assert sum(c.values()) > 0, c
+    finally:
+        h.unmount()
+    assert calls and all(cl for _, cl in calls)
+    assert_bitwise_equal(out, base, "channels-last decode through the gate")
+    assert out.is_contiguous()

@@ -1,7 +1,8 @@
 """VAE adapters on CUDA: accelerated decode bitwise equal to plain diffusers, with the kernels
 verified and nothing fallen back. AutoencoderKL (tiny and FLUX.1-VAE-size configs, batch 1 and
 2, odd latent sizes, tiled + sliced decode, bf16 and fp32) and AutoencoderKLWan (tiny and the
-Wan 2.1 VAE config, chunked cached decode over several latent frames)."""
+Wan 2.1 VAE config, chunked cached decode over several latent frames, tiled; the channels-last
+decode from the second call on)."""
 
 import pytest
 import torch
@@ -100,14 +101,37 @@ def _wan_vae(cfg, dtype):
     # take (neither contiguous nor WanResample's T-major view) and runs eager: correct, not engaged.
     pytest.param(2, (2, 9, 13), marks=pytest.mark.xfail(reason="a WanRMS_norm input layout the kernel rejects (eager fallback)")),
     (1, (1, 12, 20)),
-], ids=["b1t3", "b2t2odd", "b1t1"])
+    (2, (2, 8, 12)),  # batch 2 on the channels-last decode
+], ids=["b1t3", "b2t2odd", "b1t1", "b2t2"])
 def test_wan_tiny(dtype, batch, lat):
     vae = _wan_vae(WAN_TINY, dtype)
     z = torch.randn(batch, 16, *lat, device=DEV).to(dtype)
     _compare(vae, z, f"wan tiny {dtype} B={batch} {lat}", WAN_ADAPTER)
 
 
+def _wan_compare_cl(vae, z, label):
+    """_compare, plus: the channels-last decode ran (its convolution op verified and called; the
+    first decode records eager's layouts, the second runs channels-last)."""
+    _compare(vae, z, label, WAN_ADAPTER)
+    c = __import__("ditfuse").gate.report().calls.get("layout.conv_channels_last", {})
+    assert c.get("kernel", 0) > 0, c
+
+
+def test_wan_tiled_decode_channels_last():
+    vae = _wan_vae(WAN_TINY, torch.bfloat16)
+    vae.enable_tiling(tile_sample_min_height=128, tile_sample_min_width=128,
+                      tile_sample_stride_height=96, tile_sample_stride_width=96)
+    z = torch.randn(1, 16, 2, 24, 28, device=DEV).to(torch.bfloat16)
+    _wan_compare_cl(vae, z, "wan tiny tiled decode")
+
+
 def test_wan_vae_480x832():
     vae = _wan_vae(WAN_VAE, torch.bfloat16)
     z = torch.randn(1, 16, 3, 60, 104, device=DEV).to(torch.bfloat16)  # 9 frames at 480x832
-    _compare(vae, z, "Wan 2.1 VAE 480x832x9", WAN_ADAPTER)
+    _wan_compare_cl(vae, z, "Wan 2.1 VAE 480x832x9")
+
+
+def test_wan_vae_b2_fp32_channels_last():
+    vae = _wan_vae(WAN_VAE, torch.float32)
+    z = torch.randn(2, 16, 2, 16, 24, device=DEV)
+    _wan_compare_cl(vae, z, "Wan 2.1 VAE fp32 B=2 128x192x5")

@@ -98,7 +98,8 @@ WAN_RMS_NORM_SILU = OpDescriptor(
     reference=f"{_REF}:wan_rms_norm_silu",
     exact=f"{_EXACT}:wan_rms_norm_silu_fp64",
     impls=(triton_impl(_WR, "wan_rms_norm_silu"),),
-    key=(K("x", dims=(0,), tail_shape=True), K("gamma"), K("bias", value=True), K("silu", value=True)),
+    key=(K("x", dims=(0,), tail_shape=True), K("gamma"), K("bias", value=True), K("silu", value=True),
+         K("ncdhw", value=True)),
     key_note="the whole shape: batch x positions pick torch's reduce config (vector size, block height)",
 )
 

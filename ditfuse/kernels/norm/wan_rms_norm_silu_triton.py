@@ -75,16 +75,32 @@ def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0,
     return H, split, bh, -(-C // H)
 
 
-def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, tuple[int, ...]] | None:
-    """(B, C, T, HW, sB, sC, sT, vec_divides) for the layouts handled: contiguous
-    ``[B, C, *spatial]`` (T = 1, HW = all spatial), and the 5-D ``[B, C, T, H, W]`` view of
-    ``[B, T, C, H, W]`` memory that WanResample's ``permute(0, 2, 1, 3, 4)`` returns. None for
-    anything else. ``vec_divides`` follows TensorIterator's dim coalescing for each layout (the
-    reduced C first, then output dims by stride, adjacent dims merged when their strides allow)."""
+def channels_last(x: torch.Tensor) -> bool:
+    """x is a dense channels-last ``[B, C, H, W]`` / channels-last-3d ``[B, C, T, H, W]`` tensor
+    (channels innermost) that is not also contiguous: the layout of the channels-last Wan decode."""
+    if x.dim() not in (4, 5) or x.is_contiguous():
+        return False
+    return x.is_contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+
+
+def _geometry(x: torch.Tensor, ncdhw: bool = False) -> tuple[int, int, int, int, int, int, int, int, tuple[int, ...]] | None:
+    """(B, C, T, HW, sB, sC, sT, sP, vec_divides) for the layouts handled: contiguous
+    ``[B, C, *spatial]`` (T = 1, HW = all spatial), the 5-D ``[B, C, T, H, W]`` view of
+    ``[B, T, C, H, W]`` memory that WanResample's ``permute(0, 2, 1, 3, 4)`` returns, and
+    channels-last(-3d) with ``ncdhw`` (channels innermost: ``sC = 1``, positions ``sP = C``
+    apart; reduced in the contiguous layout's order). None for anything else (a channels-last x
+    without ``ncdhw`` is eager's own channels-last chain, whose reduction runs along the fastest
+    dim: another order, not reproduced). ``vec_divides`` follows TensorIterator's dim coalescing for the layout whose
+    order is reproduced (the reduced C first, then output dims by stride, adjacent dims merged
+    when their strides allow); for channels-last that is the contiguous layout (see
+    :func:`wan_rms_norm_silu`)."""
     B, C = x.shape[0], x.shape[1]
     if x.is_contiguous():
         S = x.numel() // max(B * C, 1)
-        return B, C, 1, S, C * S, S, S, (S, S * C)
+        return B, C, 1, S, C * S, S, S, 1, (S, S * C)
+    if ncdhw and channels_last(x):
+        S = x.numel() // max(B * C, 1)
+        return B, C, 1, S, C * S, 1, C * S, C, (S, S * C)
     if x.dim() != 5:
         return None
     _, _, T, Hh, Ww = x.shape
@@ -92,8 +108,13 @@ def _geometry(x: torch.Tensor) -> tuple[int, int, int, int, int, int, int, tuple
     sb, sc, st, sh, sw = x.stride()
     if (sw, sh, sc, st) == (1, Ww, HW, C * HW) and (B == 1 or sb == T * C * HW):
         # iterator dims [C, HW, T (x B merged)]: vec divides HW, C's stride HW, T's stride C*HW
-        return B, C, T, HW, sb, sc, st, (HW, HW, C * HW)
+        return B, C, T, HW, sb, sc, st, 1, (HW, HW, C * HW)
     return None
+
+
+def _tmajor_divides(x: torch.Tensor) -> tuple[int, ...]:
+    """``vec_divides`` of the T-major ``[B, C, T, H, W]`` layout of x's shape."""
+    return (x.shape[3] * x.shape[4],) * 2 + (x.shape[1] * x.shape[3] * x.shape[4],)
 
 
 @triton.jit
@@ -129,12 +150,13 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
 def _wan_rms_kernel(
-    x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, NBLK, scale, eps,
+    x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
     DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
     HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr,
 ):
     """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
-    Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw``, in x and in out alike."""
+    Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw`` (TMAJOR) or position p = t*HW + hw at
+    ``b*sB + c*sC + p*sP``, in x and in out alike (channels-last: sC = 1, sP = C)."""
     R: tl.constexpr = 4 * H
     bi = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1) * BP + tl.arange(0, BP)
@@ -142,7 +164,7 @@ def _wan_rms_kernel(
     if TMAJOR:
         poff = (p // HW).to(tl.int64) * sT + p % HW
     else:
-        poff = p.to(tl.int64)  # T == 1 or sT == HW: positions are contiguous
+        poff = p.to(tl.int64) * sP  # positions evenly spaced: 1 (contiguous) or C (channels-last)
     base = x_ptr + bi * sB
     rows = tl.arange(0, R)
     acc = tl.zeros([R, BP], dtype=tl.float32)
@@ -194,15 +216,15 @@ def _wan_rms_kernel(
 
 
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
-            block_positions: int | None = None) -> torch.Tensor:
+            block_positions: int | None = None, ncdhw: bool = False) -> torch.Tensor:
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
     (x.float(), the division and every later op keep a dense input's layout)."""
     out = torch.empty_like(x)
     if x.numel() == 0:
         return out
-    geo = _geometry(x)
+    geo = _geometry(x, ncdhw)
     assert geo is not None, "rejected by can_use_wan_rms_norm_silu"
-    B, C, T, HW, sB, sC, sT, vdiv = geo
+    B, C, T, HW, sB, sC, sT, sP, vdiv = geo
     assert out.stride() == x.stride()
     off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0  # bf16/fp16: fresh x.float()
     H = reduce_layout(B, C, T * HW, off, vdiv)[0] if exact else 4
@@ -215,7 +237,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     b = bias.reshape(C).contiguous() if has_b else g
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
     _wan_rms_kernel[(B, triton.cdiv(S, BP))](
-        x, g, b, out, C, T, HW, sB, sC, sT, triton.cdiv(C, R), scale, NORM_EPS,
+        x, g, b, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, R), scale, NORM_EPS,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
         TMAJOR=(T > 1 and sT != HW),
         num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
@@ -223,7 +245,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     return out
 
 
-def _unsupported_reason(x, gamma, bias, silu) -> str | None:
+def _unsupported_reason(x, gamma, bias, silu, ncdhw=False) -> str | None:
     if not isinstance(x, torch.Tensor):
         return "input is not a tensor"
     if x.dim() < 3:
@@ -234,8 +256,8 @@ def _unsupported_reason(x, gamma, bias, silu) -> str | None:
         pass
     elif not (x.device.type == "cpu" and interpreter_on()):
         return f"device {x.device} not supported (CUDA; CPU only under TRITON_INTERPRET=1)"
-    if _geometry(x) is None:
-        return ("input layout neither contiguous nor WanResample's [B, T, C, H, W] memory: x.float() "
+    if _geometry(x, ncdhw) is None:
+        return ("input layout neither contiguous, channels-last with ncdhw=True nor WanResample's [B, T, C, H, W] memory: x.float() "
                 "keeps its strides and the norm's reduce kernel would iterate another way (not reproduced)")
     if x.numel() >= 2**31:
         return "input has >= 2^31 elements: the reduce kernel splits into 32-bit sub-iterators (not reproduced)"
@@ -249,11 +271,15 @@ def _unsupported_reason(x, gamma, bias, silu) -> str | None:
             return "bias tensor must be [C, 1, ...] with the input's dtype and device"
     elif isinstance(bias, bool) or not isinstance(bias, (int, float)) or float(bias) != 0.0:
         return f"bias must be the float 0.0 (WanRMS_norm(bias=False)) or a [C] tensor, got {bias!r}"
-    if not isinstance(silu, bool):
-        return "silu must be a bool"
-    B, _, T, HW, _, _, _, vdiv = _geometry(x)
+    if not isinstance(silu, bool) or not isinstance(ncdhw, bool):
+        return "silu and ncdhw must be bools"
+    B, _, T, HW, _, _, _, _, vdiv = _geometry(x, ncdhw)
     off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0
     H, split, bh, vpt = reduce_layout(B, C, T * HW, off, vdiv)
+    if ncdhw and channels_last(x) and x.dim() == 5 and x.shape[2] > 1 and \
+            reduce_layout(B, C, T * HW, off, _tmajor_divides(x))[0] != H:
+        return ("channels-last input whose contiguous and T-major NCDHW layouts reduce in different orders "
+                "(H*W not a multiple of 4): which one the NCDHW decoder had is not known here")
     if H > MAX_H:
         return f"the reduce kernel would split the channels over {H} warps (few outputs); only <= {MAX_H} reproduced"
     if split and vpt >= 256:
@@ -266,66 +292,71 @@ def _unsupported_reason(x, gamma, bias, silu) -> str | None:
 
 
 @torch.library.custom_op("ditfuse::wan_rms_norm_silu", mutates_args=())
-def _wan_rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True)
+def _wan_rms_norm_silu_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+                          ncdhw: bool) -> torch.Tensor:
+    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw)
 
 
 @_wan_rms_norm_silu_op.register_fake
-def _(x, gamma, bias, silu):
+def _(x, gamma, bias, silu, ncdhw):
     return torch.empty_like(x)
 
 
 @torch.library.custom_op("ditfuse::wan_rms_norm_silu_fp32", mutates_args=())
-def _wan_rms_norm_silu_fp32_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
-    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=False)
+def _wan_rms_norm_silu_fp32_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+                               ncdhw: bool) -> torch.Tensor:
+    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=False, ncdhw=ncdhw)
 
 
 @_wan_rms_norm_silu_fp32_op.register_fake
-def _(x, gamma, bias, silu):
+def _(x, gamma, bias, silu, ncdhw):
     return torch.empty_like(x)
 
 
 def can_use_wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
-                              silu: bool = True) -> bool:
+                              silu: bool = True, ncdhw: bool = False) -> bool:
     """True when :func:`wan_rms_norm_silu` reproduces eager bit for bit.
 
     Rejected (False): not a tensor / fewer than 3 dims / dtype other than bf16, fp16, fp32; not
-    on CUDA (CPU only under TRITON_INTERPRET=1); a layout other than contiguous or the
-    ``[B, C, T, H, W]`` view of ``[B, T, C, H, W]`` memory that WanResample returns (``x.float()``
-    keeps the strides, so another layout makes the norm's reduction iterate another way); >= 2^31 elements
+    on CUDA (CPU only under TRITON_INTERPRET=1); a layout other than contiguous, the
+    ``[B, C, T, H, W]`` view of ``[B, T, C, H, W]`` memory that WanResample returns, or
+    channels-last with ``ncdhw=True`` (``x.float()`` keeps the strides, so another layout makes
+    the norm's reduction iterate another way); with ``ncdhw``, a 5-D channels-last x whose
+    contiguous and T-major layouts would reduce in different orders; >= 2^31 elements
     (the reduction is split into 32-bit sub-iterators); gamma / bias not ``[C, ...]`` or of
     another dtype/device (eager would promote); a bias that is neither 0.0 nor a tensor; shapes
     for which torch's reduce config splits the channels over more than 16 warps (fewer than ~32
     output positions) or across thread blocks (a global reduction); grad required with grad mode
     on; CUDA autocast on."""
-    return _unsupported_reason(x, gamma, bias, silu) is None
+    return _unsupported_reason(x, gamma, bias, silu, ncdhw) is None
 
 
 def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
-                      silu: bool = True) -> torch.Tensor:
+                      silu: bool = True, ncdhw: bool = False) -> torch.Tensor:
     """``r(silu(WanRMS_norm(x)))`` (or ``WanRMS_norm(x)`` with silu=False), bit-exact vs torch 2.11
-    CUDA eager diffusers 0.42.1. Raises UnsupportedInput where :func:`can_use_wan_rms_norm_silu`
-    is False."""
-    reason = _unsupported_reason(x, gamma, bias, silu)
+    CUDA eager diffusers 0.42.1 on x's layout, or with ``ncdhw=True`` on a channels-last x, on the
+    contiguous tensor it stands in for (kernels/reference.py:wan_rms_norm_silu). Raises
+    UnsupportedInput where :func:`can_use_wan_rms_norm_silu` is False."""
+    reason = _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu)
+    return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
 
 
 def can_use_wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
-                                   silu: bool = True) -> bool:
+                                   silu: bool = True, ncdhw: bool = False) -> bool:
     """True when :func:`wan_rms_norm_silu_fp32` handles these arguments (the same rejections as
     :func:`can_use_wan_rms_norm_silu`)."""
-    return _unsupported_reason(x, gamma, bias, silu) is None
+    return _unsupported_reason(x, gamma, bias, silu, ncdhw) is None
 
 
 def wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
-                           silu: bool = True) -> torch.Tensor:
+                           silu: bool = True, ncdhw: bool = False) -> torch.Tensor:
     """Close variant (quality="high"): one rounding at the end. Same rejections."""
-    reason = _unsupported_reason(x, gamma, bias, silu)
+    reason = _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.wan_rms_norm_silu_fp32(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu)
+    return torch.ops.ditfuse.wan_rms_norm_silu_fp32(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
 
 
 __all__ = ["wan_rms_norm_silu", "can_use_wan_rms_norm_silu", "wan_rms_norm_silu_fp32", "can_use_wan_rms_norm_silu_fp32",
