@@ -130,14 +130,17 @@ def _say_once(msg: str) -> None:
 
 
 def _norm(norm: Any, x: torch.Tensor, silu: bool, _ops: OpSet) -> torch.Tensor:
-    """One WanRMS_norm (+ SiLU): the kernel on eager's layout, or in the channels-last decode on
-    the layout the NCDHW decode had (channels-last there: eager's own chain on it)."""
+    """One WanRMS_norm (+ SiLU): the kernel on eager's layout; in the channels-last decode, on the
+    layout the NCDHW decode had here (channels-last there: eager's own chain on channels-last
+    memory; NCDHW there: the kernel in the NCDHW order, on whatever layout x has now)."""
     lay = _eager_layout(norm, x)
-    if lay is None or not _is_cl(x):
+    if lay is None:
         return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
     if lay == CL:
-        return ref.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
-    return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu, True)
+        return ref.wan_rms_norm_silu(x if _is_cl(x) else _keep_cl(x), norm.gamma, norm.bias, silu)
+    if not _is_cl(x) and _layout_class(x) == NCDHW:
+        return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
+    return _ops.wan_rms_norm_silu(x if _is_cl(x) else _keep_cl(x), norm.gamma, norm.bias, silu, True)
 
 
 def _rms_applies(norm: Any) -> str | None:
@@ -209,6 +212,9 @@ def _cl_problem(decoder: Any, x: torch.Tensor) -> str | None:
     """Why this decoder call keeps the NCDHW layout (None: it runs channels-last)."""
     if x.device.type != "cuda" or x.dim() != 5:
         return "not a 5-D CUDA latent"
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return (f"{str(x.dtype).replace('torch.', '')}: cuDNN's channels-last fp32 convolutions are not its NCDHW "
+                "ones' bits (measured on the H200)")
     if (x.shape[3] * x.shape[4]) % 4:
         return ("latent H*W is not a multiple of 4: the NCDHW decode's norms would reduce in two layout-"
                 "dependent orders")
@@ -302,7 +308,8 @@ def causal_conv_forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor |
         if tc:
             inner[:, :, :tc].copy_(cache_x.to(x.device))
         inner[:, :, tc:].copy_(x)
-    return _ops.conv_channels_last(xp, conv.weight, conv.bias, conv.stride, (0, 0, 0))
+    # the gate hands back the reference's (contiguous) output on a signature's first call
+    return _keep_cl(_ops.conv_channels_last(xp, conv.weight, conv.bias, conv.stride, (0, 0, 0)))
 
 
 def conv2d_forward(conv, original, input: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: A002
@@ -313,7 +320,7 @@ def conv2d_forward(conv, original, input: torch.Tensor, *, _ops: OpSet = LOSSLES
         return _keep_cl(original(input))
     if lay != NCDHW or not _is_cl(input):
         return original(input)
-    return _ops.conv_channels_last(input, conv.weight, conv.bias, conv.stride, conv.padding)
+    return _keep_cl(_ops.conv_channels_last(input, conv.weight, conv.bias, conv.stride, conv.padding))
 
 
 def _conv2d_applies(conv: Any) -> str | None:

@@ -152,12 +152,17 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
 def _wan_rms_kernel(
     x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
     DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
-    HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr,
+    HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr, KSUB: tl.constexpr,
 ):
     """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
     Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw`` (TMAJOR) or position p = t*HW + hw at
-    ``b*sB + c*sC + p*sP``, in x and in out alike (channels-last: sC = 1, sP = C)."""
+    ``b*sB + c*sC + p*sP``, in x and in out alike (channels-last: sC = 1, sP = C).
+
+    Each step loads KSUB chain blocks of 4H channels (``[KSUB*4H, BP]``) and adds them to the
+    chains in channel order: KSUB = 4 for channels-last, where a step then reads 64+ contiguous
+    channels (whole cache lines) per position instead of 16."""
     R: tl.constexpr = 4 * H
+    RK: tl.constexpr = KSUB * R
     bi = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1) * BP + tl.arange(0, BP)
     pmask = p < T * HW
@@ -166,17 +171,27 @@ def _wan_rms_kernel(
     else:
         poff = p.to(tl.int64) * sP  # positions evenly spaced: 1 (contiguous) or C (channels-last)
     base = x_ptr + bi * sB
-    rows = tl.arange(0, R)
+    rows = tl.arange(0, RK)
     acc = tl.zeros([R, BP], dtype=tl.float32)
     blk = 0
     while blk < NBLK:
-        c = blk * R + rows
+        c = blk * RK + rows
         m = (c < C)[:, None] & pmask[None, :]
         v = load_f32(base + c.to(tl.int64)[:, None] * sC + poff[None, :], m)  # missing channels: +0
-        if EXACT:
-            acc = fma_exact(v, v, acc)
-        else:
-            acc = acc + v * v
+        if KSUB == 1:
+            if EXACT:
+                acc = fma_exact(v, v, acc)
+            else:
+                acc = acc + v * v
+        else:  # sub-block k holds channels blk*RK + k*R + r: chain r's next four terms, in order
+            v0, v1, v2, v3 = _split4(tl.permute(tl.reshape(v, [4, R, BP]), (1, 2, 0)), R, BP)
+            if EXACT:
+                acc = fma_exact(v0, v0, acc)
+                acc = fma_exact(v1, v1, acc)
+                acc = fma_exact(v2, v2, acc)
+                acc = fma_exact(v3, v3, acc)
+            else:
+                acc = acc + (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3)
         blk += 1
     if EXACT:
         # row r = i * H + y: thread y's accumulator i; combine ((a0 + a1) + a2) + a3, then fold y
@@ -192,7 +207,7 @@ def _wan_rms_kernel(
         f = scale32 / d
     blk = 0
     while blk < NBLK:
-        c = blk * R + rows
+        c = blk * RK + rows
         cm = c < C
         m = cm[:, None] & pmask[None, :]
         offs = c.to(tl.int64)[:, None] * sC + poff[None, :]
@@ -201,7 +216,7 @@ def _wan_rms_kernel(
         if HAS_B:
             bet = load_f32(b_ptr + c, cm)[:, None]
         else:
-            bet = tl.zeros([R, 1], dtype=tl.float32)
+            bet = tl.zeros([RK, 1], dtype=tl.float32)
         if EXACT:
             n = rround(tl.math.div_rn(x, d[None, :]), DTYPE)
             y = rround(n * scale32, DTYPE)
@@ -231,15 +246,16 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     assert H <= MAX_H, "rejected by can_use_wan_rms_norm_silu"
     R = 4 * H
     S = T * HW
-    BP = block_positions or max(16, min(triton.next_power_of_2(S), 2048 // R))
+    ksub = 4 if sC == 1 and C > 1 else 1  # channels-last: read whole cache lines per position
+    BP = block_positions or max(16, min(triton.next_power_of_2(S), (2048 if ksub == 1 else 4096) // (ksub * R)))
     has_b = isinstance(bias, torch.Tensor)
     g = gamma.reshape(C).contiguous()
     b = bias.reshape(C).contiguous() if has_b else g
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
     _wan_rms_kernel[(B, triton.cdiv(S, BP))](
-        x, g, b, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, R), scale, NORM_EPS,
+        x, g, b, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale, NORM_EPS,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
-        TMAJOR=(T > 1 and sT != HW),
+        TMAJOR=(T > 1 and sT != HW), KSUB=ksub,
         num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
