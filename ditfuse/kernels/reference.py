@@ -294,6 +294,16 @@ def wan_rms_norm_silu(
     return F.silu(y) if silu else y
 
 
+def wan_rms_norm_silu_pad(
+    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float, silu: bool, ncdhw: bool,
+    pad: tuple[int, ...],
+) -> torch.Tensor:
+    """``F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), pad)`` (what WanCausalConv3d's
+    ``F.pad`` makes of the norm's output), channels-last-3d like x."""
+    y = F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), list(pad))
+    return y.contiguous(memory_format=torch.channels_last_3d)
+
+
 def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        stride: tuple[int, ...], padding: tuple[int, ...]) -> torch.Tensor:
     """``F.conv2d`` / ``F.conv3d`` as the NCHW / NCDHW model runs it: contiguous input and weight
@@ -302,7 +312,7 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
 
 
-__all__ += ["wan_rms_norm", "wan_rms_norm_silu", "conv_channels_last"]
+__all__ += ["wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "conv_channels_last"]
 
 
 # ----------------------------------------------------------------------------- image families

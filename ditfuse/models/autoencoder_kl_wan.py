@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels import reference as ref
 from ..kernels.layout import CONV_CHANNELS_LAST
-from ..kernels.norm import WAN_RMS_NORM_SILU
+from ..kernels.norm import WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD
 from .base import Adapter, Site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -173,15 +173,50 @@ def _causal_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[
     return x
 
 
+def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int],
+               _ops: OpSet) -> torch.Tensor:
+    """``conv(silu(norm(x)))`` with WanResidualBlock's cache bookkeeping. In the channels-last
+    decode, where the NCDHW decode had both inputs NCDHW, the norm writes straight into the
+    interior of the convolution's zero-padded channels-last input (eager: the norm's output, then
+    ``cat`` with the cached frames and ``F.pad`` into a new tensor)."""
+    lay_n = _eager_layout(norm, x)
+    fuse = (lay_n == NCDHW and feat_cache is not None and _is_cl(x) and x.dim() == 5
+            and _eager_layout(conv, x) == NCDHW)
+    if fuse:
+        wl, wr, ht, hb, front, back = conv._padding
+        idx = feat_idx[0]
+        cache_in = feat_cache[idx]
+        tc = cache_in.shape[2] if cache_in is not None and front > 0 else 0
+        fuse = front >= tc and not back and (cache_in is None or (
+            cache_in.shape[:2] == x.shape[:2] and cache_in.shape[3:] == x.shape[3:]))
+    if not fuse:
+        return _causal_conv(conv, _norm(norm, x, True, _ops), feat_cache, feat_idx)
+    xp = _ops.wan_rms_norm_silu_pad(x, norm.gamma, norm.bias, True, True, (wl, wr, ht, hb, front, 0))
+    if not _is_cl(xp):  # the gate hands back the reference's output on a signature's first call
+        xp = _keep_cl(xp)
+    H, W = x.shape[3], x.shape[4]
+    if tc:
+        xp[:, :, front - tc:front, ht:ht + H, wl:wl + W].copy_(cache_in.to(x.device))
+    y = xp[:, :, front:, ht:ht + H, wl:wl + W]  # the norm's output, as eager caches it
+    cache_x = y[:, :, -CACHE_T:, :, :].clone()
+    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
+        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    out = _keep_cl(_ops.conv_channels_last(xp, conv.weight, conv.bias, conv.stride, (0, 0, 0)))
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    return out
+
+
 def residual_forward(block, original, x: torch.Tensor, feat_cache: list | None = None,
                      feat_idx: list[int] = [0], *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: B006 (diffusers' default)
-    """WanResidualBlock.forward with each ``WanRMS_norm -> SiLU`` fused."""
+    """WanResidualBlock.forward with each ``WanRMS_norm -> SiLU`` fused (and, in the channels-last
+    decode, written into the next causal convolution's padded input)."""
     h = block.conv_shortcut(x)
-    x = _norm(block.norm1, x, True, _ops)
-    x = _causal_conv(block.conv1, x, feat_cache, feat_idx)
-    x = _norm(block.norm2, x, True, _ops)
-    x = block.dropout(x)
-    x = _causal_conv(block.conv2, x, feat_cache, feat_idx)
+    x = _norm_conv(block.norm1, block.conv1, x, feat_cache, feat_idx, _ops)
+    if block.training and block.dropout.p > 0:  # dropout sits between norm2 and conv2
+        x = _causal_conv(block.conv2, block.dropout(_norm(block.norm2, x, True, _ops)), feat_cache, feat_idx)
+    else:
+        x = _norm_conv(block.norm2, block.conv2, x, feat_cache, feat_idx, _ops)
     return x + h
 
 
@@ -375,10 +410,11 @@ SITES = (
         cls=f"{_VAE}:WanResidualBlock",
         params=("self", "x", "feat_cache", "feat_idx"),
         forward=residual_forward,
-        ops=(WAN_RMS_NORM_SILU,),
+        ops=(WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, CONV_CHANNELS_LAST),
         applies=_residual_applies,
         high=False,  # the close variant is not admitted (no VAE activations captured yet)
-        description="WanResidualBlock: norm1 + SiLU and norm2 + SiLU, each one RMS_norm+SiLU kernel",
+        description="WanResidualBlock: norm1 + SiLU and norm2 + SiLU, each one RMS_norm+SiLU kernel "
+                    "(channels-last decode: written into the next causal conv's padded input)",
     ),
     Site(
         name="wan_vae.rms_norm",

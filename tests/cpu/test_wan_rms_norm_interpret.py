@@ -87,6 +87,24 @@ def test_channels_last_reduces_in_the_ncdhw_order(shape, silu):
     assert compare_outputs(exp, ref.wan_rms_norm_silu(x.contiguous(), gam, 0.0, silu)) is None
 
 
+@pytest.mark.parametrize("shape,pad", [((1, 64, 2, 4, 6), (1, 1, 1, 1, 2, 0)), ((2, 24, 3, 2, 6), (1, 1, 1, 1, 1, 0)),
+                                       ((1, 40, 1, 3, 4), (0, 0, 0, 0, 0, 0))], ids=["causal", "b2-front1", "nopad"])
+def test_padded_output_is_the_causal_conv_input(shape, pad):
+    """wan_rms_norm_silu_pad: the norm's output written into the interior of the causal conv's
+    zero-padded channels-last buffer equals F.pad of the norm's output, border zeros included."""
+    x = _rand(shape, torch.bfloat16, 18).contiguous(memory_format=torch.channels_last_3d)
+    gam = _gamma(shape[1], 3, torch.bfloat16, 19)
+    assert wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad)
+    assert not wk.can_use_wan_rms_norm_silu_pad(x.contiguous(), gam, 0.0, True, True, pad)
+    got = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad)
+    assert got.is_contiguous(memory_format=torch.channels_last_3d)
+    exp = torch.nn.functional.pad(ws.rms_norm_silu(x.contiguous(), gam), list(pad))
+    mm = compare_outputs(got, exp, f"padded {shape} {pad}")
+    assert mm is None, str(mm)
+    assert compare_outputs(ref.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad),
+                           torch.nn.functional.pad(ref.wan_rms_norm_silu(x.contiguous(), gam), list(pad))) is None
+
+
 def test_channels_last_rejected_where_ncdhw_layouts_disagree():
     """With T > 1 and H*W not a multiple of 4 the NCDHW decode's contiguous and T-major inputs may
     reduce in different orders; a channels-last input does not say which it was: rejected there,

@@ -103,6 +103,19 @@ WAN_RMS_NORM_SILU = OpDescriptor(
     key_note="the whole shape: batch x positions pick torch's reduce config (vector size, block height)",
 )
 
+WAN_RMS_NORM_SILU_PAD = OpDescriptor(
+    op="norm.wan_rms_norm_silu_pad",
+    contract=Contract.BIT_EXACT,
+    replaces="F.pad(r(silu(WanRMS_norm(x))), causal padding) -> one channels-last buffer",
+    summary="the WanRMS_norm + SiLU kernel writing into the interior of the next causal "
+            "convolution's zero-padded channels-last input (no pad copy)",
+    reference=f"{_REF}:wan_rms_norm_silu_pad",
+    impls=(triton_impl(_WR, "wan_rms_norm_silu_pad"),),
+    key=(K("x", dims=(0,), tail_shape=True), K("gamma"), K("bias", value=True), K("silu", value=True),
+         K("ncdhw", value=True), K("pad", value=True)),
+    key_note="as norm.wan_rms_norm_silu, plus the padding",
+)
+
 WAN_RMS_NORM_SILU_FP32 = OpDescriptor(
     op="norm.wan_rms_norm_silu_fp32",
     contract=Contract.CLOSE,
@@ -162,5 +175,5 @@ GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE = OpDescriptor(
 
 DESCRIPTORS = (LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE_FP32,
                GATE_RESIDUAL_LAYERNORM_MODULATE_FP32, GROUP_NORM_SILU, GROUP_NORM_SILU_FP32,
-               WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_FP32, RMS_NORM_DIFFUSERS_SCALE,
+               WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, WAN_RMS_NORM_SILU_FP32, RMS_NORM_DIFFUSERS_SCALE,
                GATE_RESIDUAL_RMS_NORM_DIFFUSERS, GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE)

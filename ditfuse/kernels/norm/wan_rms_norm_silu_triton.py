@@ -151,8 +151,10 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
 @triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
 def _wan_rms_kernel(
     x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
+    oB, oT, oH, W, FHW, PT, PH, PW,
     DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
     HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr, KSUB: tl.constexpr,
+    OUTPAD: tl.constexpr,
 ):
     """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
     Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw`` (TMAJOR) or position p = t*HW + hw at
@@ -160,7 +162,11 @@ def _wan_rms_kernel(
 
     Each step loads KSUB chain blocks of 4H channels (``[KSUB*4H, BP]``) and adds them to the
     chains in channel order: KSUB = 4 for channels-last, where a step then reads 64+ contiguous
-    channels (whole cache lines) per position instead of 16."""
+    channels (whole cache lines) per position instead of 16.
+
+    OUTPAD (channels-last only): out is a larger channels-last buffer (strides oB, oT, oH, C) and
+    position (t, h, w) goes to (t + PT, h + PH, w + PW): the interior of a causal convolution's
+    zero-padded input; W and FHW are a frame's width and H*W."""
     R: tl.constexpr = 4 * H
     RK: tl.constexpr = KSUB * R
     bi = tl.program_id(0).to(tl.int64)
@@ -171,6 +177,15 @@ def _wan_rms_kernel(
     else:
         poff = p.to(tl.int64) * sP  # positions evenly spaced: 1 (contiguous) or C (channels-last)
     base = x_ptr + bi * sB
+    if OUTPAD:
+        t = p // FHW  # FHW = H*W of one frame (the channels-last geometry folds T into HW)
+        hw = p - t * FHW
+        hh = hw // W
+        ooff = (t + PT).to(tl.int64) * oT + (hh + PH).to(tl.int64) * oH + (hw - hh * W + PW).to(tl.int64) * sP
+        obase = out_ptr + bi * oB
+    else:
+        ooff = poff
+        obase = out_ptr + bi * sB
     rows = tl.arange(0, RK)
     acc = tl.zeros([R, BP], dtype=tl.float32)
     blk = 0
@@ -226,21 +241,52 @@ def _wan_rms_kernel(
             y = x * f[None, :] * gam + bet
         if SILU:
             y = _silu(y, 0, 0)
-        tl.store(out_ptr + bi * sB + offs, round_to(y, DTYPE), mask=m)
+        tl.store(obase + c.to(tl.int64)[:, None] * sC + ooff[None, :], round_to(y, DTYPE), mask=m)
         blk += 1
 
 
+def _padded(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
+    """A channels-last-3d ``F.pad(x, pad)``-shaped buffer, zero outside x's place (x not copied)."""
+    wl, wr, ht, hb, front, back = pad
+    B, C, T, Hh, Ww = x.shape
+    out = torch.empty((B, C, front + T + back, ht + Hh + hb, wl + Ww + wr), dtype=x.dtype, device=x.device,
+                      memory_format=torch.channels_last_3d)
+    if front:
+        out[:, :, :front].zero_()
+    if back:
+        out[:, :, front + T:].zero_()
+    mid = out[:, :, front:front + T]
+    if ht:
+        mid[:, :, :, :ht].zero_()
+    if hb:
+        mid[:, :, :, ht + Hh:].zero_()
+    if wl:
+        mid[:, :, :, ht:ht + Hh, :wl].zero_()
+    if wr:
+        mid[:, :, :, ht:ht + Hh, wl + Ww:].zero_()
+    return out
+
+
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
-            block_positions: int | None = None, ncdhw: bool = False) -> torch.Tensor:
+            block_positions: int | None = None, ncdhw: bool = False,
+            pad: tuple[int, ...] | None = None) -> torch.Tensor:
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
-    (x.float(), the division and every later op keep a dense input's layout)."""
-    out = torch.empty_like(x)
+    (x.float(), the division and every later op keep a dense input's layout); with ``pad``
+    (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(out, pad)``."""
+    out = torch.empty_like(x) if pad is None else _padded(x, pad)
     if x.numel() == 0:
         return out
     geo = _geometry(x, ncdhw)
     assert geo is not None, "rejected by can_use_wan_rms_norm_silu"
     B, C, T, HW, sB, sC, sT, sP, vdiv = geo
-    assert out.stride() == x.stride()
+    assert pad is not None or out.stride() == x.stride()
+    if pad is not None:
+        assert sC == 1 and x.dim() == 5
+        oB, _, oT, oH, _ = out.stride()
+        PT, PH, PW, Wd, FHW = pad[4], pad[2], pad[0], x.shape[4], x.shape[3] * x.shape[4]
+    else:
+        oB = oT = oH = PT = PH = PW = 0
+        Wd = FHW = 1
     off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0  # bf16/fp16: fresh x.float()
     H = reduce_layout(B, C, T * HW, off, vdiv)[0] if exact else 4
     assert H <= MAX_H, "rejected by can_use_wan_rms_norm_silu"
@@ -254,8 +300,9 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
     _wan_rms_kernel[(B, triton.cdiv(S, BP))](
         x, g, b, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale, NORM_EPS,
+        oB, oT, oH, Wd, FHW, PT, PH, PW,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
-        TMAJOR=(T > 1 and sT != HW), KSUB=ksub,
+        TMAJOR=(T > 1 and sT != HW), KSUB=ksub, OUTPAD=pad is not None,
         num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
@@ -359,6 +406,49 @@ def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor |
     return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
 
 
+def _pad_reason(x, pad) -> str | None:
+    if not (isinstance(pad, (tuple, list)) and len(pad) == 6 and all(isinstance(v, int) and v >= 0 for v in pad)):
+        return "pad must be F.pad's 6 non-negative ints (w_left, w_right, h_top, h_bottom, t_front, t_back)"
+    if not channels_last(x) or x.dim() != 5:
+        return "the padded output is written from a channels-last-3d input only"
+    return None
+
+
+@torch.library.custom_op("ditfuse::wan_rms_norm_silu_pad", mutates_args=())
+def _wan_rms_norm_silu_pad_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool,
+                              ncdhw: bool, pad: list[int]) -> torch.Tensor:
+    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad))
+
+
+@_wan_rms_norm_silu_pad_op.register_fake
+def _(x, gamma, bias, silu, ncdhw, pad):
+    B, C, T, Hh, Ww = x.shape
+    return torch.empty((B, C, pad[4] + T + pad[5], pad[2] + Hh + pad[3], pad[0] + Ww + pad[1]), dtype=x.dtype,
+                       device=x.device, memory_format=torch.channels_last_3d)
+
+
+def can_use_wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float,
+                                  silu: bool, ncdhw: bool, pad: tuple[int, ...]) -> bool:
+    """True when :func:`wan_rms_norm_silu_pad` takes these arguments: those of
+    :func:`can_use_wan_rms_norm_silu`, a channels-last-3d x, and ``pad`` as F.pad's six
+    non-negative ints."""
+    return _pad_reason(x, pad) is None and _unsupported_reason(x, gamma, bias, silu, ncdhw) is None
+
+
+def wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float,
+                          silu: bool, ncdhw: bool, pad: tuple[int, ...]) -> torch.Tensor:
+    """``F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), pad)`` as one channels-last-3d
+    buffer: the zero border written by fills, the norm's output straight into its interior (the
+    causal convolution's padded input, without eager's pad copy). Bit-exact as
+    :func:`wan_rms_norm_silu`. Raises UnsupportedInput where :func:`can_use_wan_rms_norm_silu_pad`
+    is False."""
+    reason = _pad_reason(x, pad) or _unsupported_reason(x, gamma, bias, silu, ncdhw)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return torch.ops.ditfuse.wan_rms_norm_silu_pad(x, gamma, bias if isinstance(bias, torch.Tensor) else None,
+                                                   silu, ncdhw, list(pad))
+
+
 def can_use_wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
                                    silu: bool = True, ncdhw: bool = False) -> bool:
     """True when :func:`wan_rms_norm_silu_fp32` handles these arguments (the same rejections as
@@ -376,4 +466,5 @@ def wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Ten
 
 
 __all__ = ["wan_rms_norm_silu", "can_use_wan_rms_norm_silu", "wan_rms_norm_silu_fp32", "can_use_wan_rms_norm_silu_fp32",
+           "wan_rms_norm_silu_pad", "can_use_wan_rms_norm_silu_pad",
            "reduce_layout"]
