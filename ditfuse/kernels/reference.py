@@ -296,10 +296,14 @@ def wan_rms_norm_silu(
 
 def wan_rms_norm_silu_pad(
     x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float, silu: bool, ncdhw: bool,
-    pad: tuple[int, ...],
+    pad: tuple[int, ...], pre_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), pad)`` (what WanCausalConv3d's
-    ``F.pad`` makes of the norm's output), channels-last-3d like x."""
+    """``F.pad(wan_rms_norm_silu(x + pre_bias, gamma, bias, silu, ncdhw), pad)`` (what
+    WanCausalConv3d's ``F.pad`` makes of the norm's output), channels-last-3d like x.
+    ``pre_bias``: the bias of the convolution that produced x, added as aten adds a cuDNN
+    convolution's bias (``output.add_(bias.reshape(1, C, 1, 1, 1))``, one rounding)."""
+    if pre_bias is not None:
+        x = x + pre_bias.reshape(1, -1, *([1] * (x.dim() - 2)))
     y = F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), list(pad))
     return y.contiguous(memory_format=torch.channels_last_3d)
 

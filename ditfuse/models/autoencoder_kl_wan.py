@@ -135,6 +135,10 @@ def _norm(norm: Any, x: torch.Tensor, silu: bool, _ops: OpSet) -> torch.Tensor:
     memory; NCDHW there: the kernel in the NCDHW order, on whatever layout x has now)."""
     lay = _eager_layout(norm, x)
     if lay is None:
+        if _is_cl(x):  # eager's own channels-last input (after the mid block's attention, B > 1)
+            _say_once("a WanRMS_norm input is channels-last in eager itself: its reduction runs along the "
+                      "channels, an order the kernel does not reproduce; eager's chain runs there")
+            return ref.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
         return _ops.wan_rms_norm_silu(x, norm.gamma, norm.bias, silu)
     if lay == CL:
         return ref.wan_rms_norm_silu(x if _is_cl(x) else _keep_cl(x), norm.gamma, norm.bias, silu)
@@ -174,11 +178,16 @@ def _causal_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[
 
 
 def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int],
-               _ops: OpSet) -> torch.Tensor:
-    """``conv(silu(norm(x)))`` with WanResidualBlock's cache bookkeeping. In the channels-last
-    decode, where the NCDHW decode had both inputs NCDHW, the norm writes straight into the
-    interior of the convolution's zero-padded channels-last input (eager: the norm's output, then
-    ``cat`` with the cached frames and ``F.pad`` into a new tensor)."""
+               _ops: OpSet, pre_bias: torch.Tensor | None = None,
+               defer_bias: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``conv(silu(norm(x)))`` with WanResidualBlock's cache bookkeeping: (output, bias still to
+    add). In the channels-last decode, where the NCDHW decode had both inputs NCDHW, the norm
+    writes straight into the interior of the convolution's zero-padded channels-last input (eager:
+    the norm's output, then ``cat`` with the cached frames and ``F.pad`` into a new tensor).
+
+    ``pre_bias``: x is a convolution's output before its bias; ``defer_bias``: leave this
+    convolution's bias to the caller (it goes into the next norm's loads). aten adds a cuDNN
+    convolution's bias in a separate pass, so either way the values are eager's."""
     lay_n = _eager_layout(norm, x)
     fuse = (lay_n == NCDHW and feat_cache is not None and _is_cl(x) and x.dim() == 5
             and _eager_layout(conv, x) == NCDHW)
@@ -190,8 +199,10 @@ def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, f
         fuse = front >= tc and not back and (cache_in is None or (
             cache_in.shape[:2] == x.shape[:2] and cache_in.shape[3:] == x.shape[3:]))
     if not fuse:
-        return _causal_conv(conv, _norm(norm, x, True, _ops), feat_cache, feat_idx)
-    xp = _ops.wan_rms_norm_silu_pad(x, norm.gamma, norm.bias, True, True, (wl, wr, ht, hb, front, 0))
+        if pre_bias is not None:
+            x = x + pre_bias.reshape(1, -1, *([1] * (x.dim() - 2)))
+        return _causal_conv(conv, _norm(norm, x, True, _ops), feat_cache, feat_idx), None
+    xp = _ops.wan_rms_norm_silu_pad(x, norm.gamma, norm.bias, True, True, (wl, wr, ht, hb, front, 0), pre_bias)
     if not _is_cl(xp):  # the gate hands back the reference's output on a signature's first call
         xp = _keep_cl(xp)
     H, W = x.shape[3], x.shape[4]
@@ -201,22 +212,25 @@ def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, f
     cache_x = y[:, :, -CACHE_T:, :, :].clone()
     if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
         cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
-    out = _keep_cl(_ops.conv_channels_last(xp, conv.weight, conv.bias, conv.stride, (0, 0, 0)))
+    bias = conv.bias if not defer_bias else None
+    out = _keep_cl(_ops.conv_channels_last(xp, conv.weight, bias, conv.stride, (0, 0, 0)))
     feat_cache[idx] = cache_x
     feat_idx[0] += 1
-    return out
+    return out, (conv.bias if defer_bias else None)
 
 
 def residual_forward(block, original, x: torch.Tensor, feat_cache: list | None = None,
                      feat_idx: list[int] = [0], *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: B006 (diffusers' default)
     """WanResidualBlock.forward with each ``WanRMS_norm -> SiLU`` fused (and, in the channels-last
-    decode, written into the next causal convolution's padded input)."""
+    decode, written into the next causal convolution's padded input, conv1's bias added inside
+    norm2's kernel)."""
     h = block.conv_shortcut(x)
-    x = _norm_conv(block.norm1, block.conv1, x, feat_cache, feat_idx, _ops)
     if block.training and block.dropout.p > 0:  # dropout sits between norm2 and conv2
+        x = _norm_conv(block.norm1, block.conv1, x, feat_cache, feat_idx, _ops)[0]
         x = _causal_conv(block.conv2, block.dropout(_norm(block.norm2, x, True, _ops)), feat_cache, feat_idx)
-    else:
-        x = _norm_conv(block.norm2, block.conv2, x, feat_cache, feat_idx, _ops)
+        return x + h
+    x, pending = _norm_conv(block.norm1, block.conv1, x, feat_cache, feat_idx, _ops, defer_bias=True)
+    x = _norm_conv(block.norm2, block.conv2, x, feat_cache, feat_idx, _ops, pre_bias=pending)[0]
     return x + h
 
 
@@ -402,6 +416,28 @@ def resample_forward(rs, original, x: torch.Tensor, feat_cache: list | None = No
     return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
 
 
+def upsample_forward(up, original, x: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """WanUpsample.forward (nearest-exact, x2) on a channels-last input: ``x.float()``, the 2x2
+    replication as one broadcast copy (nearest-exact at scale 2 maps output i to input i // 2:
+    aten's channels-last upsample kernel is slower than the copy), ``.type_as(x)``. Pure data
+    movement between the same two casts as eager: the same bits, NaN payloads included."""
+    if not _is_cl(x) or x.dim() != 4:
+        return original(x)
+    n, c, h, w = x.shape
+    xf = x.float().permute(0, 2, 3, 1)  # [n, h, w, c], contiguous
+    y = xf[:, :, None, :, None, :].expand(n, h, 2, w, 2, c).reshape(n, 2 * h, 2 * w, c)
+    return y.permute(0, 3, 1, 2).type_as(x)
+
+
+def _upsample_applies(up: Any) -> str | None:
+    sf = up.scale_factor
+    sf = tuple(sf) if isinstance(sf, (tuple, list)) else (sf, sf)
+    if up.mode != "nearest-exact" or tuple(float(v) for v in sf) != (2.0, 2.0) or up.size is not None \
+            or up.recompute_scale_factor:
+        return f"mode {up.mode!r}, scale {up.scale_factor!r}: only nearest-exact x2 is mirrored"
+    return None
+
+
 _VAE = "diffusers.models.autoencoders.autoencoder_kl_wan"
 
 SITES = (
@@ -453,6 +489,16 @@ SITES = (
         applies=_conv2d_applies,
         high=False,
         description="nn.Conv2d (resample, attention) on channels-last input: NHWC conv, no transposes",
+    ),
+    Site(
+        name="wan_vae.upsample",
+        cls=f"{_VAE}:WanUpsample",
+        params=("self", "x"),
+        forward=upsample_forward,
+        ops=(),
+        applies=_upsample_applies,
+        high=False,
+        description="WanUpsample (nearest-exact x2) on channels-last input: one broadcast copy",
     ),
     Site(
         name="wan_vae.resample",

@@ -96,7 +96,7 @@ def render() -> str:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
-            ops = ", ".join(f"`{o}`" for o in r["ops"])
+            ops = ", ".join(f"`{o}`" for o in r["ops"]) or "(data movement only: no op)"
             high = ", ".join(f"`{o}`" for o in r["high_ops"]) or "(lossless ops only)"
             lines.append(f"| {r['family']} | `{r['cls']}` | {_esc(r['site'])} | {ops} | {high} | {r['versions']} |")
     else:

@@ -103,6 +103,13 @@ def test_padded_output_is_the_causal_conv_input(shape, pad):
     assert mm is None, str(mm)
     assert compare_outputs(ref.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad),
                            torch.nn.functional.pad(ref.wan_rms_norm_silu(x.contiguous(), gam), list(pad))) is None
+    # the producing convolution's bias, added first (aten's separate add_, one rounding)
+    pb = _rand((shape[1],), torch.bfloat16, 20, 0.5, 0.1)
+    got = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb)
+    xb = x.contiguous() + pb.reshape(1, -1, 1, 1, 1)
+    mm = compare_outputs(got, torch.nn.functional.pad(ws.rms_norm_silu(xb, gam), list(pad)), f"pre-bias {shape}")
+    assert mm is None, str(mm)
+    assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb.float())
 
 
 def test_channels_last_rejected_where_ncdhw_layouts_disagree():

@@ -13,6 +13,7 @@ from tests.support.engaged import assert_engaged
 
 DEV = "cuda"
 CONV_CL = "layout.conv_channels_last"
+CL_OPS = (CONV_CL, "norm.wan_rms_norm_silu_pad")  # the channels-last decode's (bf16/fp16 only)
 FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
                 layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
@@ -98,9 +99,9 @@ def _wan_vae(cfg, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("batch,lat", [
     (1, (3, 8, 8)),
-    # H200 run (commit c19cb91): one RMS_norm input of this decode has a layout the kernel does not
-    # take (neither contiguous nor WanResample's T-major view) and runs eager: correct, not engaged.
-    pytest.param(2, (2, 9, 13), marks=pytest.mark.xfail(reason="a WanRMS_norm input layout the kernel rejects (eager fallback)")),
+    # B=2: one RMS_norm input is channels-last in eager itself (after the mid block's attention);
+    # the adapter runs eager's chain there on purpose (logged), not through the gate.
+    (2, (2, 9, 13)),
     (1, (1, 12, 20)),
     (2, (2, 8, 12)),  # batch 2 on the channels-last decode
 ], ids=["b1t3", "b2t2odd", "b1t1", "b2t2"])
@@ -108,7 +109,8 @@ def test_wan_tiny(dtype, batch, lat):
     vae = _wan_vae(WAN_TINY, dtype)
     z = torch.randn(batch, 16, *lat, device=DEV).to(dtype)
     # fp32 keeps the NCDHW decode (cuDNN's fp32 channels-last convolutions are other bits)
-    ops = WAN_ADAPTER.ops() if dtype is torch.bfloat16 else tuple(o for o in WAN_ADAPTER.ops() if o != CONV_CL)
+    cl = dtype is torch.bfloat16 and (lat[1] * lat[2]) % 4 == 0  # else the decode stays NCDHW
+    ops = WAN_ADAPTER.ops() if cl else tuple(o for o in WAN_ADAPTER.ops() if o not in CL_OPS)
     _compare(vae, z, f"wan tiny {dtype} B={batch} {lat}", WAN_ADAPTER, ops)
 
 

@@ -106,14 +106,14 @@ WAN_RMS_NORM_SILU = OpDescriptor(
 WAN_RMS_NORM_SILU_PAD = OpDescriptor(
     op="norm.wan_rms_norm_silu_pad",
     contract=Contract.BIT_EXACT,
-    replaces="F.pad(r(silu(WanRMS_norm(x))), causal padding) -> one channels-last buffer",
+    replaces="F.pad(r(silu(WanRMS_norm(r(conv + b)))), causal padding) -> one channels-last buffer",
     summary="the WanRMS_norm + SiLU kernel writing into the interior of the next causal "
             "convolution's zero-padded channels-last input (no pad copy)",
     reference=f"{_REF}:wan_rms_norm_silu_pad",
     impls=(triton_impl(_WR, "wan_rms_norm_silu_pad"),),
     key=(K("x", dims=(0,), tail_shape=True), K("gamma"), K("bias", value=True), K("silu", value=True),
-         K("ncdhw", value=True), K("pad", value=True)),
-    key_note="as norm.wan_rms_norm_silu, plus the padding",
+         K("ncdhw", value=True), K("pad", value=True), K("pre_bias")),
+    key_note="as norm.wan_rms_norm_silu, plus the padding and whether a convolution bias comes first",
 )
 
 WAN_RMS_NORM_SILU_FP32 = OpDescriptor(

@@ -150,11 +150,11 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
 def _wan_rms_kernel(
-    x_ptr, g_ptr, b_ptr, out_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
+    x_ptr, g_ptr, b_ptr, pb_ptr, out_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
     oB, oT, oH, W, FHW, PT, PH, PW,
     DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
     HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr, KSUB: tl.constexpr,
-    OUTPAD: tl.constexpr,
+    OUTPAD: tl.constexpr, HAS_PB: tl.constexpr,
 ):
     """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
     Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw`` (TMAJOR) or position p = t*HW + hw at
@@ -166,7 +166,10 @@ def _wan_rms_kernel(
 
     OUTPAD (channels-last only): out is a larger channels-last buffer (strides oB, oT, oH, C) and
     position (t, h, w) goes to (t + PT, h + PH, w + PW): the interior of a causal convolution's
-    zero-padded input; W and FHW are a frame's width and H*W."""
+    zero-padded input; W and FHW are a frame's width and H*W.
+
+    HAS_PB: x is a convolution's output before its bias (aten adds a cuDNN convolution's bias
+    in a separate ``add_``): the kernel's input is ``r(x + pb[c])``, formed at each load."""
     R: tl.constexpr = 4 * H
     RK: tl.constexpr = KSUB * R
     bi = tl.program_id(0).to(tl.int64)
@@ -187,26 +190,21 @@ def _wan_rms_kernel(
         ooff = poff
         obase = out_ptr + bi * sB
     rows = tl.arange(0, RK)
+    rows_r = tl.arange(0, R)
     acc = tl.zeros([R, BP], dtype=tl.float32)
     blk = 0
     while blk < NBLK:
-        c = blk * RK + rows
-        m = (c < C)[:, None] & pmask[None, :]
-        v = load_f32(base + c.to(tl.int64)[:, None] * sC + poff[None, :], m)  # missing channels: +0
-        if KSUB == 1:
+        for k in tl.static_range(KSUB):  # sub-block k: channels blk*RK + k*R + r, chain r's next term
+            c = blk * RK + k * R + rows_r
+            cm = c < C
+            m = cm[:, None] & pmask[None, :]
+            v = load_f32(base + c.to(tl.int64)[:, None] * sC + poff[None, :], m)  # missing channels: +0
+            if HAS_PB:
+                v = tl.where(m, rround(v + load_f32(pb_ptr + c, cm)[:, None], DTYPE), 0.0)
             if EXACT:
                 acc = fma_exact(v, v, acc)
             else:
                 acc = acc + v * v
-        else:  # sub-block k holds channels blk*RK + k*R + r: chain r's next four terms, in order
-            v0, v1, v2, v3 = _split4(tl.permute(tl.reshape(v, [4, R, BP]), (1, 2, 0)), R, BP)
-            if EXACT:
-                acc = fma_exact(v0, v0, acc)
-                acc = fma_exact(v1, v1, acc)
-                acc = fma_exact(v2, v2, acc)
-                acc = fma_exact(v3, v3, acc)
-            else:
-                acc = acc + (v0 * v0 + v1 * v1) + (v2 * v2 + v3 * v3)
         blk += 1
     if EXACT:
         # row r = i * H + y: thread y's accumulator i; combine ((a0 + a1) + a2) + a3, then fold y
@@ -227,6 +225,8 @@ def _wan_rms_kernel(
         m = cm[:, None] & pmask[None, :]
         offs = c.to(tl.int64)[:, None] * sC + poff[None, :]
         x = load_f32(base + offs, m)
+        if HAS_PB:
+            x = rround(x + load_f32(pb_ptr + c, cm)[:, None], DTYPE)
         gam = load_f32(g_ptr + c, cm)[:, None]
         if HAS_B:
             bet = load_f32(b_ptr + c, cm)[:, None]
@@ -269,7 +269,7 @@ def _padded(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
 
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
             block_positions: int | None = None, ncdhw: bool = False,
-            pad: tuple[int, ...] | None = None) -> torch.Tensor:
+            pad: tuple[int, ...] | None = None, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
     (x.float(), the division and every later op keep a dense input's layout); with ``pad``
     (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(out, pad)``."""
@@ -298,11 +298,12 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     g = gamma.reshape(C).contiguous()
     b = bias.reshape(C).contiguous() if has_b else g
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
+    pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
     _wan_rms_kernel[(B, triton.cdiv(S, BP))](
-        x, g, b, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale, NORM_EPS,
+        x, g, b, pb, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale, NORM_EPS,
         oB, oT, oH, Wd, FHW, PT, PH, PW,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
-        TMAJOR=(T > 1 and sT != HW), KSUB=ksub, OUTPAD=pad is not None,
+        TMAJOR=(T > 1 and sT != HW), KSUB=ksub, OUTPAD=pad is not None, HAS_PB=pre_bias is not None,
         num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
@@ -406,7 +407,10 @@ def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor |
     return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
 
 
-def _pad_reason(x, pad) -> str | None:
+def _pad_reason(x, pad, pre_bias=None) -> str | None:
+    if pre_bias is not None and not (isinstance(pre_bias, torch.Tensor) and pre_bias.numel() == x.shape[1]
+                                     and pre_bias.dtype == x.dtype and pre_bias.device == x.device):
+        return "pre_bias must be a [C] tensor of the input's dtype and device"
     if not (isinstance(pad, (tuple, list)) and len(pad) == 6 and all(isinstance(v, int) and v >= 0 for v in pad)):
         return "pad must be F.pad's 6 non-negative ints (w_left, w_right, h_top, h_bottom, t_front, t_back)"
     if not channels_last(x) or x.dim() != 5:
@@ -416,37 +420,41 @@ def _pad_reason(x, pad) -> str | None:
 
 @torch.library.custom_op("ditfuse::wan_rms_norm_silu_pad", mutates_args=())
 def _wan_rms_norm_silu_pad_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-                              ncdhw: bool, pad: list[int]) -> torch.Tensor:
-    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad))
+                              ncdhw: bool, pad: list[int], pre_bias: torch.Tensor | None) -> torch.Tensor:
+    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad),
+                   pre_bias=pre_bias)
 
 
 @_wan_rms_norm_silu_pad_op.register_fake
-def _(x, gamma, bias, silu, ncdhw, pad):
+def _(x, gamma, bias, silu, ncdhw, pad, pre_bias):
     B, C, T, Hh, Ww = x.shape
     return torch.empty((B, C, pad[4] + T + pad[5], pad[2] + Hh + pad[3], pad[0] + Ww + pad[1]), dtype=x.dtype,
                        device=x.device, memory_format=torch.channels_last_3d)
 
 
 def can_use_wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float,
-                                  silu: bool, ncdhw: bool, pad: tuple[int, ...]) -> bool:
+                                  silu: bool, ncdhw: bool, pad: tuple[int, ...],
+                                  pre_bias: torch.Tensor | None = None) -> bool:
     """True when :func:`wan_rms_norm_silu_pad` takes these arguments: those of
-    :func:`can_use_wan_rms_norm_silu`, a channels-last-3d x, and ``pad`` as F.pad's six
-    non-negative ints."""
-    return _pad_reason(x, pad) is None and _unsupported_reason(x, gamma, bias, silu, ncdhw) is None
+    :func:`can_use_wan_rms_norm_silu`, a channels-last-3d x, ``pad`` as F.pad's six
+    non-negative ints, ``pre_bias`` None or a [C] tensor like x."""
+    return _pad_reason(x, pad, pre_bias) is None and _unsupported_reason(x, gamma, bias, silu, ncdhw) is None
 
 
 def wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float,
-                          silu: bool, ncdhw: bool, pad: tuple[int, ...]) -> torch.Tensor:
-    """``F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), pad)`` as one channels-last-3d
-    buffer: the zero border written by fills, the norm's output straight into its interior (the
-    causal convolution's padded input, without eager's pad copy). Bit-exact as
+                          silu: bool, ncdhw: bool, pad: tuple[int, ...],
+                          pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.pad(wan_rms_norm_silu(r(x + pre_bias), gamma, bias, silu, ncdhw), pad)`` as one
+    channels-last-3d buffer: the zero border written by fills, the norm's output straight into its
+    interior (the causal convolution's padded input, without eager's pad copy); ``pre_bias``: the
+    bias of the convolution that produced x, which aten adds in a separate pass. Bit-exact as
     :func:`wan_rms_norm_silu`. Raises UnsupportedInput where :func:`can_use_wan_rms_norm_silu_pad`
     is False."""
-    reason = _pad_reason(x, pad) or _unsupported_reason(x, gamma, bias, silu, ncdhw)
+    reason = _pad_reason(x, pad, pre_bias) or _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
     return torch.ops.ditfuse.wan_rms_norm_silu_pad(x, gamma, bias if isinstance(bias, torch.Tensor) else None,
-                                                   silu, ncdhw, list(pad))
+                                                   silu, ncdhw, list(pad), pre_bias)
 
 
 def can_use_wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
