@@ -208,3 +208,19 @@ def test_rejections():
             wk.wan_rms_norm_silu(xx, gg, bb)
     got = wk.wan_rms_norm_silu(x, gam)
     assert compare_outputs(got, ws.rms_norm_silu(x, gam)) is None
+
+
+@pytest.mark.parametrize("pad", [(1, 1, 1, 1, 2, 0), (0, 2, 1, 0, 0, 0), (1, 1, 1, 1, 0, 0)])
+def test_zero_border_zeroes_exactly_the_border(pad):
+    """The padded buffer's border launch: zeros outside x's place, nothing written inside (a
+    buffer of NaNs shows both)."""
+    wl, wr, ht, hb, front, back = pad
+    B, C, T, H, W = 2, 5, 2, 3, 4
+    out = torch.full((B, C, front + T, ht + H + hb, wl + W + wr), float("nan"), dtype=torch.bfloat16)
+    out = out.contiguous(memory_format=torch.channels_last_3d)
+    Tp, Hp, Wp = out.shape[2:]
+    wk._zero_border_kernel[(Tp * Hp, B)](out, Hp, Wp * C, front, ht, hb, wl * C, wr * C, out.stride(0), BLOCK=16)
+    inner = torch.zeros_like(out, dtype=torch.bool)
+    inner[:, :, front:front + T, ht:ht + H, wl:wl + W] = True
+    assert out[inner].isnan().all()
+    assert (out[~inner] == 0).all() and not out[~inner].signbit().any()

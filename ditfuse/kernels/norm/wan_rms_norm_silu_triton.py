@@ -46,6 +46,9 @@ _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32
 VT0 = 4  # gpu_reduce_kernel's accumulators per thread
 MAX_H = 16  # largest channel split handled (bh <= 16 covers every shape with >= 32 outputs)
 NORM_EPS = 1e-12  # F.normalize's default
+# (chain blocks per step, positions per program, warps) for channels-last inputs: the launch
+# bench/probes/probe_wan_rms_cl_tiling.py picked on the H200 (notes/wan_vae.md)
+CL_LAUNCH = (4, 64, 4)
 
 
 def _last_pow2(n: int) -> int:
@@ -245,31 +248,43 @@ def _wan_rms_kernel(
         blk += 1
 
 
+@triton.jit
+def _zero_border_kernel(out_ptr, Hp, ROW, front, ht, hb, wl_c, wr_c, sB, BLOCK: tl.constexpr):
+    """Program (row, b): one row (``ROW = Wp*C`` elements) of a padded channels-last-3d buffer:
+    all of it zero in the front frames and the top/bottom border rows, else its first ``wl_c``
+    and last ``wr_c`` elements (the left/right border columns)."""
+    row = tl.program_id(0)
+    t = row // Hp
+    h = row - t * Hp
+    full = (t < front) | (h < ht) | (h >= Hp - hb)
+    base = out_ptr + tl.program_id(1).to(tl.int64) * sB + row.to(tl.int64) * ROW
+    zero = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
+    start = 0
+    while start < ROW:
+        i = start + tl.arange(0, BLOCK)
+        tl.store(base + i, zero, mask=(i < ROW) & (full | (i < wl_c) | (i >= ROW - wr_c)))
+        start += BLOCK
+
+
 def _padded(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
-    """A channels-last-3d ``F.pad(x, pad)``-shaped buffer, zero outside x's place (x not copied)."""
+    """A channels-last-3d ``F.pad(x, pad)``-shaped buffer, zero outside x's place (x not copied):
+    one launch zeroes the border."""
     wl, wr, ht, hb, front, back = pad
     B, C, T, Hh, Ww = x.shape
-    out = torch.empty((B, C, front + T + back, ht + Hh + hb, wl + Ww + wr), dtype=x.dtype, device=x.device,
-                      memory_format=torch.channels_last_3d)
-    if front:
-        out[:, :, :front].zero_()
+    Tp, Hp, Wp = front + T + back, ht + Hh + hb, wl + Ww + wr
+    out = torch.empty((B, C, Tp, Hp, Wp), dtype=x.dtype, device=x.device, memory_format=torch.channels_last_3d)
     if back:
         out[:, :, front + T:].zero_()
-    mid = out[:, :, front:front + T]
-    if ht:
-        mid[:, :, :, :ht].zero_()
-    if hb:
-        mid[:, :, :, ht + Hh:].zero_()
-    if wl:
-        mid[:, :, :, ht:ht + Hh, :wl].zero_()
-    if wr:
-        mid[:, :, :, ht:ht + Hh, wl + Ww:].zero_()
+    if out.numel() and (front or ht or hb or wl or wr):
+        _zero_border_kernel[(Tp * Hp, B)](out, Hp, Wp * C, front, ht, hb, wl * C, wr * C, out.stride(0),
+                                          BLOCK=1024, num_warps=4)
     return out
 
 
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
             block_positions: int | None = None, ncdhw: bool = False,
-            pad: tuple[int, ...] | None = None, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+            pad: tuple[int, ...] | None = None, pre_bias: torch.Tensor | None = None,
+            ksub: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
     (x.float(), the division and every later op keep a dense input's layout); with ``pad``
     (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(out, pad)``."""
@@ -292,8 +307,13 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     assert H <= MAX_H, "rejected by can_use_wan_rms_norm_silu"
     R = 4 * H
     S = T * HW
-    ksub = 4 if sC == 1 and C > 1 else 1  # channels-last: read whole cache lines per position
-    BP = block_positions or max(16, min(triton.next_power_of_2(S), (2048 if ksub == 1 else 4096) // (ksub * R)))
+    cl = sC == 1 and C > 1
+    if ksub is None:
+        ksub = CL_LAUNCH[0] if cl else 1  # channels-last: several chain blocks (cache lines) per step
+    if num_warps is None:
+        num_warps = CL_LAUNCH[2] if cl else 4
+    BP = block_positions or (max(16, min(triton.next_power_of_2(S), CL_LAUNCH[1])) if cl
+                             else max(16, min(triton.next_power_of_2(S), 2048 // R)))
     has_b = isinstance(bias, torch.Tensor)
     g = gamma.reshape(C).contiguous()
     b = bias.reshape(C).contiguous() if has_b else g
@@ -304,7 +324,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
         oB, oT, oH, Wd, FHW, PT, PH, PW,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
         TMAJOR=(T > 1 and sT != HW), KSUB=ksub, OUTPAD=pad is not None, HAS_PB=pre_bias is not None,
-        num_warps=4, enable_fp_fusion=not exact, enable_reflect_ftz=False,
+        num_warps=num_warps, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
 
