@@ -48,7 +48,7 @@ MAX_H = 16  # largest channel split handled (bh <= 16 covers every shape with >=
 NORM_EPS = 1e-12  # F.normalize's default
 # (chain blocks per step, positions per program, warps) for channels-last inputs: the launch
 # bench/probes/probe_wan_rms_cl_tiling.py picked on the H200 (notes/wan_vae.md)
-CL_LAUNCH = (4, 64, 4)
+CL_LAUNCH = (2, 32, 8)
 
 
 def _last_pow2(n: int) -> int:
