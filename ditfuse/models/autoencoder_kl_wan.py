@@ -209,7 +209,9 @@ def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, f
     if tc:
         xp[:, :, front - tc:front, ht:ht + H, wl:wl + W].copy_(cache_in.to(x.device))
     y = xp[:, :, front:, ht:ht + H, wl:wl + W]  # the norm's output, as eager caches it
-    cache_x = y[:, :, -CACHE_T:, :, :].clone()
+    # channels-last like y (clone() of this strided view would transpose to NCDHW, and the next
+    # chunk's copy into its padded buffer back): same values as eager's cache
+    cache_x = y[:, :, -CACHE_T:, :, :].contiguous(memory_format=torch.channels_last_3d)
     if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
         cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
     bias = conv.bias if not defer_bias else None
