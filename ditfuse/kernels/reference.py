@@ -308,6 +308,12 @@ def wan_rms_norm_silu_pad(
     return y.contiguous(memory_format=torch.channels_last_3d)
 
 
+def bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """A cuDNN convolution's bias as aten adds it (``output.add_(bias.reshape(1, C, 1, ...))``),
+    then the residual block's ``x + h``: ``r(r(x + bias) + h)``."""
+    return (x + bias.reshape(1, -1, *([1] * (x.dim() - 2)))) + h
+
+
 def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        stride: tuple[int, ...], padding: tuple[int, ...]) -> torch.Tensor:
     """``F.conv2d`` / ``F.conv3d`` as the NCHW / NCDHW model runs it: contiguous input and weight
@@ -316,7 +322,7 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
 
 
-__all__ += ["wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "conv_channels_last"]
+__all__ += ["wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "bias_residual", "conv_channels_last"]
 
 
 # ----------------------------------------------------------------------------- image families

@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels import reference as ref
 from ..kernels.layout import CONV_CHANNELS_LAST
+from ..kernels.modulate import BIAS_RESIDUAL
 from ..kernels.norm import WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD
 from .base import Adapter, Site
 
@@ -225,15 +226,18 @@ def residual_forward(block, original, x: torch.Tensor, feat_cache: list | None =
                      feat_idx: list[int] = [0], *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: B006 (diffusers' default)
     """WanResidualBlock.forward with each ``WanRMS_norm -> SiLU`` fused (and, in the channels-last
     decode, written into the next causal convolution's padded input, conv1's bias added inside
-    norm2's kernel)."""
+    norm2's kernel, conv2's bias and the residual add in one pass)."""
     h = block.conv_shortcut(x)
     if block.training and block.dropout.p > 0:  # dropout sits between norm2 and conv2
         x = _norm_conv(block.norm1, block.conv1, x, feat_cache, feat_idx, _ops)[0]
         x = _causal_conv(block.conv2, block.dropout(_norm(block.norm2, x, True, _ops)), feat_cache, feat_idx)
         return x + h
     x, pending = _norm_conv(block.norm1, block.conv1, x, feat_cache, feat_idx, _ops, defer_bias=True)
-    x = _norm_conv(block.norm2, block.conv2, x, feat_cache, feat_idx, _ops, pre_bias=pending)[0]
-    return x + h
+    x, pending = _norm_conv(block.norm2, block.conv2, x, feat_cache, feat_idx, _ops, pre_bias=pending,
+                            defer_bias=_is_cl(h))
+    if pending is None:
+        return x + h
+    return _ops.bias_residual(x, pending, h)
 
 
 def _residual_applies(block: Any) -> str | None:
@@ -448,7 +452,7 @@ SITES = (
         cls=f"{_VAE}:WanResidualBlock",
         params=("self", "x", "feat_cache", "feat_idx"),
         forward=residual_forward,
-        ops=(WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, CONV_CHANNELS_LAST),
+        ops=(WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, CONV_CHANNELS_LAST, BIAS_RESIDUAL),
         applies=_residual_applies,
         high=False,  # the close variant is not admitted (no VAE activations captured yet)
         description="WanResidualBlock: norm1 + SiLU and norm2 + SiLU, each one RMS_norm+SiLU kernel "

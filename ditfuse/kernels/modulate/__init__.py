@@ -1,4 +1,5 @@
-"""modulate: gated residuals — the op descriptors. Data only. Kernel: gate_residual_triton.py."""
+"""modulate: gated residuals, a convolution's bias + residual — the op descriptors. Data only.
+Kernels: gate_residual_triton.py, bias_residual_triton.py."""
 
 from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
 
@@ -13,4 +14,16 @@ GATE_RESIDUAL = OpDescriptor(
     key_note="elementwise: no shape dim changes the arithmetic (the width only picks the tile)",
 )
 
-DESCRIPTORS = (GATE_RESIDUAL,)
+BIAS_RESIDUAL = OpDescriptor(
+    op="modulate.bias_residual",
+    contract=Contract.BIT_EXACT,
+    replaces="r(r(conv + bias[c]) + h)",
+    summary="a cuDNN convolution's bias (aten adds it in a separate pass) and the residual add after "
+            "it, one pass over channels-last memory",
+    reference="ditfuse.kernels.reference:bias_residual",
+    impls=(triton_impl("modulate.bias_residual_triton", "bias_residual"),),
+    key=(K("x", dims=(1,)), K("bias"), K("h")),
+    key_note="elementwise: only the channel count (the bias index) matters",
+)
+
+DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL)
