@@ -155,22 +155,27 @@ def test_channels_last_decode_equals_diffusers(batch, lat, monkeypatch):
     assert {d for d, _ in calls} == {4, 5}
 
 
-def test_channels_last_tiled_decode(monkeypatch):
-    monkeypatch.setenv("DITFUSE_DISABLE", "all")
-    calls = _channels_last_on_cpu(monkeypatch)
-    vae = _vae(torch.bfloat16)
-    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32,
-                      tile_sample_stride_height=24, tile_sample_stride_width=24)
-    z = torch.randn(1, 4, 2, 12, 10, dtype=torch.bfloat16)
+def _plain_then_accelerated(vae, z):
+    """(plain decode, accelerated decode): the accelerated one is the second call (the first
+    records eager's layouts)."""
     with torch.no_grad():
         base = vae.decode(z, return_dict=False)[0]
     h = ditfuse.accelerate(vae)
     try:
         with torch.no_grad():
             vae.decode(z, return_dict=False)
-            out = vae.decode(z, return_dict=False)[0]
+            return base, vae.decode(z, return_dict=False)[0]
     finally:
         h.unmount()
+
+
+def test_channels_last_tiled_decode(monkeypatch):
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    calls = _channels_last_on_cpu(monkeypatch)
+    vae = _vae(torch.bfloat16)
+    vae.enable_tiling(tile_sample_min_height=32, tile_sample_min_width=32,
+                      tile_sample_stride_height=24, tile_sample_stride_width=24)
+    base, out = _plain_then_accelerated(vae, torch.randn(1, 4, 2, 12, 10, dtype=torch.bfloat16))
     assert_bitwise_equal(out, base, "tiled")
     assert calls
 
@@ -179,16 +184,7 @@ def test_channels_last_decode_off_for_odd_latents(monkeypatch):
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     calls = _channels_last_on_cpu(monkeypatch)
     vae = _vae(torch.bfloat16)
-    z = torch.randn(1, 4, 2, 3, 5, dtype=torch.bfloat16)  # H*W = 15
-    with torch.no_grad():
-        base = vae.decode(z, return_dict=False)[0]
-    h = ditfuse.accelerate(vae)
-    try:
-        with torch.no_grad():
-            vae.decode(z, return_dict=False)
-            out = vae.decode(z, return_dict=False)[0]
-    finally:
-        h.unmount()
+    base, out = _plain_then_accelerated(vae, torch.randn(1, 4, 2, 3, 5, dtype=torch.bfloat16))  # H*W = 15
     assert_bitwise_equal(out, base, "odd latent")
     assert calls == []
 

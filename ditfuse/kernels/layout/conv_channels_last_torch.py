@@ -3,7 +3,7 @@ on contiguous NCHW / NCDHW tensors (torch 2.11 CUDA eager, cuDNN 9, ``cudnn.benc
 
 ``conv_channels_last(x, weight, bias, stride, padding)`` = ``F.conv{2,3}d(x, weight, bias, stride,
 padding)`` with x in channels-last(-3d) memory and the weight converted to it; the output is
-channels-last.
+channels-last. bf16/fp16 only.
 
 Why it is exact, and why it is faster: on the H200, cuDNN runs a bf16 NCDHW convolution as
 ``nchwToNhwcKernel`` (input) -> an ``..._nhwckrsc_nhwc`` implicit-GEMM kernel -> ``nhwcToNchwKernel``
@@ -67,11 +67,11 @@ def _unsupported_reason(x, weight, bias, stride, padding) -> str | None:
 def can_use_conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                stride: tuple[int, ...], padding: tuple[int, ...]) -> bool:
     """True when :func:`conv_channels_last` takes these arguments. Rejected: non-tensors; ranks
-    other than 4/5 or differing; not CUDA; dtypes other than bf16/fp16 or mixed; an input not
-    dense in channels-last(-3d) memory; fp32 (not bitwise on the H200); grouped convolutions;
-    stride/padding not int tuples of the
-    spatial rank; cuDNN unavailable/disabled or ``cudnn.benchmark`` on; grad required with grad
-    mode on; CUDA autocast on. (Whether the bits match is the gate's first-sight check.)"""
+    other than 4/5 or differing; not CUDA; dtypes other than bf16/fp16 (fp32 was not bitwise on
+    the H200) or mixed; an input not dense in channels-last(-3d) memory; grouped convolutions;
+    stride/padding not int tuples of the spatial rank; cuDNN unavailable/disabled or
+    ``cudnn.benchmark`` on; grad required with grad mode on; CUDA autocast on. (Whether the bits
+    match is the gate's first-sight check.)"""
     return _unsupported_reason(x, weight, bias, stride, padding) is None
 
 
