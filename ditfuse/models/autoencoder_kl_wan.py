@@ -96,7 +96,12 @@ class _Layouts:
             self.problem = f"{type(module).__name__} input {tuple(x.shape)} strides {x.stride()}: not reproduced"
 
     def get(self, module: Any, x: torch.Tensor) -> str:
-        return self.seen.get((id(module), tuple(x.shape)), OTHER)
+        cls = self.seen.get((id(module), tuple(x.shape)))
+        if cls is None:  # a call the recording decode did not make: later chunks of this kind stay NCDHW
+            self.problem = f"{type(module).__name__} called with {tuple(x.shape)}, unseen while recording"
+            logger.warning("ditfuse: Wan decoder: %s", self.problem)
+            return OTHER
+        return cls
 
 
 _state = threading.local()  # .recording / .replaying: the _Layouts of the decoder call under way

@@ -212,3 +212,19 @@ def test_channels_last_decode_through_the_gate(monkeypatch):
     assert calls and all(cl for _, cl in calls)
     assert_bitwise_equal(out, base, "channels-last decode through the gate")
     assert out.is_contiguous()
+
+
+def test_layout_record_and_replay_lookups():
+    """The layout table: recorded classes come back; a call the recording never made marks the
+    chunk kind NCDHW-only (later chunks of that kind skip the channels-last path)."""
+    from ditfuse.models import autoencoder_kl_wan as wa
+
+    lay, conv = wa._Layouts(), torch.nn.Conv2d(4, 4, 1)
+    x = torch.zeros(1, 4, 3, 5)
+    lay.record(conv, x)
+    lay.record(conv, x.contiguous(memory_format=torch.channels_last)[:, :, :2])  # another shape: channels-last
+    assert lay.get(conv, x) == wa.NCDHW and lay.get(conv, x[:, :, :2]) == wa.CL and lay.problem is None
+    assert lay.get(conv, torch.zeros(1, 4, 7, 7)) == wa.OTHER and "unseen" in lay.problem
+    odd = wa._Layouts()
+    odd.record(conv, torch.zeros(1, 4, 6, 6)[:, :, ::2])  # strided: not reproduced
+    assert odd.problem is not None
