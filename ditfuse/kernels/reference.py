@@ -268,8 +268,10 @@ def wan_rms_norm(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | floa
     return normalized * (x.shape[1] ** 0.5) * gamma + bias
 
 
-def _channels_last_format(x: torch.Tensor) -> torch.memory_format | None:
-    """The channels-last memory format x is dense in, if it is not also contiguous."""
+def channels_last_format(x: torch.Tensor) -> torch.memory_format | None:
+    """The channels-last memory format (``channels_last`` for 4-D, ``channels_last_3d`` for 5-D) x
+    is dense in, if it is not also contiguous; else None. The one test of "x is channels-last" that
+    the Wan VAE's kernels, references and adapter share."""
     if x.dim() not in (4, 5) or x.is_contiguous():
         return None
     fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
@@ -287,7 +289,7 @@ def wan_rms_norm_silu(
     decode holds there (ditfuse's channels-last Wan decode, models/autoencoder_kl_wan.py); the
     norm's reduction order follows the layout, so the chain runs on ``x.contiguous()`` and the
     values come back in x's layout. Without it (and for any other layout) the chain runs on x."""
-    fmt = _channels_last_format(x) if ncdhw else None
+    fmt = channels_last_format(x) if ncdhw else None
     if fmt is not None:
         return wan_rms_norm_silu(x.contiguous(), gamma, bias, silu).contiguous(memory_format=fmt)
     y = wan_rms_norm(x, gamma, bias)
@@ -322,7 +324,7 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
 
 
-__all__ += ["wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "bias_residual", "conv_channels_last"]
+__all__ += ["channels_last_format", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "bias_residual", "conv_channels_last"]
 
 
 # ----------------------------------------------------------------------------- image families

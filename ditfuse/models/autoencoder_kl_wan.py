@@ -169,14 +169,20 @@ def rms_norm_forward(norm, original, x: torch.Tensor, *, _ops: OpSet = LOSSLESS)
     return _norm(norm, x, False, _ops)
 
 
+def _next_cache(cache_x: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
+    """The frames a causal convolution keeps for the next chunk, as WanResidualBlock builds them:
+    x's last CACHE_T frames (``cache_x``), with the old cache's last frame in front when x had one."""
+    if cache_x.shape[2] < 2 and old is not None:
+        return torch.cat([old[:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    return cache_x
+
+
 def _causal_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int]) -> torch.Tensor:
     """diffusers' cache bookkeeping around one WanCausalConv3d call, as WanResidualBlock spells it."""
     if feat_cache is None:
         return conv(x)
     idx = feat_idx[0]
-    cache_x = x[:, :, -CACHE_T:, :, :].clone()
-    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
-        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    cache_x = _next_cache(x[:, :, -CACHE_T:, :, :].clone(), feat_cache[idx])
     x = conv(x, feat_cache[idx])
     feat_cache[idx] = cache_x
     feat_idx[0] += 1
@@ -217,9 +223,7 @@ def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, f
     y = xp[:, :, front:, ht:ht + H, wl:wl + W]  # the norm's output, as eager caches it
     # channels-last like y (clone() of this strided view would transpose to NCDHW, and the next
     # chunk's copy into its padded buffer back): same values as eager's cache
-    cache_x = y[:, :, -CACHE_T:, :, :].contiguous(memory_format=torch.channels_last_3d)
-    if cache_x.shape[2] < 2 and feat_cache[idx] is not None:
-        cache_x = torch.cat([feat_cache[idx][:, :, -1, :, :].unsqueeze(2).to(cache_x.device), cache_x], dim=2)
+    cache_x = _next_cache(y[:, :, -CACHE_T:, :, :].contiguous(memory_format=torch.channels_last_3d), cache_in)
     bias = conv.bias if not defer_bias else None
     out = _keep_cl(_ops.conv_channels_last(xp, conv.weight, bias, conv.stride, (0, 0, 0)))
     feat_cache[idx] = cache_x
@@ -257,9 +261,7 @@ def _residual_applies(block: Any) -> str | None:
 
 def _is_cl(x: torch.Tensor) -> bool:
     """x is dense channels-last(-3d) memory (and not also contiguous)."""
-    if x.dim() not in (4, 5) or x.is_contiguous():
-        return False
-    return x.is_contiguous(memory_format=torch.channels_last_3d if x.dim() == 5 else torch.channels_last)
+    return ref.channels_last_format(x) is not None
 
 
 def _keep_cl(out: torch.Tensor) -> torch.Tensor:
@@ -352,19 +354,10 @@ def causal_conv_forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor |
     if not (wl or wr or ht or hb or front or tc):
         xp = x  # F.pad with no padding only copies
     else:
-        xp = torch.empty((B, C, front + tc + T, H + ht + hb, W + wl + wr), dtype=x.dtype, device=x.device,
-                         memory_format=torch.channels_last_3d)
-        if front:
-            xp[:, :, :front].zero_()
-        body = xp[:, :, front:]
-        for sl in ((slice(None), slice(None), slice(None), slice(0, ht)),
-                   (slice(None), slice(None), slice(None), slice(H + ht, None)),
-                   (slice(None), slice(None), slice(None), slice(ht, H + ht), slice(0, wl)),
-                   (slice(None), slice(None), slice(None), slice(ht, H + ht), slice(W + wl, None))):
-            part = body[sl]
-            if part.numel():
-                part.zero_()
-        inner = body[:, :, :, ht:ht + H, wl:wl + W]
+        from ..kernels.layout.pad_channels_last_triton import padded_channels_last
+
+        xp = padded_channels_last((B, C, tc + T, H, W), (wl, wr, ht, hb, front, 0), x.dtype, x.device)
+        inner = xp[:, :, front:, ht:ht + H, wl:wl + W]
         if tc:
             inner[:, :, :tc].copy_(cache_x.to(x.device))
         inner[:, :, tc:].copy_(x)

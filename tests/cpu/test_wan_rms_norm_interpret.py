@@ -219,7 +219,9 @@ def test_zero_border_zeroes_exactly_the_border(pad):
     out = torch.full((B, C, front + T, ht + H + hb, wl + W + wr), float("nan"), dtype=torch.bfloat16)
     out = out.contiguous(memory_format=torch.channels_last_3d)
     Tp, Hp, Wp = out.shape[2:]
-    wk._zero_border_kernel[(Tp * Hp, B)](out, Hp, Wp * C, front, ht, hb, wl * C, wr * C, out.stride(0), BLOCK=16)
+    from ditfuse.kernels.layout import pad_channels_last_triton as pc
+
+    pc._zero_border_kernel[(Tp * Hp, B)](out, Hp, Wp * C, front, ht, hb, wl * C, wr * C, out.stride(0), BLOCK=16)
     inner = torch.zeros_like(out, dtype=torch.bool)
     inner[:, :, front:front + T, ht:ht + H, wl:wl + W] = True
     assert out[inner].isnan().all()

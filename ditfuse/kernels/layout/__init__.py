@@ -1,8 +1,10 @@
 """layout: copies removed or moved (one file per op family, backend as filename suffix).
 
 joint_buffers_torch.py: torch-only helpers (views, one preallocated buffer) with no op of their
-own. conv_channels_last_torch.py: cuDNN's convolution on channels-last memory (no transposes),
-an op under the gate — the descriptor is here; importing this imports neither torch nor triton.
+own; pad_channels_last_triton.py: a zero-bordered channels-last buffer for a producer to fill (no
+op either: exact by construction). conv_channels_last_torch.py: cuDNN's convolution on
+channels-last memory (no transposes), an op under the gate — the descriptor is here; importing
+this imports neither torch nor triton.
 """
 
 from ..spec import Backend, Capability, Contract, Impl, KeyArg as K, OpDescriptor

@@ -40,7 +40,9 @@ from ditfuse.kernels.common.host import interpreter_on
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford_ops import fma_exact
 from ditfuse.kernels.errors import UnsupportedInput
+from ditfuse.kernels.layout.pad_channels_last_triton import padded_channels_last
 from ditfuse.kernels.norm.group_norm_silu_triton import _silu
+from ditfuse.kernels.reference import channels_last_format
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 VT0 = 4  # gpu_reduce_kernel's accumulators per thread
@@ -79,11 +81,8 @@ def reduce_layout(B: int, C: int, S: int, elem_offset: int = 0,
 
 
 def channels_last(x: torch.Tensor) -> bool:
-    """x is a dense channels-last ``[B, C, H, W]`` / channels-last-3d ``[B, C, T, H, W]`` tensor
-    (channels innermost) that is not also contiguous: the layout of the channels-last Wan decode."""
-    if x.dim() not in (4, 5) or x.is_contiguous():
-        return False
-    return x.is_contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+    """x is dense channels-last(-3d) memory and not also contiguous (the channels-last decode's)."""
+    return channels_last_format(x) is not None
 
 
 def _geometry(x: torch.Tensor, ncdhw: bool = False) -> tuple[int, int, int, int, int, int, int, int, tuple[int, ...]] | None:
@@ -248,39 +247,6 @@ def _wan_rms_kernel(
         blk += 1
 
 
-@triton.jit
-def _zero_border_kernel(out_ptr, Hp, ROW, front, ht, hb, wl_c, wr_c, sB, BLOCK: tl.constexpr):
-    """Program (row, b): one row (``ROW = Wp*C`` elements) of a padded channels-last-3d buffer:
-    all of it zero in the front frames and the top/bottom border rows, else its first ``wl_c``
-    and last ``wr_c`` elements (the left/right border columns)."""
-    row = tl.program_id(0)
-    t = row // Hp
-    h = row - t * Hp
-    full = (t < front) | (h < ht) | (h >= Hp - hb)
-    base = out_ptr + tl.program_id(1).to(tl.int64) * sB + row.to(tl.int64) * ROW
-    zero = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
-    start = 0
-    while start < ROW:
-        i = start + tl.arange(0, BLOCK)
-        tl.store(base + i, zero, mask=(i < ROW) & (full | (i < wl_c) | (i >= ROW - wr_c)))
-        start += BLOCK
-
-
-def _padded(x: torch.Tensor, pad: tuple[int, ...]) -> torch.Tensor:
-    """A channels-last-3d ``F.pad(x, pad)``-shaped buffer, zero outside x's place (x not copied):
-    one launch zeroes the border."""
-    wl, wr, ht, hb, front, back = pad
-    B, C, T, Hh, Ww = x.shape
-    Tp, Hp, Wp = front + T + back, ht + Hh + hb, wl + Ww + wr
-    out = torch.empty((B, C, Tp, Hp, Wp), dtype=x.dtype, device=x.device, memory_format=torch.channels_last_3d)
-    if back:
-        out[:, :, front + T:].zero_()
-    if out.numel() and (front or ht or hb or wl or wr):
-        _zero_border_kernel[(Tp * Hp, B)](out, Hp, Wp * C, front, ht, hb, wl * C, wr * C, out.stride(0),
-                                          BLOCK=1024, num_warps=4)
-    return out
-
-
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
             block_positions: int | None = None, ncdhw: bool = False,
             pad: tuple[int, ...] | None = None, pre_bias: torch.Tensor | None = None,
@@ -288,7 +254,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
     (x.float(), the division and every later op keep a dense input's layout); with ``pad``
     (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(out, pad)``."""
-    out = torch.empty_like(x) if pad is None else _padded(x, pad)
+    out = torch.empty_like(x) if pad is None else padded_channels_last(x.shape, pad, x.dtype, x.device)
     if x.numel() == 0:
         return out
     geo = _geometry(x, ncdhw)
