@@ -66,15 +66,43 @@ def test_flux_chain_matches_cuda_order_sim(D, dtype, per_token):
     torch.testing.assert_close(got.float(), exp.float(), rtol=_tol(dtype), atol=_tol(dtype))
 
 
+@pytest.mark.parametrize("unroll", [True, False], ids=["held", "loop"])
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("B,S", [(1, 5), (2, 3), (1, 4)], ids=["M5", "M6", "M4"])
-@pytest.mark.parametrize("D", [12, 132, 520])
-def test_rows_per_program_and_tail_rows(R, B, S, D):
+@pytest.mark.parametrize("D", [12, 132, 520, 1024])
+def test_rows_per_program_and_tail_rows(R, B, S, D, unroll):
+    """Both ways over a row (held tiles / runtime loop), every tiling, tail rows; D = 1024 is a
+    whole number of 128-thread steps (unpredicated loads, tail rows read row 0 and store nothing)."""
     x = _x((B, S, D), torch.bfloat16, D + S)
     sc = _x((B, D), torch.bfloat16, D + 1, 0.5, 0.0)
     sh = _x((B, D), torch.bfloat16, D + 2, 0.5, 0.0)
-    got = lnm._launch(x, None, None, sc, sh, EPS, None, None, None, True, rows_per_program=R)[1]
+    got = lnm._launch(x, None, None, sc, sh, EPS, None, None, None, True, rows_per_program=R, unroll=unroll)[1]
     _eq(got, sim.layernorm_modulate(x, sc, sh, EPS))
+
+
+@pytest.mark.parametrize("unroll", [True, False], ids=["held", "loop"])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "close"])
+@pytest.mark.parametrize("D", [132, 512])
+def test_gated_held_and_loop_agree(D, exact, unroll):
+    """The gated kernel's h and output through both ways over the row, 5 rows at R = 2 (a tail
+    row), fp32 norm with affine as Wan's norm2: same bits as the simulation (exact) or as the
+    other way (close, whose recipe has no simulation)."""
+    B, S = 1, 5
+    res = _x((B, S, D), torch.bfloat16, 1, 2.0, 1.0)
+    upd = _x((B, S, D), torch.bfloat16, 2, 1.0, 0.0)
+    gate = _x((B, 1, D), torch.float32, 3, 1.0, 0.0)
+    w = _x((D,), torch.float32, 4, 0.2, 1.0)
+    bias = _x((D,), torch.float32, 5, 0.2, 0.0)
+    h, out = lnm._launch(res, gate, upd, None, None, EPS, w, bias, torch.float32, exact, rows_per_program=2,
+                         unroll=unroll)
+    if exact:
+        eh = (res.float() + upd * gate).type_as(res)
+        eout = sim.layernorm_modulate(eh, None, None, EPS, w, bias, torch.float32)
+    else:
+        eh, eout = lnm._launch(res, gate, upd, None, None, EPS, w, bias, torch.float32, exact, rows_per_program=2,
+                               unroll=not unroll)
+    _eq(h, eh)
+    _eq(out, eout)
 
 
 def test_rows_per_program_rule(monkeypatch):

@@ -67,6 +67,20 @@ def test_rows_wider_than_512_use_several_vectors_per_thread():
     assert not torch.equal(seq, rms_sim.rms_norm(a["q"], a["q_weight"], 1e-6, rms_sim.interp_rsqrt))
 
 
+@pytest.mark.parametrize("unroll", [True, False], ids=["held", "loop"])
+@pytest.mark.parametrize("H,Dh,R", [(12, 128, 4), (2, 6, 2), (5, 4, 1)], ids=["D1536_R4", "D12_Dh6_R2", "D20_R1"])
+def test_held_rows_and_runtime_loop(H, Dh, R, unroll):
+    """Both ways over a row, 5 rows (tail rows at R = 2, 4), a whole number of 128-thread steps
+    (1536: unpredicated loads) and head_dims 6 and 4 whose 4-element vectors straddle heads
+    (cos/sin read per element position)."""
+    from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
+
+    a = _make(1, 5, H, Dh, dtype=torch.bfloat16, seed=H * Dh + R)
+    got = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], H, 1e-6, True, rows_per_program=R,
+                         unroll=unroll)
+    assert_bitwise_equal(got, _sim(a)[0])
+
+
 def test_no_weight_no_rope_and_strided_qkv_chunks():
     a = _make(1, 4, 2, 32, weights=False, seed=7)
     assert_bitwise_equal(qk_rmsnorm_across_heads_rope(**a)[1], _sim(a)[1])

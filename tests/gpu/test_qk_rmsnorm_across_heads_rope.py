@@ -64,6 +64,26 @@ def test_sweep():
     assert not failures, "\n".join(failures[:12]) + f"\n({len(failures)} failing cases)"
 
 
+def test_held_rows_and_runtime_loop():
+    """Both ways over a row (held tiles, the default up to D = 8192; the runtime loop beyond) at
+    every tiling, 2051 tokens (tail rows), D = 1536 (3 whole steps), 5120 (10) and 1020 (a partial
+    step: predicated loads) with head_dim 102, whose 4-element vectors straddle heads."""
+    from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
+
+    failures = []
+    for H, Dh in ((12, 128), (40, 128), (10, 102)):
+        a = _make(2, 2051, H, Dh, seed=H)
+        exp = reference.qk_rmsnorm_across_heads_rope(**a)[0]
+        for unroll in (True, False):
+            for R in (1, 2, 4):
+                got = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], H, 1e-6, True, rows_per_program=R,
+                                     unroll=unroll)
+                mm = compare_outputs(got, exp, f"H={H} Dh={Dh} unroll={unroll} R={R}")
+                if mm is not None:
+                    failures.append(str(mm))
+    assert not failures, "\n".join(failures)
+
+
 def test_other_dtypes_and_head_dims():
     failures = []
     for dtype in (torch.float16, torch.float32):

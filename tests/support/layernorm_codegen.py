@@ -50,10 +50,11 @@ def _compile(kernel, scalars, constexprs, ptrs, strides, fp32_ptrs=()):
                           options=dict(num_warps=4, enable_fp_fusion=False))
 
 
-def facts(kind: str, R: int, gated: bool) -> dict:
+def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     """kind ``ln``: the LayerNorm kernel in FLUX's all-bf16 configuration (gated: the residual
     variant, per-sample gate/scale/shift); ``wanrope``: Wan's RMSNorm + RoPE kernel with fp32
-    freqs."""
+    freqs. ``js`` > 0: the held-row kernel for rows of ``js`` vectors per thread (FLUX's width
+    3072: 6, Wan-1.3B's 1536: 3), loads unpredicated; 0: the runtime loop."""
     import triton
     import triton.language as tl
 
@@ -64,17 +65,17 @@ def facts(kind: str, R: int, gated: bool) -> dict:
         bf = tl.bfloat16
         ce = {"RES": 2 if gated else 0, "HAS_W": False, "HAS_B": False, "MODULATE": True, "EXACT": True,
               "P_DT": bf, "H_DT": bf, "LN_DT": bf, "SC_DT": bf, "M_DT": bf, "S_DT": bf, "OUT_DT": bf, "R": R,
-              "AFFINE_FMA": True, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1, "scss": 0, "shss": 0,
+              "AFFINE_FMA": True, "JS": js, "FULL": js > 0, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1, "scss": 0, "shss": 0,
               "gss": 0, "wsd": 0, "bsd": 0}
         k = _compile(lnm._ln_kernel, scalars, ce, _LN_PTRS, _LN_STRIDES)
     else:
         from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
 
         ce = {"DH": 128, "HAS_W": True, "HAS_ROPE": True, "EXACT": True, "DTYPE": tl.bfloat16,
-              "P_DT": tl.float32, "R": R, "xsd": 1, "wsd": 1, "csd": 1, "ssd": 1}
+              "P_DT": tl.float32, "R": R, "JS": js, "FULL": js > 0, "xsd": 1, "wsd": 1, "csd": 1, "ssd": 1}
         k = _compile(wr._rms_rope_kernel, scalars, ce, _RMS_PTRS, _RMS_STRIDES, fp32_ptrs=("cos_ptr", "sin_ptr"))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
-    out = dict(kind=kind, R=R, gated=gated)
+    out = dict(kind=kind, R=R, gated=gated, js=js)
     out["convert_layout"] = ttgir.count("ttg.convert_layout")
     m = re.search(r'"tt\.reduce".*?\}\) : \(tensor<[^,]*, #(\w+)>', ttgir, re.S)
     red = None
@@ -106,18 +107,28 @@ def facts(kind: str, R: int, gated: bool) -> dict:
     r = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
     out["regs"] = int(r.group(1)) if r else None
     out["local_bytes"] = int(r.group(2)) if r else None
-    out["sass_instructions"] = len(re.findall(r"^\s+/\*[0-9a-f]{4}\*/", sass, re.M))
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    out["sass_instructions"] = len(lines)
+    # Where the first pass's loads sit: how many global loads are issued before the first FP
+    # arithmetic that consumes data (FFMA in the Welford / sum-of-squares chain).
+    first = next((i for i, ln in enumerate(lines) if "FFMA" in ln), len(lines))
+    out["ldg_before_first_ffma"] = sum(1 for ln in lines[:first] if "LDG" in ln)
     return out
 
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the GPU code paths are chosen at import")
-    variants = [("ln", R, g) for R in (1, 2, 4) for g in (False, True)] + [("wanrope", R, False) for R in (1, 4)]
+    variants = ([("ln", R, g, 0) for R in (1, 2, 4) for g in (False, True)]
+                + [("ln", R, g, 6) for R in (1, 2) for g in (False, True)]
+                + [("wanrope", R, False, js) for R in (1, 4) for js in (0, 3)])
+
+    def name(v):
+        return f"{v[0]}-R{v[1]}-{'gated' if v[2] else 'plain'}" + (f"-held{v[3]}" if v[3] else "")
     if len(sys.argv) > 1:
-        variants = [v for v in variants if f"{v[0]}-R{v[1]}-{'gated' if v[2] else 'plain'}" in sys.argv[1:]]
-    for kind, R, gated in variants:
-        print(json.dumps(facts(kind, R, gated)), flush=True)
+        variants = [v for v in variants if name(v) in sys.argv[1:]]
+    for kind, R, gated, js in variants:
+        print(json.dumps(facts(kind, R, gated, js)), flush=True)
 
 
 if __name__ == "__main__":

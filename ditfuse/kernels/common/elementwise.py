@@ -77,6 +77,13 @@ def tile(d: int, per_program: int = 8192) -> tuple[int, int, int]:
     16-byte vectors. Memory-bound chains (modulate) use 8K (32 elements per thread); GELU's tanh
     keeps two branches live per element and uses 2K (8 per thread) to stay clear of spills."""
     block_d = min(triton.next_power_of_2(max(d, 1)), 1024)
+    if d % block_d:
+        # A partial last column block idles lanes on every row (D = 1536 with 1024: a quarter
+        # of all lanes; 768 with 1024 the same): a power-of-two divisor of D >= 256 tiles it
+        # exactly. Otherwise (8960 = 2**7 * 70) the waste is small enough to keep the wide block.
+        p = d & -d
+        if p >= 256:
+            block_d = min(p, 1024)
     block_r = max(1, per_program // block_d)
     return block_r, block_d, 8 if block_r * block_d >= 2048 else 4
 
@@ -110,8 +117,11 @@ def overlap_reason(out: torch.Tensor, *inputs: torch.Tensor) -> str | None:
 def load_f32(ptr, mask):
     """Load and widen to fp32 exactly. Under TRITON_INTERPRET=1 the interpreter's bf16 -> fp32
     conversion flushes bf16 subnormals to zero (the GPU's widening is exact), so bf16 is widened
-    from its bit pattern there."""
-    v = tl.load(ptr, mask=mask, other=0.0)
+    from its bit pattern there. ``mask=None``: an unpredicated load (every address valid)."""
+    if mask is None:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=0.0)
     if INTERPRET:
         if v.dtype == tl.bfloat16:
             return (v.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)

@@ -67,6 +67,8 @@ from ditfuse.kernels.common.welford import (
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
+# Rows of at most this many 4-element vectors per thread (D <= 8192) get the unrolled kernel.
+_MAX_UNROLL = 16
 # RES modes
 _NO_RES, _ADD, _GATED = 0, 1, 2
 
@@ -98,13 +100,70 @@ def _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
     return x
 
 
+@triton.jit
+def _welford4(mean, m2, x, j, valid_t, R: tl.constexpr):
+    """Four Welford updates, in element order, with step j's [128, R, 4] tile (cuWelfordOnlineSum)."""
+    x02, x13 = tl.split(tl.reshape(x, [LN_THREADS, R, 2, 2]))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    v = valid_t[:, None]
+    mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, v)
+    mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, v)
+    mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, v)
+    mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, v)
+    return mean, m2
+
+
+@triton.jit
+def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, valid_t, valid, mean_r, rstd,
+           wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
+           HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr, EXACT: tl.constexpr,
+           LN_DT: tl.constexpr, SC_DT: tl.constexpr, M_DT: tl.constexpr, S_DT: tl.constexpr,
+           OUT_DT: tl.constexpr, AFFINE_FMA: tl.constexpr):
+    """Pass 2 on one tile: normalise (torch's one rounding), the affine, eager's modulate
+    roundings, store."""
+    n = rstd * (x - mean_r)
+    if HAS_W:
+        w = _vec_tile(w_ptr, wsd, vec, k4, valid_t)
+        if HAS_B and AFFINE_FMA:
+            n = fma_rn(w, n, _vec_tile(bias_ptr, bsd, vec, k4, valid_t))
+        elif HAS_B:
+            n = w * n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
+        else:
+            n = w * n
+    elif HAS_B:
+        n = n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
+    if EXACT:
+        n = rround(n, LN_DT)
+    if MODULATE:
+        sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
+        sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
+        if EXACT:
+            n = rround(rround(n * rround(1.0 + sc, SC_DT), M_DT) + sh, S_DT)
+        else:
+            n = n * (1.0 + sc) + sh
+    dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+    tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=valid)
+
+
 # R independent rows per program; per row the arithmetic is torch's, op for op. The per-thread
 # Welford runs on [128, R] states, the reciprocal ``1 / count'`` is one scalar per step (count' is
 # the same for every thread that holds data at that step; threads past the last vector keep
 # their state through ``valid``), and the fold over the 128 threads is one ``tl.reduce``.
-# ``while`` rather than ``range(J)``: Triton 3.6's interpreter cannot index with a scalar argument
-# under numpy 2. S, N, NVEC, J are not specialised (one compile serves every token count and
-# width); strides are, so contiguous rows get vector loads.
+#
+# Two ways over a row's J steps (same arithmetic, same bits):
+# - ``JS`` = J > 0 (rows of at most 16 vectors per thread, D <= 8192): every step's tile is
+#   loaded first, into a tuple, before the first Welford update -- all of a row's loads in
+#   flight at once, one memory latency per row -- and pass 2 normalises the tiles still held in
+#   registers (no second read). The held value is what the LayerNorm reads: x, or h as eager
+#   stores it (kept in its storage dtype: exact, half the registers for bf16); the close kernel
+#   holds the unrounded fp32 sum.
+# - ``JS`` = 0: a ``while`` loop over the runtime J, one dependent load per step, and pass 2
+#   reads the row again (x, or the h it stored). For wide rows, whose tiles would not fit in
+#   registers; Triton 3.6's interpreter cannot index with a scalar argument under numpy 2 in
+#   ``range(J)``, hence ``while``.
+# S, N, NVEC, J are not specialised (one compile serves every token count); strides are, so
+# contiguous rows get vector loads.
 @triton.jit(do_not_specialize=["M", "S", "N", "NVEC", "J", "eps"])
 def _ln_kernel(
     x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
@@ -115,7 +174,7 @@ def _ln_kernel(
     EXACT: tl.constexpr,
     P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
-    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
+    R: tl.constexpr, AFFINE_FMA: tl.constexpr = True, JS: tl.constexpr = 0, FULL: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -127,29 +186,46 @@ def _ln_kernel(
     out_row = tl.multiple_of(rows * N, 4)
     t = tl.arange(0, LN_THREADS)
     k4 = tl.arange(0, LN_VEC)
-
-    # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order (cuWelfordOnlineSum).
     mean = tl.zeros([LN_THREADS, R], dtype=tl.float32)
     m2 = tl.zeros([LN_THREADS, R], dtype=tl.float32)
-    j = 0
-    while j < J:
-        vec = j * LN_THREADS + t
-        valid_t = vec < NVEC
-        valid = valid_t[:, None, None] & row_ok[None, :, None]
-        x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                      vec, k4, valid, RES, EXACT, P_DT, H_DT)
-        if RES != 0:
-            dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-            tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
-        x02, x13 = tl.split(tl.reshape(x, [LN_THREADS, R, 2, 2]))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        v = valid_t[:, None]
-        mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, v)
-        mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, v)
-        mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, v)
-        mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, v)
-        j += 1
+
+    if JS > 0:
+        # Pass 1: all loads, then h's stores and the Welford updates in element order.
+        held = ()
+        for j in tl.static_range(JS):
+            vec = j * LN_THREADS + t
+            if FULL:  # every vector exists and tail rows read row 0 (clamped): no predicate
+                x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                              vec, k4, None, RES, EXACT, P_DT, H_DT)
+            else:
+                valid = (vec < NVEC)[:, None, None] & row_ok[None, :, None]
+                x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                              vec, k4, valid, RES, EXACT, P_DT, H_DT)
+            if EXACT:
+                x = round_to(x, H_DT)  # exact: x is a value of H_DT (x itself, or h rounded)
+            held = held + (x,)
+        for j in tl.static_range(JS):
+            vec = j * LN_THREADS + t
+            valid_t = vec < NVEC
+            if RES != 0:
+                dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+                hj = held[j] if EXACT else round_to(held[j], H_DT)  # exact: held in H_DT already
+                tl.store(h_ptr + dst, hj, mask=valid_t[:, None, None] & row_ok[None, :, None])
+            mean, m2 = _welford4(mean, m2, held[j].to(tl.float32), j, valid_t, R)
+    else:
+        # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order.
+        j = 0
+        while j < J:
+            vec = j * LN_THREADS + t
+            valid_t = vec < NVEC
+            valid = valid_t[:, None, None] & row_ok[None, :, None]
+            x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                          vec, k4, valid, RES, EXACT, P_DT, H_DT)
+            if RES != 0:
+                dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+                tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
+            mean, m2 = _welford4(mean, m2, x, j, valid_t, R)
+            j += 1
     nvecs_t = tl.maximum((NVEC - t + LN_THREADS - 1) // LN_THREADS, 0)
     count = tl.broadcast_to((nvecs_t * LN_VEC).to(tl.float32)[:, None], [LN_THREADS, R])
 
@@ -160,44 +236,34 @@ def _ln_kernel(
     mean_r = mean_r[None, :, None]
     rstd = rstd[None, :, None]
 
-    # Pass 2: normalise (torch's one rounding), the affine, then eager's modulate roundings. With a
-    # residual, the bit-exact kernel reads back the h it stored (the same threads wrote those
-    # elements in pass 1: same tile layout) instead of recomputing it from 2-3 inputs; the close
-    # kernel needs the unrounded sum and recomputes it.
-    j = 0
-    while j < J:
-        vec = j * LN_THREADS + t
-        valid_t = vec < NVEC
-        valid = valid_t[:, None, None] & row_ok[None, :, None]
-        if RES != 0 and EXACT:
-            src = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-            x = load_f32(h_ptr + src, valid)
-        else:
-            x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                          vec, k4, valid, RES, EXACT, P_DT, H_DT)
-        n = rstd * (x - mean_r)
-        if HAS_W:
-            w = _vec_tile(w_ptr, wsd, vec, k4, valid_t)
-            if HAS_B and AFFINE_FMA:
-                n = fma_rn(w, n, _vec_tile(bias_ptr, bsd, vec, k4, valid_t))
-            elif HAS_B:
-                n = w * n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
+    # Pass 2: normalise, affine, modulate, store.
+    if JS > 0:
+        for j in tl.static_range(JS):
+            vec = j * LN_THREADS + t
+            valid_t = vec < NVEC
+            valid = valid_t[:, None, None] & row_ok[None, :, None]
+            _apply(held[j].to(tl.float32), sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4,
+                   valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
+                   HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
+    else:
+        # With a residual, the bit-exact kernel reads back the h it stored (the same threads wrote
+        # those elements in pass 1: same tile layout) instead of recomputing it from 2-3 inputs;
+        # the close kernel needs the unrounded sum and recomputes it.
+        j = 0
+        while j < J:
+            vec = j * LN_THREADS + t
+            valid_t = vec < NVEC
+            valid = valid_t[:, None, None] & row_ok[None, :, None]
+            if RES != 0 and EXACT:
+                src = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+                x = load_f32(h_ptr + src, valid)
             else:
-                n = w * n
-        elif HAS_B:
-            n = n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
-        if EXACT:
-            n = rround(n, LN_DT)
-        if MODULATE:
-            sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
-            sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
-            if EXACT:
-                n = rround(rround(n * rround(1.0 + sc, SC_DT), M_DT) + sh, S_DT)
-            else:
-                n = n * (1.0 + sc) + sh
-        dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-        tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=valid)
-        j += 1
+                x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                              vec, k4, valid, RES, EXACT, P_DT, H_DT)
+            _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4,
+                   valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
+                   HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
+            j += 1
 
 
 # ----------------------------------------------------------------------------- predicate
@@ -325,16 +391,15 @@ def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return t.stride(0), (0 if t.shape[1] == 1 else t.stride(1)), t.stride(2)
 
 
-def _rows_per_program(M: int) -> int:
+def _rows_per_program(M: int, js: int = 0) -> int:
     """Rows per program: 4 when there are enough rows to fill the GPU several times over, fewer
-    for short inputs (more programs). Never changes numerics (rows are independent)."""
+    for short inputs (more programs); with held rows (js vectors per thread) about 12 vectors
+    per thread at most (tests/support/layernorm_codegen.py: FLUX's 6 x R = 4 needs all 255
+    registers and serialises its loads again). Never changes numerics (rows are independent)."""
     if interpreter_on():  # numpy runs each program in Python: few, wide programs
-        return min(32, triton.next_power_of_2(M))
-    if M >= 2048:
-        return 4
-    if M >= 512:
-        return 2
-    return 1
+        return min(32 if not js else 8, triton.next_power_of_2(M))
+    r = 4 if M >= 2048 else (2 if M >= 512 else 1)
+    return max(1, min(r, 12 // js)) if js else r
 
 
 @functools.lru_cache(maxsize=256)
@@ -358,10 +423,13 @@ def _rounding_plan(x_dt, gate_dt, update_dt, scale_dt, shift_dt, norm_dtype):
 
 
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
-            rows_per_program: int | None = None, affine_fma: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            rows_per_program: int | None = None, affine_fma: bool = True,
+            unroll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
     only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
-    computes the affine without the contraction (for the order probe only). The launch never
+    computes the affine without the contraction (for the order probe only). ``unroll=False`` keeps
+    the runtime loop over a row's steps even for narrow rows (tests and the benchmark compare the
+    two; same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     B, S, D = x.shape
@@ -375,7 +443,9 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     if M == 0:
         return h, out
     nvec = D // 4
-    R = rows_per_program or _rows_per_program(M)
+    J = triton.cdiv(nvec, 128)
+    JS = J if unroll and J <= _MAX_UNROLL else 0
+    R = rows_per_program or _rows_per_program(M, JS)
     u = update if update is not None else x
     g = gate if gate is not None else u
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
@@ -384,9 +454,10 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     _ln_kernel[(triton.cdiv(M, R),)](
         x, g, u, weight if weight is not None else x, bias if bias is not None else x,
         scale if scale is not None else x, shift if shift is not None else x, h, out,
-        M, S, D, nvec, triton.cdiv(nvec, 128), float(eps), *strides,
+        M, S, D, nvec, J, float(eps), *strides,
         RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
-        EXACT=exact, **consts, R=R, AFFINE_FMA=affine_fma, num_warps=4, enable_fp_fusion=False,
+        EXACT=exact, **consts, R=R, AFFINE_FMA=affine_fma,
+        JS=JS, FULL=nvec % 128 == 0, num_warps=4, enable_fp_fusion=False,
     )
     return h, out
 

@@ -43,13 +43,63 @@ _THREADS: tl.constexpr = tl.constexpr(128)
 _VEC: tl.constexpr = tl.constexpr(4)
 
 
+@triton.jit
+def _sumsq4(acc, x, R: tl.constexpr):
+    """A thread's four FMAs for its 4-element vector, in element order."""
+    x02, x13 = tl.split(tl.reshape(x, [_THREADS, R, 2, 2]))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    acc = fma_rn(x0, x0, acc)  # fma(v, v, 0) == v * v for the first element: no special case
+    acc = fma_rn(x1, x1, acc)
+    acc = fma_rn(x2, x2, acc)
+    acc = fma_rn(x3, x3, acc)
+    return acc
+
+
+@triton.jit
+def _norm_rope_store(x, rstd, w_ptr, cos_ptr, sin_ptr, out_ptr, s, out_row, vec, k4, valid_t, valid,
+                     wsd, css, csd, sss, ssd, DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr,
+                     EXACT: tl.constexpr, DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr):
+    """Pass 2 on one tile: normalise, RoPE within each head, store [B, S, H, Dh] contiguous.
+    cos and sin are read at each element's own position in its head (one 4-element vector when
+    4 | Dh) and the pair's operands picked from them: cos at the even position, sin at the odd
+    one, which are eager's ``cos[..., 0::2]`` and ``sin[..., 1::2]`` (Dh is even, so a column's
+    parity is its position's)."""
+    n = rstd * x
+    if HAS_W:
+        w_off = (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * wsd
+        n = load_f32(w_ptr + w_off, valid_t[:, None, None]) * n
+    if EXACT:
+        n = rround(n, DTYPE)
+    if HAS_ROPE:
+        pos = (vec[:, None, None] * 4 + k4[None, None, :]) % DH
+        c = load_f32(cos_ptr + (s[None, :, None] * css + pos.to(tl.int64) * csd), valid)
+        sn = load_f32(sin_ptr + (s[None, :, None] * sss + pos.to(tl.int64) * ssd), valid)
+        ne, no = tl.split(tl.reshape(n, [_THREADS, R, 2, 2]))
+        ce, _co = tl.split(tl.reshape(c, [_THREADS, R, 2, 2]))
+        _se, so = tl.split(tl.reshape(sn, [_THREADS, R, 2, 2]))
+        if EXACT:
+            oe = rround(rround(ne * ce, P_DT) - rround(no * so, P_DT), P_DT)
+            oo = rround(rround(ne * so, P_DT) + rround(no * ce, P_DT), P_DT)
+        else:
+            oe = ne * ce - no * so
+            oo = ne * so + no * ce
+        n = tl.reshape(tl.join(oe, oo), [_THREADS, R, 4])
+    dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+    tl.store(out_ptr + dst, round_to(n, DTYPE), mask=valid)
+
+
+# Two ways over a row's J steps, as in the LayerNorm kernel (norm/layernorm_modulate_triton.py):
+# JS = J > 0 loads every tile first (a tuple held in registers, unpredicated when FULL: every
+# vector exists, tail rows are clamped to row 0), then sums, then normalises the held tiles;
+# JS = 0 loops over the runtime J and reads the row twice. Same arithmetic, same bits.
 @triton.jit(do_not_specialize=["M", "S", "N", "NVEC", "J", "eps"])
 def _rms_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
     M, S, N, NVEC, J, eps,
     xsb, xss, xsd, wsd, css, csd, sss, ssd,
     DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, EXACT: tl.constexpr,
-    DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr,
+    DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr, JS: tl.constexpr = 0, FULL: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -62,56 +112,46 @@ def _rms_rope_kernel(
 
     # Pass 1: per-thread sums of squares over the thread's vectors, in element order.
     acc = tl.zeros([_THREADS, R], dtype=tl.float32)
-    j = 0
-    while j < J:
-        vec = j * _THREADS + t
-        valid_t = vec < NVEC
-        valid = valid_t[:, None, None] & row_ok[None, :, None]
-        x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
-        x02, x13 = tl.split(tl.reshape(x, [_THREADS, R, 2, 2]))
-        x0, x2 = tl.split(x02)
-        x1, x3 = tl.split(x13)
-        acc = fma_rn(x0, x0, acc)  # fma(v, v, 0) == v * v for the first element: no special case
-        acc = fma_rn(x1, x1, acc)
-        acc = fma_rn(x2, x2, acc)
-        acc = fma_rn(x3, x3, acc)
-        j += 1
+    if JS > 0:
+        held = ()
+        for j in tl.static_range(JS):
+            vec = j * _THREADS + t
+            if FULL:
+                x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, None)
+            else:
+                x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4,
+                                  (vec < NVEC)[:, None, None] & row_ok[None, :, None])
+            held = held + (x.to(DTYPE),)  # exact: a value of the input dtype
+        for j in tl.static_range(JS):
+            acc = _sumsq4(acc, held[j].to(tl.float32), R)
+    else:
+        j = 0
+        while j < J:
+            vec = j * _THREADS + t
+            valid = (vec < NVEC)[:, None, None] & row_ok[None, :, None]
+            acc = _sumsq4(acc, load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid), R)
+            j += 1
     rstd = rsqrt_approx(tl.math.div_rn(rms_fold_rows(acc, R), N.to(tl.float32)) + eps)
     rstd = rstd[None, :, None]
 
     # Pass 2: normalise, RoPE within each head, store [B, S, H, Dh] contiguous.
-    j = 0
-    while j < J:
-        vec = j * _THREADS + t
-        valid_t = vec < NVEC
-        valid = valid_t[:, None, None] & row_ok[None, :, None]
-        x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
-        n = rstd * x
-        if HAS_W:
-            w_off = (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * wsd
-            n = load_f32(w_ptr + w_off, valid_t[:, None, None]) * n
-        if EXACT:
-            n = rround(n, DTYPE)
-        if HAS_ROPE:
-            col = vec[:, None, None] * 4 + k4[None, None, :]
-            pos = col % DH
-            c_off = s[None, :, None] * css + (pos - pos % 2).to(tl.int64) * csd  # cos[..., 0::2]
-            s_off = s[None, :, None] * sss + (pos | 1).to(tl.int64) * ssd  # sin[..., 1::2]
-            c = load_f32(cos_ptr + c_off, valid)
-            sn = load_f32(sin_ptr + s_off, valid)
-            ne, no = tl.split(tl.reshape(n, [_THREADS, R, 2, 2]))
-            ce, _co = tl.split(tl.reshape(c, [_THREADS, R, 2, 2]))
-            _se, so = tl.split(tl.reshape(sn, [_THREADS, R, 2, 2]))
-            if EXACT:
-                oe = rround(rround(ne * ce, P_DT) - rround(no * so, P_DT), P_DT)
-                oo = rround(rround(ne * so, P_DT) + rround(no * ce, P_DT), P_DT)
-            else:
-                oe = ne * ce - no * so
-                oo = ne * so + no * ce
-            n = tl.reshape(tl.join(oe, oo), [_THREADS, R, 4])
-        dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-        tl.store(out_ptr + dst, round_to(n, DTYPE), mask=valid)
-        j += 1
+    if JS > 0:
+        for j in tl.static_range(JS):
+            vec = j * _THREADS + t
+            valid_t = vec < NVEC
+            valid = valid_t[:, None, None] & row_ok[None, :, None]
+            _norm_rope_store(held[j].to(tl.float32), rstd, w_ptr, cos_ptr, sin_ptr, out_ptr, s, out_row, vec, k4,
+                             valid_t, valid, wsd, css, csd, sss, ssd, DH, HAS_W, HAS_ROPE, EXACT, DTYPE, P_DT, R)
+    else:
+        j = 0
+        while j < J:
+            vec = j * _THREADS + t
+            valid_t = vec < NVEC
+            valid = valid_t[:, None, None] & row_ok[None, :, None]
+            x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
+            _norm_rope_store(x, rstd, w_ptr, cos_ptr, sin_ptr, out_ptr, s, out_row, vec, k4,
+                             valid_t, valid, wsd, css, csd, sss, ssd, DH, HAS_W, HAS_ROPE, EXACT, DTYPE, P_DT, R)
+            j += 1
 
 
 # ----------------------------------------------------------------------------- predicate
@@ -184,30 +224,40 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 # ----------------------------------------------------------------------------- launch
 
 
-def _rows_per_program(M: int) -> int:
+_MAX_UNROLL = 16  # rows of at most 16 vectors per thread (D <= 8192) are held in registers
+
+
+def _rows_per_program(M: int, js: int = 0) -> int:
+    """Rows per program. Never changes numerics (rows are independent). With held rows (js > 0)
+    about 12 vectors per thread: more would spill or starve occupancy."""
     if interpreter_on():  # numpy runs each program in Python: few, wide programs
-        return min(32, triton.next_power_of_2(M))
-    return 4 if M >= 2048 else (2 if M >= 512 else 1)
+        return min(32 if not js else 8, triton.next_power_of_2(M))
+    r = 4 if M >= 2048 else (2 if M >= 512 else 1)
+    return max(1, min(r, 12 // js)) if js else r
 
 
-def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None) -> torch.Tensor:
+def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
+                unroll: bool = True) -> torch.Tensor:
     B, S, D = x.shape
     out = torch.empty((B, S, heads, D // heads), dtype=x.dtype, device=x.device)
     M = B * S
     if M == 0:
         return out
     nvec = D // 4
-    R = rows_per_program or _rows_per_program(M)
+    J = triton.cdiv(nvec, 128)
+    JS = J if unroll and J <= _MAX_UNROLL else 0
+    R = rows_per_program or _rows_per_program(M, JS)
     has_rope = cos is not None
     p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
     _rms_rope_kernel[(triton.cdiv(M, R),)](
         x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
-        M, S, D, nvec, triton.cdiv(nvec, 128), float(eps),
+        M, S, D, nvec, J, float(eps),
         *x.stride(), w.stride(0) if w is not None else 0,
         cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
         sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
         DH=D // heads, HAS_W=w is not None, HAS_ROPE=has_rope, EXACT=exact,
-        DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(p_dt), R=R, num_warps=4, enable_fp_fusion=False,
+        DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(p_dt), R=R, JS=JS,
+        FULL=nvec % 128 == 0, num_warps=4, enable_fp_fusion=False,
     )
     return out
 
