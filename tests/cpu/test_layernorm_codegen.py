@@ -19,12 +19,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.fixture(scope="module")
 def facts():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    # The runtime-loop kernels and the held-row kernels the launchers pick for FLUX's width
-    # (6 vectors per thread: R = 2) and Wan-1.3B's (3: R = 4), plus R = 1 (Wan-14B's 10).
+    # The runtime-loop kernels (widths above 3072, e.g. FLUX's large 5120) and the held-row
+    # kernels the launchers pick for FLUX's 3072 (6 vectors per thread: R = 1) and Wan-1.3B's
+    # 1536 (3: R = 1 plain, R = 2 gated and RoPE).
     out = subprocess.run([sys.executable, "-m", "tests.support.layernorm_codegen", "ln-R1-plain", "ln-R4-plain",
-                          "ln-R4-gated", "ln-R2-plain-held6", "ln-R2-gated-held6", "ln-R1-gated-held6",
-                          "wanrope-R4-plain", "wanrope-R4-plain-held3"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=600)
+                          "ln-R4-gated", "ln-R1-plain-held6", "ln-R1-gated-held6", "ln-R1-plain-held3",
+                          "ln-R2-gated-held3", "wanrope-R4-plain", "wanrope-R2-plain-held3"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         pytest.fail(out.stderr[-3000:])
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

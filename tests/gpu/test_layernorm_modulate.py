@@ -296,7 +296,7 @@ def test_affine_contraction_probe():
 
 @pytest.mark.parametrize("D", [1536, 2240, 5120])
 def test_held_rows_and_runtime_loop_agree_with_eager(D):
-    """Both ways over a row (tiles held in registers, the default up to D = 8192; the runtime loop,
+    """Both ways over a row (tiles held in registers, the default up to D = 3072; the runtime loop,
     used beyond) at every tiling, plain and gated, 2051 tokens (tail rows): bitwise equal to eager.
     2240 has a partial last step (predicated loads), 1536 and 5120 do not."""
     from ditfuse.kernels.norm import layernorm_modulate_triton as lnm

@@ -65,7 +65,7 @@ def test_sweep():
 
 
 def test_held_rows_and_runtime_loop():
-    """Both ways over a row (held tiles, the default up to D = 8192; the runtime loop beyond) at
+    """Both ways over a row (held tiles, the default up to D = 3072; the runtime loop beyond) at
     every tiling, 2051 tokens (tail rows), D = 1536 (3 whole steps), 5120 (10) and 1020 (a partial
     step: predicated loads) with head_dim 102, whose 4-element vectors straddle heads."""
     from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr

@@ -53,7 +53,8 @@ def _compile(kernel, scalars, constexprs, ptrs, strides, fp32_ptrs=()):
 def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     """kind ``ln``: the LayerNorm kernel in FLUX's all-bf16 configuration (gated: the residual
     variant, per-sample gate/scale/shift); ``wanrope``: Wan's RMSNorm + RoPE kernel with fp32
-    freqs. ``js`` > 0: the held-row kernel for rows of ``js`` vectors per thread (FLUX's width
+    freqs (fp32 operands in the ``ln`` case too for ``js`` = 3 would change nothing the checks
+    look at). ``js`` > 0: the held-row kernel for rows of ``js`` vectors per thread (FLUX's width
     3072: 6, Wan-1.3B's 1536: 3), loads unpredicated; 0: the runtime loop."""
     import triton
     import triton.language as tl
@@ -120,8 +121,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the GPU code paths are chosen at import")
     variants = ([("ln", R, g, 0) for R in (1, 2, 4) for g in (False, True)]
-                + [("ln", R, g, 6) for R in (1, 2) for g in (False, True)]
-                + [("wanrope", R, False, js) for R in (1, 4) for js in (0, 3)])
+                + [("ln", R, g, js) for js in (3, 6) for R in (1, 2) for g in (False, True)]
+                + [("wanrope", R, False, js) for R in (1, 2, 4) for js in (0, 3)])
 
     def name(v):
         return f"{v[0]}-R{v[1]}-{'gated' if v[2] else 'plain'}" + (f"-held{v[3]}" if v[3] else "")

@@ -67,8 +67,10 @@ from ditfuse.kernels.common.welford import (
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
-# Rows of at most this many 4-element vectors per thread (D <= 8192) get the unrolled kernel.
-_MAX_UNROLL = 16
+# Rows of at most this many 4-element vectors per thread (D <= 3072) are held in registers: at
+# 5120 (10 vectors) the held kernel was 26 % slower than the runtime loop on the H200 (occupancy),
+# at 3072 and 1536 7-15 % faster (bench/results/probe_held_rows_h200.csv).
+_MAX_UNROLL = 6
 # RES modes
 _NO_RES, _ADD, _GATED = 0, 1, 2
 
@@ -152,7 +154,7 @@ def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, 
 # their state through ``valid``), and the fold over the 128 threads is one ``tl.reduce``.
 #
 # Two ways over a row's J steps (same arithmetic, same bits):
-# - ``JS`` = J > 0 (rows of at most 16 vectors per thread, D <= 8192): every step's tile is
+# - ``JS`` = J > 0 (rows of at most 6 vectors per thread, D <= 3072): every step's tile is
 #   loaded first, into a tuple, before the first Welford update -- all of a row's loads in
 #   flight at once, one memory latency per row -- and pass 2 normalises the tiles still held in
 #   registers (no second read). The held value is what the LayerNorm reads: x, or h as eager
@@ -391,15 +393,21 @@ def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return t.stride(0), (0 if t.shape[1] == 1 else t.stride(1)), t.stride(2)
 
 
-def _rows_per_program(M: int, js: int = 0) -> int:
+def _rows_per_program(M: int, js: int = 0, residual: bool = False) -> int:
     """Rows per program: 4 when there are enough rows to fill the GPU several times over, fewer
-    for short inputs (more programs); with held rows (js vectors per thread) about 12 vectors
-    per thread at most (tests/support/layernorm_codegen.py: FLUX's 6 x R = 4 needs all 255
-    registers and serialises its loads again). Never changes numerics (rows are independent)."""
+    for short inputs (more programs). Held rows (``js`` vectors per thread) trade rows per
+    program for registers: at most 6 held vectors per thread with a residual (its h stores keep
+    more bytes in flight per row), 3 without, in powers of two. From the H200 sweep
+    (bench/probes/probe_held_rows.py, bench/results/probe_held_rows_h200.csv): Wan's 1536 (3
+    vectors) is fastest at R = 2 gated and R = 1 plain, FLUX's 3072 (6) at R = 1, and R = 4 at
+    either costs 20-60 %. Never changes numerics (rows are independent)."""
     if interpreter_on():  # numpy runs each program in Python: few, wide programs
         return min(32 if not js else 8, triton.next_power_of_2(M))
     r = 4 if M >= 2048 else (2 if M >= 512 else 1)
-    return max(1, min(r, 12 // js)) if js else r
+    if js:
+        budget = max(1, (6 if residual else 3) // js)
+        r = min(r, 1 << (budget.bit_length() - 1))
+    return r
 
 
 @functools.lru_cache(maxsize=256)
@@ -445,7 +453,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     nvec = D // 4
     J = triton.cdiv(nvec, 128)
     JS = J if unroll and J <= _MAX_UNROLL else 0
-    R = rows_per_program or _rows_per_program(M, JS)
+    R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
     u = update if update is not None else x
     g = gate if gate is not None else u
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),

@@ -224,16 +224,20 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 # ----------------------------------------------------------------------------- launch
 
 
-_MAX_UNROLL = 16  # rows of at most 16 vectors per thread (D <= 8192) are held in registers
+_MAX_UNROLL = 6  # rows of at most 6 vectors per thread (D <= 3072) are held in registers
 
 
 def _rows_per_program(M: int, js: int = 0) -> int:
-    """Rows per program. Never changes numerics (rows are independent). With held rows (js > 0)
-    about 12 vectors per thread: more would spill or starve occupancy."""
+    """Rows per program. Never changes numerics (rows are independent). Held rows (js > 0): at
+    most 6 held vectors per thread, in powers of two (Wan's 1536: R = 2; the H200 sweep in
+    bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)."""
     if interpreter_on():  # numpy runs each program in Python: few, wide programs
         return min(32 if not js else 8, triton.next_power_of_2(M))
     r = 4 if M >= 2048 else (2 if M >= 512 else 1)
-    return max(1, min(r, 12 // js)) if js else r
+    if js:
+        budget = max(1, 6 // js)
+        r = min(r, 1 << (budget.bit_length() - 1))
+    return r
 
 
 def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
