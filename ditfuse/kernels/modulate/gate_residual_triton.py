@@ -34,7 +34,6 @@ def _gate_residual_kernel(
     P_DT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    GATE_ROWS: tl.constexpr = False,
 ):
     pid_r = tl.program_id(0)
     pid_d = tl.program_id(1)
@@ -45,19 +44,7 @@ def _gate_residual_kernel(
     mask = (rows < R)[:, None] & (cols < D)[None, :]
     c = cols[None, :].to(tl.int64)
     res = load_f32(res_ptr + (b * srb + s * srs)[:, None] + c * srd, mask)
-    if GATE_ROWS:
-        # Per-sample gate and S >= BLOCK_R: the block's rows belong to at most two samples, so
-        # two gate rows are loaded and picked per row instead of one gate load per element (a
-        # third of the kernel's load instructions for an fp32 gate).
-        first = pid_r.to(tl.int64) * BLOCK_R
-        b0 = first // S
-        b1 = tl.minimum(first + BLOCK_R - 1, R - 1) // S
-        cmask = (cols < D)[None, :]
-        g0 = load_f32(gate_ptr + b0 * sgb + c * sgd, cmask)
-        g1 = load_f32(gate_ptr + b1 * sgb + c * sgd, cmask)
-        g = tl.where((b == b0)[:, None], g0, g1)
-    else:
-        g = load_f32(gate_ptr + (b * sgb + s * sgs)[:, None] + c * sgd, mask)
+    g = load_f32(gate_ptr + (b * sgb + s * sgs)[:, None] + c * sgd, mask)
     u = load_f32(upd_ptr + (b * sub + s * sus)[:, None] + c * sud, mask)
     prod = rround(g * u, P_DT)  # eager op 1: gate[:, None] * update
     out = round_to(res + prod, DTYPE)  # eager op 2: residual + product (fp32 opmath), stored
@@ -115,7 +102,7 @@ def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
         su[0], su[1], su[2],
         out.stride(0), out.stride(1),
         DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
-        BLOCK_R=block_r, BLOCK_D=block_d, GATE_ROWS=sg[1] == 0 and S >= block_r,
+        BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=warps, enable_fp_fusion=False,
     )
     return out
