@@ -5,13 +5,17 @@ For each family (``--families``, default all): builds the random-weight real-siz
 widths and token counts, deeper models only add more batches of the same kind), mounts ditfuse,
 captures the arguments every close op's lossless sibling gets at every site during one forward per
 timestep (``ditfuse.models.capture_admission_batches``), and runs
-``ditfuse.contracts.admission.admit_op`` on each close op over all captured batches. Prints the
-table and writes the record (default: ditfuse/contracts/admission_results.json, plus a copy under
-$OUT when set).
+``ditfuse.contracts.admission.admit_op`` on each close op over all captured batches. The VAEs
+(``vae_kl``: the FLUX/SD3 AutoencoderKL at 1024x1024; ``vae_wan``: the Wan 2.1 VAE at 480x832 x 17
+frames; random bf16 weights, the configs of bench/bench_vae.py) are captured in one decode per
+latent draw. Prints the table and writes the record (default:
+ditfuse/contracts/admission_results.json, plus a copy under $OUT when set); ops not measured in
+this run keep their existing records.
 
-    PYTHONPATH=. python3 bench/admit.py [--families flux wan] [--out PATH] [--timesteps 0.9 0.5 0.1]
+    PYTHONPATH=. python3 bench/admit.py [--families flux wan vae_kl vae_wan] [--out PATH] [--timesteps 0.9 0.5 0.1]
 
-Several timesteps give activations of several noise levels (each one more forward).
+Several timesteps give activations of several noise levels (each one more forward); a VAE decodes
+one latent draw (its inputs have no noise level), at most 40 captured calls per close op.
 """
 
 from __future__ import annotations
@@ -26,7 +30,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-_DEFAULTS = {"flux": dict(layers=(2, 2), size="1024x1024"), "wan": dict(layers=(2,), size="832x480x81")}
+_DEFAULTS = {"flux": dict(layers=(2, 2), size="1024x1024"), "wan": dict(layers=(2,), size="832x480x81"),
+             "vae_kl": dict(size="1024x1024"), "vae_wan": dict(size="480x832x17")}
+# Captured calls per close op and VAE decode: the Wan decoder's full-resolution norms are ~300 MB
+# each, and the first decode runs dozens of them (its recording chunks run NCDHW).
+_VAE_MAX_PER_OP = 40
+
+
+def _capture_vae(name: str, seed: int) -> tuple[dict, dict]:
+    """One decode of a random-weight VAE at its bench size, mounted lossless: the close ops'
+    captured batches and the meta entry."""
+    import torch
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    import ditfuse
+    from ditfuse.models import capture_admission_batches
+    from tests.gpu.test_vae_gpu import FLUX_VAE, WAN_VAE
+
+    torch.manual_seed(0)  # the same weights for every latent draw
+    if name == "vae_kl":
+        vae = AutoencoderKL(**FLUX_VAE).to("cuda", torch.bfloat16).eval()
+        lat = (1, 16, 128, 128)
+        note = "AutoencoderKL (FLUX.1 / SD3 config), decode at 1024x1024, random bf16 weights"
+    else:
+        vae = AutoencoderKLWan(**WAN_VAE).to("cuda", torch.bfloat16).eval()
+        lat = (1, 16, 5, 60, 104)
+        note = "AutoencoderKLWan (Wan 2.1 config), decode at 480x832 x 17 frames, random bf16 weights"
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    z = torch.randn(lat, device="cuda", generator=g).to(torch.bfloat16)
+    handle = ditfuse.accelerate(vae)
+    try:
+        got = capture_admission_batches(vae, run=lambda: vae.decode(z, return_dict=False), max_per_op=_VAE_MAX_PER_OP)
+    finally:
+        handle.unmount()
+    return got, dict(config="bench_vae", size=_DEFAULTS[name]["size"], note=note)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,6 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict = {"timesteps": list(args.timesteps), "families": {}}
     for name in args.families:
         t0 = time.time()
+        if name.startswith("vae_"):
+            got, meta["families"][name] = _capture_vae(name, seed=0)
+            for op, b in got.items():
+                batches.setdefault(op, []).extend(b)
+            print(f"[admit] {name}: captured in {time.time() - t0:.1f}s", flush=True)
+            torch.cuda.empty_cache()
+            continue
         fam = families.get(name)
         d = _DEFAULTS[name]
         model = fam.build("dev", d["layers"], load="pretrained")
@@ -77,7 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[admit] {op}: admitted={r.admitted} rms {r.rms_ratio:.3f} max {r.max_ratio:.3f} "
               f"bias {r.bias_ratio:.3f} (kernel rms {r.kernel_rms:.3e} vs eager {r.eager_rms:.3e}; "
               f"{r.elements} elements, {time.time() - t1:.1f}s)", flush=True)
-    path = admission.write_records(results, args.out, meta)
+    # Ops this run did not measure keep their records (and their families' meta).
+    path = args.out if args.out is not None else admission.results_path()
+    previous = admission.read_record_file(path)
+    measured = {r.op for r in results}
+    kept = [r for op, r in previous["records"].items() if op not in measured]
+    meta["families"] = {**previous["meta"].get("families", {}), **meta["families"]}
+    if kept:
+        print(f"[admit] kept from {path}: {', '.join(r.op for r in kept)}", flush=True)
+    path = admission.write_records(results + kept, args.out, meta)
     print(f"[admit] wrote {path}")
     if os.environ.get("OUT"):
         shutil.copy(path, Path(os.environ["OUT"]) / "admission_results.json")

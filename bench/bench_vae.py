@@ -30,9 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-high", action="store_true", help="skip the quality=\"high\" provider")
     p.add_argument("--out", default="bench/results/vae_decode_h200.csv")
     p.add_argument("--breakdown", default=None,
-                   help="also profile one decode per provider (eager, lossless) and write the kernel-time "
+                   help="also profile one decode per provider (eager, lossless, high) and write the kernel-time "
                         "categories (ms) here")
     args = p.parse_args(argv)
 
@@ -105,6 +106,22 @@ def main(argv: list[str] | None = None) -> int:
                 ok = first_mismatch(out, ref) is None
                 rows.append(dict(size=label, batch=batch, provider="lossless", median_ms=round(ms, 2), bitwise_equal=ok, **meta))
                 print(f"[vae] {label} B={batch} lossless {ms:.2f} ms bitwise={ok} disabled={list(rep.disabled)}", flush=True)
+                if not args.no_high:
+                    h = ditfuse.accelerate(vae, quality="high")
+                    hi = h.report().components[0].high
+                    try:
+                        if hi is None or not hi.ok:
+                            print(f"[vae] {label} B={batch} high NOT mounted (runs lossless): "
+                                  f"{hi.failed if hi is not None else 'no request-gated sites'}", flush=True)
+                        ms, out = timed(dec)
+                        profiled(dec, f"{label} B={batch} high", size=label, batch=batch, provider="high")
+                    finally:
+                        h.unmount()
+                    rel = float(((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30)).item())
+                    rows.append(dict(size=label, batch=batch, provider="high", median_ms=round(ms, 2),
+                                     bitwise_equal=first_mismatch(out, ref) is None, **meta))
+                    print(f"[vae] {label} B={batch} high {ms:.2f} ms (mounted on "
+                          f"{len(hi.mounted) if hi is not None and hi.ok else 0} sites) rel={rel:.2e}", flush=True)
                 if not args.no_compile:
                     t0 = time.time()
                     torch._dynamo.reset()

@@ -253,6 +253,16 @@ def _read(path: Path) -> dict[str, AdmissionResult]:
     return {r["op"]: AdmissionResult.from_dict(r) for r in data.get("records", [])}
 
 
+def read_record_file(path: Path) -> dict[str, Any]:
+    """A record file as ``{"meta": {...}, "records": {op: AdmissionResult}}`` (empty when absent):
+    for merging a run that measured some ops into the existing record."""
+    path = Path(path)
+    if not path.is_file():
+        return {"meta": {}, "records": {}}
+    data = json.loads(path.read_text())
+    return {"meta": data.get("meta", {}), "records": _read(path)}
+
+
 def records() -> dict[str, AdmissionResult]:
     """The admission records in force: injected ones (tests) or the committed JSON."""
     global _cache

@@ -90,7 +90,6 @@ SITES = (
         forward=resnet_forward,
         ops=(GROUP_NORM_SILU,),
         applies=_resnet_applies,
-        high=False,  # the close GroupNorm is not admitted yet (no VAE activations captured)
         description="ResnetBlock2D: norm1 + SiLU and norm2 + SiLU, each one GroupNorm+SiLU kernel",
     ),
     Site(
@@ -100,7 +99,6 @@ SITES = (
         forward=group_norm_forward,
         ops=(GROUP_NORM_SILU,),
         applies=_group_norm_applies,
-        high=False,
         description="every other GroupNorm (decoder conv_norm_out, mid-block attention group_norm)",
     ),
 )

@@ -452,7 +452,6 @@ SITES = (
         forward=residual_forward,
         ops=(WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, CONV_CHANNELS_LAST, BIAS_RESIDUAL),
         applies=_residual_applies,
-        high=False,  # the close variant is not admitted (no VAE activations captured yet)
         description="WanResidualBlock: norm1 + SiLU and norm2 + SiLU, each one RMS_norm+SiLU kernel "
                     "(channels-last decode: written into the next causal conv's padded input)",
     ),
@@ -463,7 +462,6 @@ SITES = (
         forward=rms_norm_forward,
         ops=(WAN_RMS_NORM_SILU,),
         applies=_rms_applies,
-        high=False,
         description="every other WanRMS_norm (norm_out before the head's SiLU, the attention block's norm)",
     ),
     Site(

@@ -489,16 +489,22 @@ def _tables(model: torch.nn.Module, ops: Any) -> Iterator[None]:
 
 
 def capture_admission_batches(
-    model: torch.nn.Module, inputs: dict[str, Any], max_per_op: int | None = None
+    model: torch.nn.Module, inputs: dict[str, Any] | None = None, max_per_op: int | None = None,
+    run: Callable[[], Any] | None = None,
 ) -> dict[str, list[admission.Batch]]:
-    """Run one forward of ``model`` (mounted by its adapter, lossless) with ``inputs`` and record,
-    for each close op, the arguments its lossless sibling gets at every site:
-    ``close op id -> [(args, kwargs), ...]``."""
+    """Run one forward of ``model`` (mounted by its adapter, lossless) with ``inputs`` -- or
+    ``run()`` instead, e.g. a VAE's ``decode`` -- and record, for each close op, the arguments its
+    lossless sibling gets at every site: ``close op id -> [(args, kwargs), ...]``."""
     if not any(True for _ in site_hooks(model)):
         raise ValueError("capture_admission_batches needs a model mounted by ditfuse.accelerate()")
+    if (inputs is None) == (run is None):
+        raise ValueError("give either inputs (for model(**inputs)) or run")
     out: dict[str, list[admission.Batch]] = {}
     with _tables(model, _Recorder(out, max_per_op)), torch.no_grad():
-        model(**inputs)
+        if run is not None:
+            run()
+        else:
+            model(**inputs)
     return out
 
 
