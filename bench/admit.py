@@ -123,13 +123,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r.elements} elements, {time.time() - t1:.1f}s)", flush=True)
     # Ops this run did not measure keep their records (and their families' meta).
     path = args.out if args.out is not None else admission.results_path()
-    previous = admission.read_record_file(path)
-    measured = {r.op for r in results}
-    kept = [r for op, r in previous["records"].items() if op not in measured]
-    meta["families"] = {**previous["meta"].get("families", {}), **meta["families"]}
+    records, meta, kept = admission.merge_with_record(results, path, meta)
     if kept:
-        print(f"[admit] kept from {path}: {', '.join(r.op for r in kept)}", flush=True)
-    path = admission.write_records(results + kept, args.out, meta)
+        print(f"[admit] kept from {path}: {', '.join(kept)}", flush=True)
+    path = admission.write_records(records, args.out, meta)
     print(f"[admit] wrote {path}")
     if os.environ.get("OUT"):
         shutil.copy(path, Path(os.environ["OUT"]) / "admission_results.json")

@@ -253,14 +253,23 @@ def _read(path: Path) -> dict[str, AdmissionResult]:
     return {r["op"]: AdmissionResult.from_dict(r) for r in data.get("records", [])}
 
 
-def read_record_file(path: Path) -> dict[str, Any]:
-    """A record file as ``{"meta": {...}, "records": {op: AdmissionResult}}`` (empty when absent):
-    for merging a run that measured some ops into the existing record."""
+def merge_with_record(results: Iterable[AdmissionResult], path: Path, meta: Mapping[str, Any]
+                      ) -> tuple[list[AdmissionResult], dict[str, Any], list[str]]:
+    """``results`` of a run that measured some ops, plus the records of ``path`` for every op it
+    did not measure; ``meta["families"]`` merged the same way. Returns (records, meta, the ops
+    kept from the file)."""
+    results = list(results)
     path = Path(path)
-    if not path.is_file():
-        return {"meta": {}, "records": {}}
-    data = json.loads(path.read_text())
-    return {"meta": data.get("meta", {}), "records": _read(path)}
+    old_meta: dict[str, Any] = {}
+    old: dict[str, AdmissionResult] = {}
+    if path.is_file():
+        old_meta = json.loads(path.read_text()).get("meta", {})
+        old = _read(path)
+    measured = {r.op for r in results}
+    kept = [r for op, r in sorted(old.items()) if op not in measured]
+    merged = dict(meta)
+    merged["families"] = {**old_meta.get("families", {}), **dict(meta.get("families", {}))}
+    return results + kept, merged, [r.op for r in kept]
 
 
 def records() -> dict[str, AdmissionResult]:

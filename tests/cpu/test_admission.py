@@ -141,3 +141,19 @@ def test_candidates_cover_every_close_spec():
 
     close_ops = {s.op for s in registry.specs() if s.contract is Contract.CLOSE}
     assert set(admission.candidates()) == close_ops
+
+
+def test_merge_keeps_records_this_run_did_not_measure(tmp_path):
+    """bench/admit.py --families vae_kl: the VAE op's new record plus every other op's old one."""
+    path = tmp_path / "rec.json"
+    old = [admission.admitted_record("norm.layernorm_modulate_fp32", "old gpu"),
+           admission.admitted_record("norm.group_norm_silu_fp32", "old gpu")]
+    admission.write_records(old, path, {"families": {"flux": {"size": "1024x1024"}}})
+    new = [admission.admitted_record("norm.group_norm_silu_fp32", "new gpu")]
+    recs, meta, kept = admission.merge_with_record(new, path, {"families": {"vae_kl": {"size": "1024x1024"}}})
+    assert kept == ["norm.layernorm_modulate_fp32"]
+    by_op = {r.op: r for r in recs}
+    assert by_op["norm.group_norm_silu_fp32"].measured_on == "new gpu"
+    assert by_op["norm.layernorm_modulate_fp32"].measured_on == "old gpu"
+    assert set(meta["families"]) == {"flux", "vae_kl"}
+    assert admission.merge_with_record(new, tmp_path / "absent.json", {})[2] == []

@@ -70,3 +70,39 @@ def test_fast_path_reaches_the_gate_under_the_interpreter():
         assert sum(c.values()) > 0, c
     finally:
         h.unmount()
+
+
+def test_high_tier_needs_admission_then_runs_the_close_group_norm():
+    """quality="high" on a bf16 VAE: refused (the whole model stays lossless) without an admission
+    record for norm.group_norm_silu_fp32; with one, both GroupNorm sites move to high, the close
+    kernel runs (interpreter) and the decode stays close to diffusers; set back to lossless it is
+    bitwise again. The capture for admission records the close op's inputs from a decode."""
+    from ditfuse.contracts import admission, ops
+    from ditfuse.models import capture_admission_batches, mounted_high
+
+    vae = _vae(torch.bfloat16)
+    z = torch.randn(1, 4, 6, 6).to(torch.bfloat16)
+    base = _decode(vae, z)
+    h = ditfuse.accelerate(vae)
+    try:
+        with admission.override_records({}):
+            res = h.set_quality("high")["AutoencoderKL"]
+        assert not res.ok and "norm.group_norm_silu_fp32" in str(res.failed), res.failed
+        assert mounted_high(vae) == []
+        got = capture_admission_batches(vae, run=lambda: _decode(vae, z))
+        assert set(got) == {"norm.group_norm_silu_fp32"} and len(got["norm.group_norm_silu_fp32"]) > 0
+        with pytest.raises(ValueError, match="either inputs"):
+            capture_admission_batches(vae)
+        with admission.override_records([admission.admitted_record("norm.group_norm_silu_fp32")]):
+            res = h.set_quality("high")["AutoencoderKL"]
+            assert res.ok, res.failed
+            assert {s.partition(":")[2] for s in mounted_high(vae)} == {"vae.resnet", "vae.group_norm"}
+            ops.reset_counts()
+            hi = _decode(vae, z)
+        assert ops.CLOSE["norm.group_norm_silu_fp32"].calls["kernel"] > 0
+        torch.testing.assert_close(hi.float(), base.float(), rtol=0.05, atol=0.05)
+        h.set_quality("lossless")
+        assert mounted_high(vae) == []
+        assert_bitwise_equal(_decode(vae, z), base, "back to lossless")
+    finally:
+        h.unmount()

@@ -228,3 +228,32 @@ def test_layout_record_and_replay_lookups():
     odd = wa._Layouts()
     odd.record(conv, torch.zeros(1, 4, 6, 6)[:, :, ::2])  # strided: not reproduced
     assert odd.problem is not None
+
+
+def test_high_tier_on_the_norm_sites():
+    """quality="high" on a bf16 Wan VAE with an injected admission record: the residual and
+    rms_norm sites (the ones with a close op) move to high and norm.wan_rms_norm_silu_fp32 runs
+    (interpreter); the conv/layout sites have no high tier; back to lossless it is bitwise again."""
+    from ditfuse.contracts import admission, ops
+    from ditfuse.models import mounted_high
+
+    vae = _vae(torch.bfloat16)
+    z = torch.randn(1, 4, 2, 4, 6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    h = ditfuse.accelerate(vae)
+    try:
+        with admission.override_records([admission.admitted_record("norm.wan_rms_norm_silu_fp32")]):
+            res = h.set_quality("high")["AutoencoderKLWan"]
+            assert res.ok, res.failed
+            assert {s.partition(":")[2] for s in mounted_high(vae)} == {"wan_vae.residual", "wan_vae.rms_norm"}
+            ops.reset_counts()
+            with torch.no_grad():
+                hi = vae.decode(z, return_dict=False)[0]
+        assert ops.CLOSE["norm.wan_rms_norm_silu_fp32"].calls["kernel"] > 0
+        torch.testing.assert_close(hi.float(), base.float(), rtol=0.05, atol=0.05)
+        h.set_quality("lossless")
+        with torch.no_grad():
+            assert_bitwise_equal(vae.decode(z, return_dict=False)[0], base, "back to lossless")
+    finally:
+        h.unmount()

@@ -140,3 +140,52 @@ def test_wan_vae_b2_channels_last():
     vae = _wan_vae(WAN_VAE, torch.bfloat16)
     z = torch.randn(2, 16, 2, 16, 24, device=DEV).to(torch.bfloat16)
     _wan_compare_cl(vae, z, "Wan 2.1 VAE B=2 128x192x5")
+
+
+@pytest.mark.parametrize("which", ["kl", "wan"])
+def test_high_tier_admitted_and_closer_than_eager(which):
+    """quality="high" on the real-width VAEs (bf16): the close norm op passes admission on this
+    decode's own captured inputs, mounts on the norm sites with that record, runs (kernel calls >
+    0), and the high decode is no further from an fp32 decode of the same weights than eager
+    bf16 is; set back to lossless it is bitwise equal to diffusers again."""
+    import ditfuse
+    from ditfuse.contracts import admission, ops
+    from ditfuse.kernels.compare import assert_bitwise_equal
+    from ditfuse.models import capture_admission_batches, mounted_high
+
+    if which == "kl":
+        vae, vae32 = _vae(FLUX_VAE, torch.bfloat16), _vae(FLUX_VAE, torch.float32)
+        z = torch.randn(1, 16, 64, 64, device=DEV)
+        op, sites = "norm.group_norm_silu_fp32", {"vae.resnet", "vae.group_norm"}
+    else:
+        vae, vae32 = _wan_vae(WAN_VAE, torch.bfloat16), _wan_vae(WAN_VAE, torch.float32)
+        z = torch.randn(1, 16, 2, 30, 52, device=DEV)
+        op, sites = "norm.wan_rms_norm_silu_fp32", {"wan_vae.residual", "wan_vae.rms_norm"}
+    zb = z.to(torch.bfloat16)
+
+    def dec(m, x):
+        with torch.no_grad():
+            return m.decode(x, return_dict=False)[0].float()
+
+    ref32, base = dec(vae32, zb.float()), dec(vae, zb)
+    del vae32
+    h = ditfuse.accelerate(vae)
+    try:
+        batches = capture_admission_batches(vae, run=lambda: dec(vae, zb))
+        result = admission.admit_op(op, batches[op], DEV)
+        assert result.admitted, admission.format_table([result])
+        with admission.override_records([result]):
+            res = h.set_quality("high")[type(vae).__name__]
+            assert res.ok, res.failed
+            assert {s.partition(":")[2] for s in mounted_high(vae)} == sites
+            ops.reset_counts()
+            dec(vae, zb)  # the channels-last decode starts on the second call (Wan)
+            hi = dec(vae, zb)
+        assert ops.CLOSE[op].calls["kernel"] > 0
+        err_hi, err_eager = (hi - ref32).norm().item(), (base - ref32).norm().item()
+        assert err_hi <= 1.05 * err_eager, (err_hi, err_eager)
+        h.set_quality("lossless")
+        dec(vae, zb)
+        assert_bitwise_equal(dec(vae, zb), base, "lossless after high")
+    finally:
+        h.unmount()
