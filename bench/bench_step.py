@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import triton
 
     import ditfuse
-    from ditfuse.kernels.compare import first_mismatch
+    from ditfuse.kernels.compare import first_mismatch, relative_l2
     from ditfuse.models import families
 
     if not torch.cuda.is_available():
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     host = []
                     times, out = time_steps(fn, args.steps, args.warmup, host)
                 mm = first_mismatch(out, ref_out)
-                rel = float(((out.float() - ref_out.float()).norm() / ref_out.float().norm().clamp_min(1e-30)).item())
+                rel = relative_l2(out, ref_out)
                 results[prov] = (times, mm is None, rel, host)
                 extra = ""
                 if handle is not None:

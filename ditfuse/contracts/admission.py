@@ -246,11 +246,16 @@ def results_path() -> Path:
     return Path(env).expanduser() if env else RESULTS_PATH
 
 
-def _read(path: Path) -> dict[str, AdmissionResult]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text())
+def _load(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _records_of(data: Mapping[str, Any]) -> dict[str, AdmissionResult]:
     return {r["op"]: AdmissionResult.from_dict(r) for r in data.get("records", [])}
+
+
+def _read(path: Path) -> dict[str, AdmissionResult]:
+    return _records_of(_load(path))
 
 
 def merge_with_record(results: Iterable[AdmissionResult], path: Path, meta: Mapping[str, Any]
@@ -259,12 +264,8 @@ def merge_with_record(results: Iterable[AdmissionResult], path: Path, meta: Mapp
     did not measure; ``meta["families"]`` merged the same way. Returns (records, meta, the ops
     kept from the file)."""
     results = list(results)
-    path = Path(path)
-    old_meta: dict[str, Any] = {}
-    old: dict[str, AdmissionResult] = {}
-    if path.is_file():
-        old_meta = json.loads(path.read_text()).get("meta", {})
-        old = _read(path)
+    data = _load(Path(path))
+    old_meta, old = data.get("meta", {}), _records_of(data)
     measured = {r.op for r in results}
     kept = [r for op, r in sorted(old.items()) if op not in measured]
     merged = dict(meta)

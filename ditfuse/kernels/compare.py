@@ -141,3 +141,11 @@ def assert_bitwise_equal(actual: Any, expected: Any, name: str = "output") -> No
     mm = compare_outputs(actual, expected, name)
     if mm is not None:
         raise AssertionError(str(mm))
+
+
+def relative_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``||actual - expected|| / ||expected||`` in fp32 (the benchmarks' "rel diff" of a close
+    provider against eager)."""
+    a, e = actual.float(), expected.float()
+    return float(((a - e).norm() / e.norm().clamp_min(1e-30)).item())
+

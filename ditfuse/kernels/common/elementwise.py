@@ -74,10 +74,8 @@ def broadcast_3d(t: torch.Tensor, shape: tuple[int, int, int]) -> tuple[int, int
 
 def tile(d: int, per_program: int = 8192) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): about ``per_program`` elements per program (8 warps), whole
-    16-byte vectors. The gated residual uses 2K (8 elements per thread: fastest in the H200
-    sweep, bench/probes/probe_gate_residual_tile.py); GELU's tanh
-    keeps two branches live per element and uses 4K (16 per thread, no spills; the H200 sweep in
-    bench/probes/probe_held_rows.py found 2K and 8K 5-20 % slower)."""
+    16-byte vectors. Callers pick ``per_program``: gate_residual 2K and GELU 4K from H200 sweeps
+    (see their call sites), SwiGLU 4K."""
     block_d = min(triton.next_power_of_2(max(d, 1)), 1024)
     if d % block_d:
         # A partial last column block idles lanes on every row (D = 1536 with 1024: a quarter

@@ -4,6 +4,7 @@ grad checks, torch's type promotion. One place for what each kernel's predicate 
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from ..env import env
@@ -20,6 +21,34 @@ def tl_dtype(dtype: torch.dtype) -> tl.dtype:
 def interpreter_on() -> bool:
     """``TRITON_INTERPRET=1``: Triton runs kernels on the CPU with numpy (the CPU tests)."""
     return env("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# The row-norm kernels (LayerNorm + modulate, Wan's RMSNorm + RoPE) hold a row's tiles in
+# registers when it has at most this many 4-element vectors per thread (D <= 3072): at 5120 (10
+# vectors) the held kernel was 26 % slower than the runtime loop on the H200 (occupancy), at 3072
+# and 1536 7-15 % faster (bench/results/probe_held_rows_h200.csv).
+MAX_HELD_STEPS = 6
+
+
+def held_steps(steps: int, unroll: bool = True) -> int:
+    """The ``JS`` constexpr of a row-norm kernel with ``steps`` vectors per thread: ``steps`` when
+    the row is held in registers, 0 for the runtime loop."""
+    return steps if unroll and steps <= MAX_HELD_STEPS else 0
+
+
+def rows_per_program(M: int, held: int = 0, held_budget: int = 6) -> int:
+    """Rows per program of a row-norm kernel over ``M`` rows: 4 when there are enough rows to fill
+    the GPU several times over, fewer for short inputs; held rows (``held`` vectors per thread)
+    at most ``held_budget`` held vectors per thread, in powers of two. Under the interpreter few,
+    wide programs (numpy runs each program in Python). Never changes numerics (rows are
+    independent)."""
+    if interpreter_on():
+        return min(32 if not held else 8, triton.next_power_of_2(M))
+    r = 4 if M >= 2048 else (2 if M >= 512 else 1)
+    if held:
+        budget = max(1, held_budget // held)
+        r = min(r, 1 << (budget.bit_length() - 1))
+    return r
 
 
 def promote(*dtypes: torch.dtype) -> torch.dtype:

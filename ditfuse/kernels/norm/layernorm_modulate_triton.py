@@ -50,8 +50,9 @@ from ditfuse.kernels.common.host import (
     SUPPORTED_DTYPES,
     device_reason,
     grad_reason,
-    interpreter_on,
+    held_steps,
     promote,
+    rows_per_program,
     tl_dtype,
     use_custom_op,
 )
@@ -67,10 +68,6 @@ from ditfuse.kernels.common.welford import (
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
-# Rows of at most this many 4-element vectors per thread (D <= 3072) are held in registers: at
-# 5120 (10 vectors) the held kernel was 26 % slower than the runtime loop on the H200 (occupancy),
-# at 3072 and 1536 7-15 % faster (bench/results/probe_held_rows_h200.csv).
-_MAX_UNROLL = 6
 # RES modes
 _NO_RES, _ADD, _GATED = 0, 1, 2
 
@@ -394,20 +391,12 @@ def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 def _rows_per_program(M: int, js: int = 0, residual: bool = False) -> int:
-    """Rows per program: 4 when there are enough rows to fill the GPU several times over, fewer
-    for short inputs (more programs). Held rows (``js`` vectors per thread) trade rows per
-    program for registers: at most 6 held vectors per thread with a residual (its h stores keep
-    more bytes in flight per row), 3 without, in powers of two. From the H200 sweep
-    (bench/probes/probe_held_rows.py, bench/results/probe_held_rows_h200.csv): Wan's 1536 (3
-    vectors) is fastest at R = 2 gated and R = 1 plain, FLUX's 3072 (6) at R = 1, and R = 4 at
-    either costs 20-60 %. Never changes numerics (rows are independent)."""
-    if interpreter_on():  # numpy runs each program in Python: few, wide programs
-        return min(32 if not js else 8, triton.next_power_of_2(M))
-    r = 4 if M >= 2048 else (2 if M >= 512 else 1)
-    if js:
-        budget = max(1, (6 if residual else 3) // js)
-        r = min(r, 1 << (budget.bit_length() - 1))
-    return r
+    """Rows per program (common/host.py ``rows_per_program``). Held rows get at most 6 held
+    vectors per thread with a residual (its h stores keep more bytes in flight per row), 3
+    without. From the H200 sweep (bench/probes/probe_held_rows.py,
+    bench/results/probe_held_rows_h200.csv): Wan's 1536 (3 vectors) is fastest at R = 2 gated and
+    R = 1 plain, FLUX's 3072 (6) at R = 1, and R = 4 at either costs 20-60 %."""
+    return rows_per_program(M, js, 6 if residual else 3)
 
 
 @functools.lru_cache(maxsize=256)
@@ -452,7 +441,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
         return h, out
     nvec = D // 4
     J = triton.cdiv(nvec, 128)
-    JS = J if unroll and J <= _MAX_UNROLL else 0
+    JS = held_steps(J, unroll)
     R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
     u = update if update is not None else x
     g = gate if gate is not None else u

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import load_f32, load_row_tile
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, interpreter_on, promote, tl_dtype, use_custom_op
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, held_steps, promote, tl_dtype, use_custom_op
+from ..common.host import rows_per_program as common_rows_per_program
 from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_rows, rsqrt_approx
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
@@ -224,22 +225,6 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 # ----------------------------------------------------------------------------- launch
 
 
-_MAX_UNROLL = 6  # rows of at most 6 vectors per thread (D <= 3072) are held in registers
-
-
-def _rows_per_program(M: int, js: int = 0) -> int:
-    """Rows per program. Never changes numerics (rows are independent). Held rows (js > 0): at
-    most 6 held vectors per thread, in powers of two (Wan's 1536: R = 2; the H200 sweep in
-    bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)."""
-    if interpreter_on():  # numpy runs each program in Python: few, wide programs
-        return min(32 if not js else 8, triton.next_power_of_2(M))
-    r = 4 if M >= 2048 else (2 if M >= 512 else 1)
-    if js:
-        budget = max(1, 6 // js)
-        r = min(r, 1 << (budget.bit_length() - 1))
-    return r
-
-
 def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
                 unroll: bool = True) -> torch.Tensor:
     B, S, D = x.shape
@@ -249,8 +234,10 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
         return out
     nvec = D // 4
     J = triton.cdiv(nvec, 128)
-    JS = J if unroll and J <= _MAX_UNROLL else 0
-    R = rows_per_program or _rows_per_program(M, JS)
+    JS = held_steps(J, unroll)
+    # held rows: at most 6 held vectors per thread (Wan's 1536: R = 2; the H200 sweep in
+    # bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)
+    R = rows_per_program or common_rows_per_program(M, JS, 6)
     has_rope = cos is not None
     p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
     _rms_rope_kernel[(triton.cdiv(M, R),)](
