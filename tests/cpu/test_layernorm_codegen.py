@@ -79,3 +79,62 @@ def test_held_rows_issue_their_loads_first(facts):
     for f in facts:
         if not f["js"]:
             assert f["ldg_before_first_ffma"] <= f["R"] * (3 if f["gated"] else 1), f
+
+
+@pytest.fixture(scope="module")
+def warp_facts():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # The warp-per-row kernels as launched (one row per one-warp program) at Wan-1.3B's 1536 (3
+    # steps) and FLUX's 3072 (6), and with four rows (warps) per program, which the guard refuses.
+    out = subprocess.run([sys.executable, "-m", "tests.support.layernorm_codegen", "lnwarp-R1-plain-held3",
+                          "lnwarp-R1-gated-held3", "lnwarp-R1-plain-held6", "lnwarp-R1-gated-held6",
+                          "wanropewarp-R1-plain-held3", "lnwarp-R4-plain-held3", "wanropewarp-R4-plain-held3"],
+                         cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        pytest.fail(out.stderr[-3000:])
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+def test_warp_kernel_has_no_shared_memory_and_constant_fold(warp_facts):
+    """One warp per row: the four logical warps' trees are butterflies at 16, 8, 4, 2, 1 (mean and
+    m2 only: the counts are constants), the cross-warp tree stays in registers (no shared memory,
+    no barrier), lane 0's result is broadcast, and the only IEEE division left is ``m2 / N``
+    (every reciprocal of the Welford updates and of the fold is folded at compile time)."""
+    assert len(warp_facts) == 7
+    for f in warp_facts:
+        if f["R"] != 1:
+            continue
+        n = 2 if f["kind"] == "lnwarp" else 1  # Welford: mean and m2 (no count); RMS: the sum
+        assert f["shfl_kinds"] == ["bfly", "idx"], f
+        assert sorted(f["shfl_offsets"]) == sorted([16, 8, 4, 2, 1] * n * 4 + [0] * n), f["shfl_offsets"]
+        assert f["bar_sync"] == 0 and f["st_shared"] == 0 and f["ld_shared"] == 0 and f["shared_bytes"] == 0, f
+        assert f["div_rn_f32"] == 1, f
+        assert f["rsqrt_approx"] == 1, f
+        assert f["local_bytes"] == 0, f
+        if f["kind"] == "lnwarp":  # the RoPE kernel also reads weights, cos and sin (fp32)
+            assert set(f["ld_global"]) == {"ld.global.v2.b32"}, f["ld_global"]
+        assert set(f["st_global"]) == {"st.global.v2.b32"}, f["st_global"]
+
+
+def test_warp_kernel_issues_its_loads_first(warp_facts):
+    """Most of the row's loads (4 tiles per step, 3 tensors when gated) are in flight before the
+    first Welford FMA: at least 2/3 of them (ptxas starts the first logical warp's updates after
+    17 of 24 loads at 3072, R = 1)."""
+    for f in warp_facts:
+        if f["kind"] != "lnwarp" or f["R"] != 1:
+            continue
+        per_step = 4 * (3 if f["gated"] else 1)
+        assert f["ldg_before_first_ffma"] >= 2 / 3 * f["js"] * per_step, f
+
+
+def test_warp_layout_guard(warp_facts):
+    """The launched binaries lay the shuffled [1, 32] states out one element per lane, lane i
+    holding element i (the guard accepts them); with four rows per program Triton spreads a
+    warp's lanes over the rows (threadsPerWarp [4, 8]) and the guard refuses, so the launcher
+    falls back to the 128-thread kernel instead of shuffling across rows."""
+    for f in warp_facts:
+        if f["R"] == 1:
+            assert f["warp_layout_reason"] is None, f
+        else:
+            assert f["warp_layout_reason"] and "threadsPerWarp = [4, 8]" in f["warp_layout_reason"], f

@@ -66,27 +66,48 @@ def test_flux_chain_matches_cuda_order_sim(D, dtype, per_token):
     torch.testing.assert_close(got.float(), exp.float(), rtol=_tol(dtype), atol=_tol(dtype))
 
 
-@pytest.mark.parametrize("unroll", [True, False], ids=["held", "loop"])
+PATHS = {"warp": dict(warp=True), "held": dict(warp=False), "loop": dict(unroll=False)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("B,S", [(1, 5), (2, 3), (1, 4)], ids=["M5", "M6", "M4"])
 @pytest.mark.parametrize("D", [12, 132, 520, 1024])
-def test_rows_per_program_and_tail_rows(R, B, S, D, unroll):
-    """Both ways over a row (held tiles / runtime loop), every tiling, tail rows; D = 1024 is a
-    whole number of 128-thread steps (unpredicated loads, tail rows read row 0 and store nothing)."""
+def test_rows_per_program_and_tail_rows(R, B, S, D, path):
+    """Every way over a row (warp per row / held tiles / runtime loop), every tiling, tail rows;
+    D = 1024 is a whole number of 128-thread steps (unpredicated loads, tail rows read row 0 and
+    store nothing), the only width here the warp-per-row kernel takes."""
+    if path == "warp" and D % 512:
+        pytest.skip("the warp-per-row kernel needs whole 128-thread steps")
     x = _x((B, S, D), torch.bfloat16, D + S)
     sc = _x((B, D), torch.bfloat16, D + 1, 0.5, 0.0)
     sh = _x((B, D), torch.bfloat16, D + 2, 0.5, 0.0)
-    got = lnm._launch(x, None, None, sc, sh, EPS, None, None, None, True, rows_per_program=R, unroll=unroll)[1]
+    got = lnm._launch(x, None, None, sc, sh, EPS, None, None, None, True, rows_per_program=R, **PATHS[path])[1]
     _eq(got, sim.layernorm_modulate(x, sc, sh, EPS))
 
 
-@pytest.mark.parametrize("unroll", [True, False], ids=["held", "loop"])
+def test_warp_path_rule():
+    """Whole 128-thread steps up to WARP_MAX_STEPS take the warp-per-row kernels by default."""
+    from ditfuse.kernels.common.host import warp_path
+
+    assert warp_path(384) and warp_path(768)  # Wan 1536, FLUX 3072
+    assert not warp_path(560)  # 2240: a partial last step
+    assert not warp_path(1280)  # 5120: 10 steps
+    assert not warp_path(0)
+    with pytest.raises(ValueError, match="512"):
+        x = torch.zeros(1, 1, 132, dtype=torch.bfloat16)
+        lnm._launch(x, None, None, None, None, EPS, None, None, None, True, warp=True)
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "close"])
 @pytest.mark.parametrize("D", [132, 512])
-def test_gated_held_and_loop_agree(D, exact, unroll):
-    """The gated kernel's h and output through both ways over the row, 5 rows at R = 2 (a tail
+def test_gated_paths_agree(D, exact, path):
+    """The gated kernel's h and output through every way over the row, 5 rows at R = 2 (a tail
     row), fp32 norm with affine as Wan's norm2: same bits as the simulation (exact) or as the
-    other way (close, whose recipe has no simulation)."""
+    runtime loop (close, whose recipe has no simulation)."""
+    if path == "warp" and D % 512:
+        pytest.skip("the warp-per-row kernel needs whole 128-thread steps")
     B, S = 1, 5
     res = _x((B, S, D), torch.bfloat16, 1, 2.0, 1.0)
     upd = _x((B, S, D), torch.bfloat16, 2, 1.0, 0.0)
@@ -94,13 +115,14 @@ def test_gated_held_and_loop_agree(D, exact, unroll):
     w = _x((D,), torch.float32, 4, 0.2, 1.0)
     bias = _x((D,), torch.float32, 5, 0.2, 0.0)
     h, out = lnm._launch(res, gate, upd, None, None, EPS, w, bias, torch.float32, exact, rows_per_program=2,
-                         unroll=unroll)
+                         **PATHS[path])
     if exact:
         eh = (res.float() + upd * gate).type_as(res)
         eout = sim.layernorm_modulate(eh, None, None, EPS, w, bias, torch.float32)
     else:
+        other = PATHS["held" if path == "loop" else "loop"]
         eh, eout = lnm._launch(res, gate, upd, None, None, EPS, w, bias, torch.float32, exact, rows_per_program=2,
-                               unroll=not unroll)
+                               **other)
     _eq(h, eh)
     _eq(out, eout)
 

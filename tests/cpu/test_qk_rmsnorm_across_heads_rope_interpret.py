@@ -67,18 +67,29 @@ def test_rows_wider_than_512_use_several_vectors_per_thread():
     assert not torch.equal(seq, rms_sim.rms_norm(a["q"], a["q_weight"], 1e-6, rms_sim.interp_rsqrt))
 
 
-@pytest.mark.parametrize("unroll", [True, False], ids=["held", "loop"])
-@pytest.mark.parametrize("H,Dh,R", [(12, 128, 4), (2, 6, 2), (5, 4, 1)], ids=["D1536_R4", "D12_Dh6_R2", "D20_R1"])
-def test_held_rows_and_runtime_loop(H, Dh, R, unroll):
-    """Both ways over a row, 5 rows (tail rows at R = 2, 4), a whole number of 128-thread steps
-    (1536: unpredicated loads) and head_dims 6 and 4 whose 4-element vectors straddle heads
-    (cos/sin read per element position)."""
+PATHS = {"warp": dict(warp=True), "held": dict(warp=False), "loop": dict(unroll=False)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("H,Dh,R", [(12, 128, 4), (4, 128, 2), (2, 6, 2), (5, 4, 1)],
+                         ids=["D1536_R4", "D512_R2", "D12_Dh6_R2", "D20_R1"])
+def test_warp_held_rows_and_runtime_loop(H, Dh, R, path):
+    """Every way over a row, 5 rows (tail rows at R = 2, 4), whole numbers of 128-thread steps
+    (1536, 512: unpredicated loads; the only widths the warp-per-row kernel takes) and head_dims
+    6 and 4 whose 4-element vectors straddle heads (cos/sin read per element position); fp32
+    rows too, whose squares round, so the order of the sums shows."""
     from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
 
-    a = _make(1, 5, H, Dh, dtype=torch.bfloat16, seed=H * Dh + R)
-    got = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], H, 1e-6, True, rows_per_program=R,
-                         unroll=unroll)
-    assert_bitwise_equal(got, _sim(a)[0])
+    if path == "warp" and (H * Dh) % 512:
+        pytest.skip("the warp-per-row kernel needs whole 128-thread steps")
+    for dtype in (torch.bfloat16, torch.float32):
+        a = _make(1, 5, H, Dh, dtype=dtype, seed=H * Dh + R)
+        got = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], H, 1e-6, True, rows_per_program=R,
+                             **PATHS[path])
+        assert_bitwise_equal(got, _sim(a)[0])
+    b = dict(a, cos=None, sin=None)
+    got = wr._launch_one(b["q"], b["q_weight"], None, None, H, 1e-6, True, rows_per_program=R, **PATHS[path])
+    assert_bitwise_equal(got, _sim(b)[0])
 
 
 def test_no_weight_no_rope_and_strided_qkv_chunks():

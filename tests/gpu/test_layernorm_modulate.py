@@ -294,11 +294,12 @@ def test_affine_contraction_probe():
     assert res["fma"], f"the FMA contraction does not match torch: {res}"
 
 
-@pytest.mark.parametrize("D", [1536, 2240, 5120])
-def test_held_rows_and_runtime_loop_agree_with_eager(D):
-    """Both ways over a row (tiles held in registers, the default up to D = 3072; the runtime loop,
-    used beyond) at every tiling, plain and gated, 2051 tokens (tail rows): bitwise equal to eager.
-    2240 has a partial last step (predicated loads), 1536 and 5120 do not."""
+@pytest.mark.parametrize("D", [1536, 2240, 3072, 5120])
+def test_warp_held_rows_and_runtime_loop_agree_with_eager(D):
+    """Every way over a row at every tiling, plain and gated, 2051 tokens (tail rows): bitwise equal
+    to eager. The warp-per-row kernel (default for whole steps up to D = 3072, forced at 5120 with
+    10 held steps), the 128-thread kernel with held tiles (default for partial steps such as 2240,
+    whose last step has predicated loads) and its runtime loop (default beyond 3072)."""
     from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 
     gen = torch.Generator(device="cuda").manual_seed(D)
@@ -307,15 +308,18 @@ def test_held_rows_and_runtime_loop_agree_with_eager(D):
     sc, sh, g = (_rand((B, 1, D), F32, gen, 0.5) for _ in range(3))
     exp_plain = ref.layernorm_modulate(x, sc, sh, EPS, norm_dtype=F32)
     exp_gated = ref.gate_residual_layernorm_modulate(x, g, u, sc, sh, EPS, norm_dtype=F32)
+    paths = {"held": dict(warp=False), "loop": dict(unroll=False)}
+    if D % 512 == 0:
+        paths["warp"] = dict(warp=True)
     failures = []
-    for unroll in (True, False):
-        for R in (1, 2, 4):
-            label = f"D={D} unroll={unroll} R={R}"
-            got = lnm._launch(x, None, None, sc, sh, EPS, None, None, F32, True, rows_per_program=R, unroll=unroll)[1]
+    for path, kw in paths.items():
+        for R in (1, 2, 4, 8) if path == "warp" else (1, 2, 4):
+            label = f"D={D} {path} R={R}"
+            got = lnm._launch(x, None, None, sc, sh, EPS, None, None, F32, True, rows_per_program=R, **kw)[1]
             mm = compare_outputs(got, exp_plain, label + " plain")
             if mm is not None:
                 failures.append(str(mm))
-            got = lnm._launch(x, g, u, sc, sh, EPS, None, None, F32, True, rows_per_program=R, unroll=unroll)
+            got = lnm._launch(x, g, u, sc, sh, EPS, None, None, F32, True, rows_per_program=R, **kw)
             mm = compare_outputs(got, exp_gated, label + " gated")
             if mm is not None:
                 failures.append(str(mm))

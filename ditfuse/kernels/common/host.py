@@ -51,6 +51,28 @@ def rows_per_program(M: int, held: int = 0, held_budget: int = 6) -> int:
     return r
 
 
+# Rows that are whole 128-thread steps (D % 512 == 0) of at most this many steps (D <= 3072) take
+# the warp-per-row kernels (one warp runs torch's 128 threads as 4 register sets; the fold needs
+# no shared memory and, for the Welford, no runtime reciprocals).
+WARP_MAX_STEPS = 6
+
+
+def warp_path(nvec: int, max_steps: int = WARP_MAX_STEPS) -> bool:
+    """Whether a row of ``nvec`` 4-element vectors takes a warp-per-row kernel: whole 128-thread
+    steps (every thread holds the same number of elements), at most ``max_steps`` of them (held
+    in registers)."""
+    return nvec > 0 and nvec % 128 == 0 and nvec // 128 <= max_steps
+
+
+def warp_rows_per_program(M: int) -> int:
+    """Rows (= warps) per program of a warp-per-row kernel: one on the GPU (with more, Triton
+    spreads a warp's lanes over several rows and the shuffles would not be CUDA's; see
+    common/warp.py), few wide programs under the interpreter. Never changes numerics."""
+    if interpreter_on():
+        return min(8, triton.next_power_of_2(M))
+    return 1
+
+
 def promote(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype an eager op on tensors of these dtypes stores (torch's type promotion)."""
     out = dtypes[0]

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .rounding import INTERPRET
+from .warp import lane0_broadcast, shfl_bfly
 from .welford import fma_rn, rsqrt_approx
 
 # torch's launch: 32 lanes x 4 warps per row, 4-element vectors.
@@ -125,6 +126,26 @@ def rms_fold_rows(acc, R: tl.constexpr):
         return tl.reshape(s, [R])
     else:
         return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _warp_sum(a, R: tl.constexpr):
+    for lvl in tl.static_range(5):
+        a = a + shfl_bfly(a, 16 >> lvl, R)
+    return a
+
+
+@triton.jit
+def rms_fold_4warps_in_registers(a0, a1, a2, a3, R: tl.constexpr):
+    """:func:`rms_fold_rows` for the warp-per-row kernels: torch's 4 warps are register sets
+    0..3 of one warp ([R, 32] sums each, row r in warp r). Each set folds with butterflies at 16,
+    8, 4, 2, 1 (lane 0's sum is the shfl-down tree's), then (w0 + w2) + (w1 + w3) in registers;
+    returns [R, 32] with every lane holding lane 0's (torch's) sum."""
+    a0 = _warp_sum(a0, R)
+    a1 = _warp_sum(a1, R)
+    a2 = _warp_sum(a2, R)
+    a3 = _warp_sum(a3, R)
+    return lane0_broadcast((a0 + a2) + (a1 + a3), R)
 
 
 # ---------------------------------------------------------------------------------------------

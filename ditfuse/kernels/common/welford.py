@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .rounding import INTERPRET
+from .warp import lane0_broadcast, shfl_bfly
 
 # Threads per row in torch's launch (warp_size x num_threads() / warp_size = 32 x 4) and
 # elements per vector (``vec_size``).
@@ -78,12 +79,16 @@ def welford_update(mean, m2, v, new_count, valid):
     """``cuWelfordOnlineSum``: add one element ``v`` to a thread's state.
 
     ``new_count`` is the (exact, fp32) count after the update; the state is kept where
-    ``valid`` is False (the thread has no vector at this step)."""
+    ``valid`` is False (the thread has no vector at this step); ``valid=None``: no thread is idle.""" 
     delta = v - mean
     coef = tl.math.div_rn(1.0, new_count)
     new_mean = fma_rn(delta, coef, mean)
     new_m2 = fma_rn(delta, v - new_mean, m2)
-    return tl.where(valid, new_mean, mean), tl.where(valid, new_m2, m2)
+    if valid is None:  # every thread holds this element (whole 128-thread steps)
+        mean, m2 = new_mean, new_m2
+    else:
+        mean, m2 = tl.where(valid, new_mean, mean), tl.where(valid, new_m2, m2)
+    return mean, m2
 
 
 @triton.jit
@@ -166,3 +171,61 @@ def welford_fold_rows(mean, m2, n, R: tl.constexpr):
         return tl.reshape(mean, [R]), tl.reshape(m2, [R]), tl.reshape(n, [R])
     else:
         return tl.reduce((mean, m2, n), 0, _combine_own_first)
+
+
+# ----------------------------------------------------------------------------- one warp per row
+#
+# The warp-per-row LayerNorm (norm/layernorm_modulate_triton.py ``_ln_warp_kernel``) runs torch's
+# 128 threads of a row as 4 "logical warps" held in the registers of one real warp: logical
+# thread ``t = lane + 32 * w`` is register set ``w`` of lane ``lane``. The shfl-down fold inside a
+# logical warp is a real butterfly over the 32 lanes (lane 0 ends with torch's tree, as above);
+# the cross-warp tree (w0 + w2) + (w1 + w3) is three combines inside each thread, no shared
+# memory and no barrier. Only rows that are whole 128-thread steps take it: every thread then
+# holds the same count, so each level's counts, and therefore its reciprocal and coefficients,
+# are compile-time constants (the same IEEE values the runtime ``welford_combine`` computes).
+
+
+@triton.jit
+def welford_combine_counts(mean_b, m2_b, mean_a, m2_a, NB: tl.constexpr, NA: tl.constexpr):
+    """:func:`welford_combine` (defaults) when both counts are known constants ``NB``, ``NA`` > 0:
+    the same operations on the same values, so the same bits; the reciprocal and coefficients
+    fold at compile time and the count needs no shuffle."""
+    n_a = tl.full([], NA, tl.float32)
+    n_b = tl.full([], NB, tl.float32)
+    coef = tl.math.div_rn(tl.full([], 1.0, tl.float32), n_a + n_b)
+    na = n_a * coef
+    nb = n_b * coef
+    delta = mean_b - mean_a
+    mean = fma_rn(na, mean_a, nb * mean_b)
+    m2 = fma_rn(delta * delta * n_a, nb, m2_a + m2_b)
+    return mean, m2
+
+
+@triton.jit
+def welford_warp_fold(mean, m2, C: tl.constexpr, R: tl.constexpr):
+    """One logical warp's shfl-down fold (offsets 16, 8, 4, 2, 1, own state first) on [R, 32]
+    states that each hold ``C`` elements; lane 0 ends with torch's warp result (other lanes hold
+    other orders and are not used)."""
+    for lvl in tl.static_range(5):
+        mean_a = shfl_bfly(mean, 16 >> lvl, R)
+        m2_a = shfl_bfly(m2, 16 >> lvl, R)
+        mean, m2 = welford_combine_counts(mean, m2, mean_a, m2_a, C * (1 << lvl), C * (1 << lvl))
+    return mean, m2
+
+
+@triton.jit
+def welford_fold_4warps_in_registers(mean0, m20, mean1, m21, mean2, m22, mean3, m23,
+                                     C: tl.constexpr, R: tl.constexpr):
+    """torch's whole row fold for 4 logical warps held as register sets 0..3 of one warp, every
+    logical thread holding ``C`` elements: each warp's shfl-down tree, then (w0 + w2) + (w1 + w3)
+    as compute_stats' shared-memory tree does it. Returns [R, 32] (mean, m2), every lane holding
+    lane 0's (torch's) value."""
+    mean0, m20 = welford_warp_fold(mean0, m20, C, R)
+    mean1, m21 = welford_warp_fold(mean1, m21, C, R)
+    mean2, m22 = welford_warp_fold(mean2, m22, C, R)
+    mean3, m23 = welford_warp_fold(mean3, m23, C, R)
+    W: tl.constexpr = C * 32
+    mean02, m202 = welford_combine_counts(mean0, m20, mean2, m22, W, W)
+    mean13, m213 = welford_combine_counts(mean1, m21, mean3, m23, W, W)
+    mean, m2 = welford_combine_counts(mean02, m202, mean13, m213, 2 * W, 2 * W)
+    return lane0_broadcast(mean, R), lane0_broadcast(m2, R)

@@ -51,17 +51,22 @@ from ditfuse.kernels.common.host import (
     device_reason,
     grad_reason,
     held_steps,
+    interpreter_on,
     promote,
     rows_per_program,
     tl_dtype,
     use_custom_op,
+    warp_path,
+    warp_rows_per_program,
 )
 from ditfuse.kernels.common.rounding import round_to, rround
+from ditfuse.kernels.common.warp import warp_layout_ok
 from ditfuse.kernels.common.welford import (
     LN_THREADS,
     LN_VEC,
     fma_rn,
     rsqrt_approx,
+    welford_fold_4warps_in_registers,
     welford_fold_rows,
     welford_update,
 )
@@ -114,6 +119,31 @@ def _welford4(mean, m2, x, j, valid_t, R: tl.constexpr):
 
 
 @triton.jit
+def _epilogue(n, w, bb, sc, sh, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr,
+              EXACT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr, M_DT: tl.constexpr,
+              S_DT: tl.constexpr, AFFINE_FMA: tl.constexpr):
+    """The affine and eager's modulate roundings on the normalised fp32 tile ``n``; w, bb, sc, sh
+    are the loaded weight / bias / scale / shift tiles (unused ones may be anything)."""
+    if HAS_W:
+        if HAS_B and AFFINE_FMA:
+            n = fma_rn(w, n, bb)
+        elif HAS_B:
+            n = w * n + bb
+        else:
+            n = w * n
+    elif HAS_B:
+        n = n + bb
+    if EXACT:
+        n = rround(n, LN_DT)
+    if MODULATE:
+        if EXACT:
+            n = rround(rround(n * rround(1.0 + sc, SC_DT), M_DT) + sh, S_DT)
+        else:
+            n = n * (1.0 + sc) + sh
+    return n
+
+
+@triton.jit
 def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, valid_t, valid, mean_r, rstd,
            wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
            HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr, EXACT: tl.constexpr,
@@ -122,25 +152,11 @@ def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, 
     """Pass 2 on one tile: normalise (torch's one rounding), the affine, eager's modulate
     roundings, store."""
     n = rstd * (x - mean_r)
-    if HAS_W:
-        w = _vec_tile(w_ptr, wsd, vec, k4, valid_t)
-        if HAS_B and AFFINE_FMA:
-            n = fma_rn(w, n, _vec_tile(bias_ptr, bsd, vec, k4, valid_t))
-        elif HAS_B:
-            n = w * n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
-        else:
-            n = w * n
-    elif HAS_B:
-        n = n + _vec_tile(bias_ptr, bsd, vec, k4, valid_t)
-    if EXACT:
-        n = rround(n, LN_DT)
-    if MODULATE:
-        sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid)
-        sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid)
-        if EXACT:
-            n = rround(rround(n * rround(1.0 + sc, SC_DT), M_DT) + sh, S_DT)
-        else:
-            n = n * (1.0 + sc) + sh
+    w = _vec_tile(w_ptr, wsd, vec, k4, valid_t) if HAS_W else 0.0
+    bb = _vec_tile(bias_ptr, bsd, vec, k4, valid_t) if HAS_B else 0.0
+    sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid) if MODULATE else 0.0
+    sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid) if MODULATE else 0.0
+    n = _epilogue(n, w, bb, sc, sh, HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, AFFINE_FMA)
     dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
     tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=valid)
 
@@ -263,6 +279,118 @@ def _ln_kernel(
                    valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
                    HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
             j += 1
+
+
+@triton.jit
+def _wtile(ptr, b, s, sb, ss, sd, vec, k4):
+    """One [R, 32, 4] tile (row x lane x vector element) as fp32, unpredicated: lane ``l`` of warp
+    r reads 4-element vector ``vec[l]`` of row (b[r], s[r])."""
+    base = b * sb + s * ss
+    offs = base[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :]).to(tl.int64) * sd
+    return load_f32(ptr + offs, None)
+
+
+@triton.jit
+def _wvec(ptr, sd, vec, k4):
+    """A [D] parameter as a [1, 32, 4] tile."""
+    return load_f32(ptr + (vec[None, :, None] * 4 + k4[None, None, :]).to(tl.int64) * sd, None)
+
+
+@triton.jit
+def _welford4_w(mean, m2, x, j: tl.constexpr, R: tl.constexpr):
+    """Four Welford updates with a [R, 32, 4] tile, every thread holding it (constant counts)."""
+    x02, x13 = tl.split(tl.reshape(x, [R, 32, 2, 2]))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, None)
+    mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, None)
+    mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, None)
+    mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, None)
+    return mean, m2
+
+
+# One warp per row, for rows that are whole 128-thread steps (D % 512 == 0) of at most
+# common/host.py's WARP_MAX_STEPS steps: R rows per program, warp r takes row r (R = 1 on the GPU,
+# see common/warp.py). torch's thread t = lane + 32 * w
+# is register set w of lane ``lane``, so its vectors t, t + 128, ... are held tiles
+# ``held[4 * j + w]``; the per-thread Welford, the four logical warps' shfl-down trees and the
+# cross-warp tree are torch's, with every count a constant (common/welford.py, "one warp per
+# row"). Against the 128-thread kernel above: a quarter of the fold's instructions per row (one
+# warp runs it, not four, and its reciprocals fold), no shared memory and no barrier. Same
+# arithmetic, same bits.
+@triton.jit(do_not_specialize=["M", "S", "N", "eps"])
+def _ln_warp_kernel(
+    x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
+    M, S, N, eps,
+    xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd, wsd, bsd,
+    scsb, scss, scsd, shsb, shss, shsd,
+    RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr,
+    EXACT: tl.constexpr,
+    P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
+    M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
+    R: tl.constexpr, JS: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
+):
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < M
+    rows = tl.where(row_ok, rows, 0)  # tail rows read row 0 and store nothing
+    b = rows // S
+    s = rows % S
+    out_row = tl.multiple_of(rows * N, 4)
+    lane = tl.arange(0, 32)
+    k4 = tl.arange(0, LN_VEC)
+    keep = row_ok[:, None, None]
+
+    # Pass 1: every tile of the row, then h's stores; tile 4 * j + w is torch's thread
+    # lane + 32 * w at step j.
+    held = ()
+    for j in tl.static_range(JS):
+        for w in tl.static_range(4):
+            vec = j * LN_THREADS + w * 32 + lane
+            x = _wtile(x_ptr, b, s, xsb, xss, xsd, vec, k4)
+            if RES != 0:
+                u = _wtile(u_ptr, b, s, usb, uss, usd, vec, k4)
+                if RES == 2:
+                    u = _wtile(g_ptr, b, s, gsb, gss, gsd, vec, k4) * u
+                    if EXACT:
+                        u = rround(u, P_DT)
+                x = x + u
+            if EXACT:
+                x = round_to(x, H_DT)  # exact: x itself, or h as eager stores it
+            held = held + (x,)
+    if RES != 0:
+        for j in tl.static_range(JS):
+            for w in tl.static_range(4):
+                vec = j * LN_THREADS + w * 32 + lane
+                dst = out_row[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :])
+                hj = held[4 * j + w] if EXACT else round_to(held[4 * j + w], H_DT)
+                tl.store(h_ptr + dst, hj, mask=keep)
+
+    # Per-thread Welford of the four logical warps, each over its steps in element order.
+    z = tl.zeros([R, 32], dtype=tl.float32)
+    mean0, m20, mean1, m21, mean2, m22, mean3, m23 = z, z, z, z, z, z, z, z
+    for j in tl.static_range(JS):
+        mean0, m20 = _welford4_w(mean0, m20, held[4 * j].to(tl.float32), j, R)
+        mean1, m21 = _welford4_w(mean1, m21, held[4 * j + 1].to(tl.float32), j, R)
+        mean2, m22 = _welford4_w(mean2, m22, held[4 * j + 2].to(tl.float32), j, R)
+        mean3, m23 = _welford4_w(mean3, m23, held[4 * j + 3].to(tl.float32), j, R)
+    mean_r, m2_r = welford_fold_4warps_in_registers(mean0, m20, mean1, m21, mean2, m22, mean3, m23,
+                                                    JS * 4, R)
+    var = tl.math.div_rn(m2_r, N.to(tl.float32))
+    rstd = rsqrt_approx(var + eps)[:, :, None]
+    mean_r = mean_r[:, :, None]
+
+    # Pass 2 on the held tiles.
+    for j in tl.static_range(JS):
+        for w in tl.static_range(4):
+            vec = j * LN_THREADS + w * 32 + lane
+            n = rstd * (held[4 * j + w].to(tl.float32) - mean_r)
+            wt = _wvec(w_ptr, wsd, vec, k4) if HAS_W else 0.0
+            bt = _wvec(bias_ptr, bsd, vec, k4) if HAS_B else 0.0
+            sc = _wtile(sc_ptr, b, s, scsb, scss, scsd, vec, k4) if MODULATE else 0.0
+            sh = _wtile(sh_ptr, b, s, shsb, shss, shsd, vec, k4) if MODULATE else 0.0
+            n = _epilogue(n, wt, bt, sc, sh, HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, AFFINE_FMA)
+            dst = out_row[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :])
+            tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=keep)
 
 
 # ----------------------------------------------------------------------------- predicate
@@ -421,7 +549,7 @@ def _rounding_plan(x_dt, gate_dt, update_dt, scale_dt, shift_dt, norm_dtype):
 
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
             rows_per_program: int | None = None, affine_fma: bool = True,
-            unroll: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+            unroll: bool = True, warp: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
     only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). ``unroll=False`` keeps
@@ -441,13 +569,31 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
         return h, out
     nvec = D // 4
     J = triton.cdiv(nvec, 128)
-    JS = held_steps(J, unroll)
-    R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
     u = update if update is not None else x
     g = gate if gate is not None else u
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
                weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
                *_mod_strides(scale), *_mod_strides(shift))
+    if warp is None:
+        warp = unroll and warp_path(nvec)
+    if warp:
+        if not warp_path(nvec, max_steps=J):
+            raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")
+        # One row per one-warp program on the GPU (rows_per_program only tiles the interpreter's
+        # programs): the layout its shuffles need, checked on the binary before the result is used.
+        R = warp_rows_per_program(M) if not interpreter_on() else (rows_per_program or warp_rows_per_program(M))
+        compiled = _ln_warp_kernel[(triton.cdiv(M, R),)](
+            x, g, u, weight if weight is not None else x, bias if bias is not None else x,
+            scale if scale is not None else x, shift if shift is not None else x, h, out,
+            M, S, D, float(eps), *strides,
+            RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
+            EXACT=exact, **consts, R=R, JS=J, AFFINE_FMA=affine_fma, num_warps=R, enable_fp_fusion=False,
+        )
+        if warp_layout_ok(compiled, "norm.layernorm_modulate"):
+            return h, out
+        # refused: the 128-thread kernel below rewrites h and out completely
+    JS = held_steps(J, unroll)
+    R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
     _ln_kernel[(triton.cdiv(M, R),)](
         x, g, u, weight if weight is not None else x, bias if bias is not None else x,
         scale if scale is not None else x, shift if shift is not None else x, h, out,

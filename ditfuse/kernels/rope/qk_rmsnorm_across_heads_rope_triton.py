@@ -34,10 +34,22 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import load_f32, load_row_tile
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, held_steps, promote, tl_dtype, use_custom_op
+from ..common.host import (
+    SUPPORTED_DTYPES,
+    device_reason,
+    grad_reason,
+    held_steps,
+    interpreter_on,
+    promote,
+    tl_dtype,
+    use_custom_op,
+    warp_path,
+    warp_rows_per_program,
+)
 from ..common.host import rows_per_program as common_rows_per_program
-from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_rows, rsqrt_approx
+from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_4warps_in_registers, rms_fold_rows, rsqrt_approx
 from ..common.rounding import round_to, rround
+from ..common.warp import warp_layout_ok
 from ..errors import UnsupportedInput
 
 _THREADS: tl.constexpr = tl.constexpr(128)
@@ -58,14 +70,29 @@ def _sumsq4(acc, x, R: tl.constexpr):
 
 
 @triton.jit
+def _rope_pairs(n, c, sn, A0: tl.constexpr, A1: tl.constexpr, EXACT: tl.constexpr, P_DT: tl.constexpr):
+    """RoPE on an [A0, A1, 4] tile of normalised values whose last axis is two (even, odd) pairs;
+    c and sn are cos and sin at each element's own position, so the pair's operands are cos at
+    the even position and sin at the odd one (eager's ``cos[..., 0::2]``, ``sin[..., 1::2]``)."""
+    ne, no = tl.split(tl.reshape(n, [A0, A1, 2, 2]))
+    ce, _co = tl.split(tl.reshape(c, [A0, A1, 2, 2]))
+    _se, so = tl.split(tl.reshape(sn, [A0, A1, 2, 2]))
+    if EXACT:
+        oe = rround(rround(ne * ce, P_DT) - rround(no * so, P_DT), P_DT)
+        oo = rround(rround(ne * so, P_DT) + rround(no * ce, P_DT), P_DT)
+    else:
+        oe = ne * ce - no * so
+        oo = ne * so + no * ce
+    return tl.reshape(tl.join(oe, oo), [A0, A1, 4])
+
+
+@triton.jit
 def _norm_rope_store(x, rstd, w_ptr, cos_ptr, sin_ptr, out_ptr, s, out_row, vec, k4, valid_t, valid,
                      wsd, css, csd, sss, ssd, DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr,
                      EXACT: tl.constexpr, DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr):
-    """Pass 2 on one tile: normalise, RoPE within each head, store [B, S, H, Dh] contiguous.
-    cos and sin are read at each element's own position in its head (one 4-element vector when
-    4 | Dh) and the pair's operands picked from them: cos at the even position, sin at the odd
-    one, which are eager's ``cos[..., 0::2]`` and ``sin[..., 1::2]`` (Dh is even, so a column's
-    parity is its position's)."""
+    """Pass 2 on one [128, R, 4] tile: normalise, RoPE within each head, store [B, S, H, Dh]
+    contiguous. cos and sin are read at each element's own position in its head (one 4-element
+    vector when 4 | Dh; Dh is even, so a column's parity is its position's)."""
     n = rstd * x
     if HAS_W:
         w_off = (vec[:, None, None] * 4 + k4[None, None, :]).to(tl.int64) * wsd
@@ -76,16 +103,7 @@ def _norm_rope_store(x, rstd, w_ptr, cos_ptr, sin_ptr, out_ptr, s, out_row, vec,
         pos = (vec[:, None, None] * 4 + k4[None, None, :]) % DH
         c = load_f32(cos_ptr + (s[None, :, None] * css + pos.to(tl.int64) * csd), valid)
         sn = load_f32(sin_ptr + (s[None, :, None] * sss + pos.to(tl.int64) * ssd), valid)
-        ne, no = tl.split(tl.reshape(n, [_THREADS, R, 2, 2]))
-        ce, _co = tl.split(tl.reshape(c, [_THREADS, R, 2, 2]))
-        _se, so = tl.split(tl.reshape(sn, [_THREADS, R, 2, 2]))
-        if EXACT:
-            oe = rround(rround(ne * ce, P_DT) - rround(no * so, P_DT), P_DT)
-            oo = rround(rround(ne * so, P_DT) + rround(no * ce, P_DT), P_DT)
-        else:
-            oe = ne * ce - no * so
-            oo = ne * so + no * ce
-        n = tl.reshape(tl.join(oe, oo), [_THREADS, R, 4])
+        n = _rope_pairs(n, c, sn, _THREADS, R, EXACT, P_DT)
     dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
     tl.store(out_ptr + dst, round_to(n, DTYPE), mask=valid)
 
@@ -153,6 +171,75 @@ def _rms_rope_kernel(
             _norm_rope_store(x, rstd, w_ptr, cos_ptr, sin_ptr, out_ptr, s, out_row, vec, k4,
                              valid_t, valid, wsd, css, csd, sss, ssd, DH, HAS_W, HAS_ROPE, EXACT, DTYPE, P_DT, R)
             j += 1
+
+
+# One warp per row (one row per one-warp program on the GPU, common/warp.py) for rows that are
+# whole 128-thread steps (D % 512 == 0), as the LayerNorm's
+# warp-per-row kernel (norm/layernorm_modulate_triton.py ``_ln_warp_kernel``): torch's thread
+# t = lane + 32 * w is register set w of lane ``lane`` (tile ``held[4 * j + w]`` at step j), the
+# four warps' shfl-down trees are butterflies and the cross-warp tree stays in registers
+# (common/rms.py ``rms_fold_4warps_in_registers``). Same sums in the same order, same bits.
+@triton.jit(do_not_specialize=["M", "S", "N", "eps"])
+def _rms_rope_warp_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    M, S, N, eps,
+    xsb, xss, xsd, wsd, css, csd, sss, ssd,
+    DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, EXACT: tl.constexpr,
+    DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr, JS: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < M
+    rows = tl.where(row_ok, rows, 0)  # tail rows read row 0 and store nothing
+    b = rows // S
+    s = rows % S
+    out_row = tl.multiple_of(rows * N, 4)
+    lane = tl.arange(0, 32)
+    k4 = tl.arange(0, _VEC)
+    base = b * xsb + s * xss
+    held = ()
+    for j in tl.static_range(JS):
+        for w in tl.static_range(4):
+            vec = j * _THREADS + w * 32 + lane
+            offs = base[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :]).to(tl.int64) * xsd
+            held = held + (load_f32(x_ptr + offs, None).to(DTYPE),)  # exact: a value of the input dtype
+    z = tl.zeros([R, 32], dtype=tl.float32)
+    a0, a1, a2, a3 = z, z, z, z
+    for j in tl.static_range(JS):
+        a0 = _sumsq4_w(a0, held[4 * j].to(tl.float32), R)
+        a1 = _sumsq4_w(a1, held[4 * j + 1].to(tl.float32), R)
+        a2 = _sumsq4_w(a2, held[4 * j + 2].to(tl.float32), R)
+        a3 = _sumsq4_w(a3, held[4 * j + 3].to(tl.float32), R)
+    total = rms_fold_4warps_in_registers(a0, a1, a2, a3, R)
+    rstd = rsqrt_approx(tl.math.div_rn(total, N.to(tl.float32)) + eps)[:, :, None]
+    keep = row_ok[:, None, None]
+    for j in tl.static_range(JS):
+        for w in tl.static_range(4):
+            vec = j * _THREADS + w * 32 + lane
+            col = vec[None, :, None] * 4 + k4[None, None, :]
+            n = rstd * held[4 * j + w].to(tl.float32)
+            if HAS_W:
+                n = load_f32(w_ptr + col.to(tl.int64) * wsd, None) * n
+            if EXACT:
+                n = rround(n, DTYPE)
+            if HAS_ROPE:
+                pos = (col % DH).to(tl.int64)
+                c = load_f32(cos_ptr + (s[:, None, None] * css + pos * csd), None)
+                sn = load_f32(sin_ptr + (s[:, None, None] * sss + pos * ssd), None)
+                n = _rope_pairs(n, c, sn, R, 32, EXACT, P_DT)
+            tl.store(out_ptr + (out_row[:, None, None] + col), round_to(n, DTYPE), mask=keep)
+
+
+@triton.jit
+def _sumsq4_w(acc, x, R: tl.constexpr):
+    """:func:`_sumsq4` on an [R, 32, 4] tile."""
+    x02, x13 = tl.split(tl.reshape(x, [R, 32, 2, 2]))
+    x0, x2 = tl.split(x02)
+    x1, x3 = tl.split(x13)
+    acc = fma_rn(x0, x0, acc)
+    acc = fma_rn(x1, x1, acc)
+    acc = fma_rn(x2, x2, acc)
+    acc = fma_rn(x3, x3, acc)
+    return acc
 
 
 # ----------------------------------------------------------------------------- predicate
@@ -226,7 +313,10 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 
 
 def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
-                unroll: bool = True) -> torch.Tensor:
+                unroll: bool = True, warp: bool | None = None) -> torch.Tensor:
+    """One tensor (q or k). ``rows_per_program``, ``unroll`` (False: the runtime loop) and
+    ``warp`` (the warp-per-row kernel; default: common/host.py ``warp_path``) only choose how
+    the work is laid out: same bits (tests and the probes compare them)."""
     B, S, D = x.shape
     out = torch.empty((B, S, heads, D // heads), dtype=x.dtype, device=x.device)
     M = B * S
@@ -234,11 +324,30 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
         return out
     nvec = D // 4
     J = triton.cdiv(nvec, 128)
+    has_rope = cos is not None
+    if warp is None:
+        warp = unroll and warp_path(nvec)
+    if warp:
+        if not warp_path(nvec, max_steps=J):
+            raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")
+        R = warp_rows_per_program(M) if not interpreter_on() else (rows_per_program or warp_rows_per_program(M))
+        p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
+        compiled = _rms_rope_warp_kernel[(triton.cdiv(M, R),)](
+            x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
+            M, S, D, float(eps),
+            *x.stride(), w.stride(0) if w is not None else 0,
+            cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
+            sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
+            DH=D // heads, HAS_W=w is not None, HAS_ROPE=has_rope, EXACT=exact,
+            DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(p_dt), R=R, JS=J, num_warps=R, enable_fp_fusion=False,
+        )
+        if warp_layout_ok(compiled, "rope.qk_rmsnorm_across_heads_rope"):
+            return out
+        # refused: the 128-thread kernel below rewrites out completely
     JS = held_steps(J, unroll)
     # held rows: at most 6 held vectors per thread (Wan's 1536: R = 2; the H200 sweep in
     # bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)
     R = rows_per_program or common_rows_per_program(M, JS, 6)
-    has_rope = cos is not None
     p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
     _rms_rope_kernel[(triton.cdiv(M, R),)](
         x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,

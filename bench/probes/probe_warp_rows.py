@@ -1,0 +1,145 @@
+"""Probe: the warp-per-row row-norm kernels against the 128-thread ones, and the Wan FF
+gate-residual tile, on the GPU.
+
+The warp-per-row kernels (norm/layernorm_modulate_triton.py ``_ln_warp_kernel``,
+rope/qk_rmsnorm_across_heads_rope_triton.py ``_rms_rope_warp_kernel``) run torch's 128 threads of
+a row as four register sets of one warp: same arithmetic in the same order, so every variant must
+be bitwise equal to the eager chain (checked for each before timing). Shapes: Wan2.1-1.3B video
+[B, 32760, 1536] (B = 1, 2; fp32 modulation, FP32LayerNorm), FLUX.1 image [1, 4608, 3072] and large
+[2, 32760, 5120] (bf16; at 5120 the warp kernel holds 10 steps, forced: the default there is the
+runtime loop). ms: median of triton.testing.do_bench_cudagraph (GPU time only); % of copy from
+the logical bytes over the device copy bandwidth. Also the layout guard's verdict on each warp
+binary (common/warp.py) and the gate-residual tile sweep against torch.compile's kernel.
+
+    PYTHONPATH=. OUT=/tmp/probe_out python3 bench/probes/probe_warp_rows.py
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import torch
+import triton
+import triton.testing
+
+from ditfuse.kernels import reference as ref
+from ditfuse.kernels.common import warp as cw
+from ditfuse.kernels.compare import compare_outputs
+from ditfuse.kernels.modulate import gate_residual_triton as grt
+from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
+from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
+
+F32, BF = torch.float32, torch.bfloat16
+ROWS: list[dict] = []
+
+
+def _r(shape, scale=1.0, dtype=BF):
+    return (torch.randn(shape, device="cuda") * scale).to(dtype)
+
+
+def _nb(*ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def row(case, variant, fn, expected, nbytes, copy_gbs):
+    got = fn()
+    bad = compare_outputs(got, expected)
+    ms = triton.testing.do_bench_cudagraph(fn, rep=60)
+    pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
+    ROWS.append(dict(case=case, variant=variant, ms=round(ms, 4), pct_of_copy=round(pct, 1), bitwise=bad is None))
+    print(f"{case:<40} {variant:<22} {ms:8.4f} {pct:6.1f} {'ok' if bad is None else 'MISMATCH ' + str(bad)[:80]}",
+          flush=True)
+
+
+def ln_cases(B, S, D, wan):
+    x, u = _r((B, S, D), 2.0), _r((B, S, D), 2.0)
+    n = _nb(x)
+    if wan:
+        sc, sh, g = (_r((B, 1, D), 0.5, F32) for _ in range(3))
+        w, b = torch.randn(D, device="cuda") * 0.2 + 1, torch.randn(D, device="cuda") * 0.2
+        return [
+            ("wan norm1+modulate", (x, None, None, sc, sh, 1e-6, None, None, F32),
+             lambda: ref.layernorm_modulate(x, sc, sh, 1e-6, norm_dtype=F32), 2 * n, 1),
+            ("wan gate+residual+norm2", (x, g, u, None, None, 1e-6, w, b, F32),
+             lambda: ref.gate_residual_layernorm_modulate(x, g, u, None, None, 1e-6, w, b, F32), 4 * n, 2),
+            ("wan residual+norm3+modulate", (x, None, u, sc, sh, 1e-6, None, None, F32),
+             lambda: ref.gate_residual_layernorm_modulate(x, None, u, sc, sh, 1e-6, norm_dtype=F32), 4 * n, 2),
+        ]
+    sc, sh, g = (_r((B, D), 0.5) for _ in range(3))
+    return [
+        ("flux layernorm_modulate", (x, None, None, sc, sh, 1e-6, None, None, None),
+         lambda: ref.layernorm_modulate(x, sc, sh, 1e-6), 2 * n, 1),
+        ("flux gate_residual_layernorm_mod", (x, g, u, sc, sh, 1e-6, None, None, None),
+         lambda: ref.gate_residual_layernorm_modulate(x, g, u, sc, sh, 1e-6), 4 * n, 2),
+    ]
+
+
+def main() -> None:
+    n = 1 << 29
+    src = torch.empty(n, device="cuda", dtype=BF).normal_()
+    dst = torch.empty_like(src)
+    copy_gbs = 4 * n / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
+    src = dst = None
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
+          f"copy {copy_gbs:.0f} GB/s")
+    for (B, S, D), wan in [((1, 32760, 1536), True), ((2, 32760, 1536), True), ((1, 4608, 3072), False),
+                           ((2, 32760, 5120), False)]:
+        label = f"{B}x{S}x{D}"
+        for name, args, eager, nbytes, nout in ln_cases(B, S, D, wan):
+            expected = eager()
+            case = f"{name} {label}"
+
+            def launch(nout=nout, args=args, **kw):
+                h, out = lnm._launch(*args[:9], True, **kw)
+                return out if nout == 1 else (h, out)
+            if D <= 3072:
+                row(case, "128-thread held", lambda: launch(warp=False), expected, nbytes, copy_gbs)
+            else:
+                row(case, "128-thread loop", lambda: launch(unroll=False), expected, nbytes, copy_gbs)
+            row(case, "warp per row", lambda: launch(warp=True), expected, nbytes, copy_gbs)
+            torch.cuda.empty_cache()
+    for B in (1, 2):
+        S, D, H = 32760, 1536, 12
+        q, w = _r((B, S, D)), _r((D,), 0.2) + 1
+        ang = torch.rand(S, 64, device="cuda") * 6.28
+        cos = ang.cos().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
+        sin = ang.sin().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
+        expected = ref.qk_rmsnorm_across_heads_rope(q, q, w, w, cos, sin, H, 1e-6)[0]
+        case = f"wan rmsnorm+rope (q) {B}x{S}x{D}"
+        row(case, "128-thread held", lambda: wr._launch_one(q, w, cos, sin, H, 1e-6, True, warp=False), expected,
+            2 * _nb(q), copy_gbs)
+        row(case, "warp per row", lambda: wr._launch_one(q, w, cos, sin, H, 1e-6, True, warp=True), expected,
+            2 * _nb(q), copy_gbs)
+        torch.cuda.empty_cache()
+    print("layout guard verdicts:", {k[:12]: v for k, v in cw._VERDICTS.items()}, flush=True)
+    for k, v in cw._VERDICTS.items():
+        ROWS.append(dict(case="layout guard", variant=k[:16], ms=0.0, pct_of_copy=0.0, bitwise=v is None))
+
+    # Wan's FF gate residual (x.float() + ff.float() * gate_fp32).type_as(x): tiles vs compile
+    B, S, D = 1, 32760, 1536
+    x, u, g = _r((B, S, D), 2.0), _r((B, S, D), 2.0), _r((B, 1, D), 0.5, F32)
+    expected = ref.gate_residual(x, g, u)
+    case = f"wan ff gate residual {B}x{S}x{D}"
+    new_tile = grt.tile
+    try:
+        for per_program in (1024, 2048, 4096, 8192):
+            for warps in (4, 8):
+                grt.tile = lambda d, per_program=8192, pp=per_program, nw=warps: (*new_tile(d, pp)[:2], nw)
+                row(case, f"{per_program}/prog {warps}w", lambda: grt._launch(x, g, u), expected, 3 * _nb(x),
+                    copy_gbs)
+    finally:
+        grt.tile = new_tile
+    compiled = torch.compile(lambda a, b, c: (a.float() + b.float() * c).type_as(a))
+    row(case, "torch.compile", lambda: compiled(x, u, g), ref.gate_residual(x, g, u), 3 * _nb(x), copy_gbs)
+
+    out_dir = os.environ.get("OUT", "/tmp/probe_out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "probe_warp_rows_h200.csv"), "w", newline="") as f:
+        wtr = csv.DictWriter(f, fieldnames=list(ROWS[0]))
+        wtr.writeheader()
+        wtr.writerows(ROWS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Warp shuffles for the warp-per-row norm kernels, on the GPU and under the interpreter.
+
+A warp-per-row kernel lays a row's state out as [R, 32] tensors: row r in warp r, one element per
+lane (the layout Triton's coalescing pass gives [R, 32, 4] tiles when a program has R warps).
+:func:`shfl_bfly` and :func:`lane0_broadcast` are CUDA's ``__shfl_xor_sync`` and
+``__shfl_sync(.., 0)`` on that layout, as inline PTX (``shfl.sync.*.b32`` on each element, which
+is one register per thread). Under ``TRITON_INTERPRET=1`` inline PTX does not run; the same data
+movement is spelled with reshapes, so the CPU tests check the kernels' arithmetic and order.
+tests/cpu/test_layernorm_codegen.py checks on the sm_90 code that the shuffles are what reach
+the GPU (offsets, no shared memory).
+"""
+
+import logging
+import re
+
+import triton
+import triton.language as tl
+
+from .rounding import INTERPRET
+
+log = logging.getLogger("ditfuse.kernels")
+
+
+@triton.jit
+def _swap_halves(x, O: tl.constexpr, R: tl.constexpr):
+    """Interpreter: [R, 32] -> lane ``i`` gets lane ``i ^ O``'s value."""
+    y = tl.reshape(x, [R, 32 // (2 * O), 2, O])
+    y = tl.permute(y, (0, 1, 3, 2))
+    lo, hi = tl.split(y)
+    y = tl.join(hi, lo)
+    y = tl.permute(y, (0, 1, 3, 2))
+    return tl.reshape(y, [R, 32])
+
+
+@triton.jit
+def shfl_bfly(x, O: tl.constexpr, R: tl.constexpr):
+    """``__shfl_xor_sync(~0, x, O)`` on a [R, 32] fp32 tensor laid out one element per lane (row r
+    in warp r): lane ``i`` receives lane ``i ^ O``'s value of the same row."""
+    if INTERPRET:
+        return _swap_halves(x, O, R)
+    else:
+        if O == 16:
+            return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 16, 0x1f, -1;", "=r,r", [x],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        elif O == 8:
+            return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 8, 0x1f, -1;", "=r,r", [x],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        elif O == 4:
+            return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 4, 0x1f, -1;", "=r,r", [x],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        elif O == 2:
+            return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 2, 0x1f, -1;", "=r,r", [x],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise("shfl.sync.bfly.b32 $0, $1, 1, 0x1f, -1;", "=r,r", [x],
+                                             dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def lane0_broadcast(x, R: tl.constexpr):
+    """``__shfl_sync(~0, x, 0)`` on a [R, 32] tensor: every lane gets lane 0's value of its row."""
+    if INTERPRET:
+        y = x
+        for _ in tl.static_range(5):  # keep even lanes five times: lane 0 is what is left
+            y, _odd = tl.split(tl.reshape(y, [R, y.shape[1] // 2, 2]))
+        return tl.broadcast_to(y, [R, 32])
+    else:
+        return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, 0, 0x1f, -1;", "=r,r", [x],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+
+
+
+
+# ----------------------------------------------------------------------------- host-side guard
+#
+# The shuffles above are only what CUDA's are if Triton laid the [R, 32] operand out as assumed:
+# lane i holds element [r, i], one element per thread, nothing across warps. Triton picks layouts
+# itself (with R > 1 rows per program it split the lanes over rows: threadsPerWarp [4, 8]), so
+# the warp-per-row kernels run one row per one-warp program, and every compiled binary is checked
+# once, on its TTGIR, before its result is used (:func:`warp_layout_ok`).
+
+
+def _parse_list(body: str, key: str) -> list[int] | None:
+    m = re.search(key + r" = \[([^\]]*)\]", body)
+    return [int(v) for v in m.group(1).split(",")] if m else None
+
+
+def _layout_reason(layout: str, aliases: dict[str, str]) -> str | None:
+    """Why ``layout`` (of a [1, 32] tensor) is not lane i -> element [0, i], one per thread."""
+    sliced: list[int] = []
+    while True:
+        m = re.fullmatch(r"#ttg\.slice<\{dim = (\d+), parent = (.+)\}>", layout)
+        if m:
+            sliced.append(int(m.group(1)))
+            layout = m.group(2)
+            continue
+        if layout.startswith("#") and layout[1:] in aliases:
+            layout = aliases[layout[1:]]
+            continue
+        break
+    if layout.startswith("#ttg.blocked"):
+        spt, tpw, wpc = (_parse_list(layout, k) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+        if spt is None or tpw is None or wpc is None or len(tpw) < 2:
+            return f"unparsed blocked layout {layout}"
+        if any(w != 1 for w in wpc):
+            return f"warps split the row: {layout}"
+        if tpw[1] != 32 or spt[0] != 1 or spt[1] != 1:
+            return f"lanes not along the lane axis: {layout}"
+        return None
+    if layout.startswith("#ttg.linear") and not sliced:
+        lane = re.search(r"lane = \[(.*?)\], warp", layout)
+        warp = re.search(r"warp = \[(.*?)\], block", layout)
+        reg = re.search(r"register = \[(.*?)\], lane", layout)
+        want = ", ".join(f"[0, {1 << i}]" for i in range(5))
+        if lane is None or lane.group(1) != want:
+            return f"lanes not along the lane axis: {layout}"
+        if (warp and warp.group(1).strip()) or (reg and reg.group(1).strip()):
+            return f"more than one element per thread or several warps: {layout}"
+        return None
+    return f"unrecognised layout {layout}"
+
+
+def warp_layout_reason(ttgir: str) -> str | None:
+    """Why a compiled warp-per-row kernel's shuffles would not be CUDA's (None when they are):
+    every ``shfl.sync`` inline-asm operand must be a [1, 32] tensor with lane i holding element
+    [0, i], one element per thread, a single warp."""
+    aliases = dict(re.findall(r"^#(\w+) = (#ttg\.\w+<\{.*\}>)\s*$", ttgir, re.M))
+    ops = re.findall(r'elementwise_inline_asm "shfl\.sync[^"]*".*? : tensor<(\d+)x32xf32, (.+?)> -> tensor<', ttgir)
+    if not ops:
+        return "no shuffles found in the TTGIR"
+    for rows, layout in ops:
+        reason = _layout_reason(layout, aliases)
+        if reason:
+            return reason
+        if rows != "1":
+            return f"a shuffle operand holds {rows} rows"
+    return None
+
+
+_VERDICTS: dict[str, str | None] = {}
+
+
+def warp_layout_ok(compiled: object, what: str) -> bool:
+    """Whether the compiled warp-per-row kernel ``compiled`` (what a launch returns) may be used;
+    checked once per binary, a refusal logged once. No binary (the interpreter): True."""
+    asm = getattr(compiled, "asm", None)
+    if not asm or "ttgir" not in asm:
+        return True
+    key = getattr(compiled, "hash", None) or str(id(compiled))
+    if key not in _VERDICTS:
+        reason = warp_layout_reason(asm["ttgir"])
+        _VERDICTS[key] = reason
+        if reason:
+            log.warning("%s: warp-per-row kernel refused (%s); the 128-thread kernel runs instead", what, reason)
+    return _VERDICTS[key] is None
