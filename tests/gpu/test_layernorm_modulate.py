@@ -323,4 +323,8 @@ def test_warp_held_rows_and_runtime_loop_agree_with_eager(D):
             mm = compare_outputs(got, exp_gated, label + " gated")
             if mm is not None:
                 failures.append(str(mm))
+    from ditfuse.kernels.common import warp as cw
+
+    refused = {k: v for k, v in cw._VERDICTS.items() if v}
+    assert not refused, f"the layout guard refused warp-per-row binaries: {refused}"
     assert not failures, "\n".join(failures)

@@ -64,23 +64,32 @@ def test_sweep():
     assert not failures, "\n".join(failures[:12]) + f"\n({len(failures)} failing cases)"
 
 
-def test_held_rows_and_runtime_loop():
-    """Both ways over a row (held tiles, the default up to D = 3072; the runtime loop beyond) at
-    every tiling, 2051 tokens (tail rows), D = 1536 (3 whole steps), 5120 (10) and 1020 (a partial
-    step: predicated loads) with head_dim 102, whose 4-element vectors straddle heads."""
+def test_warp_held_rows_and_runtime_loop():
+    """Every way over a row at every tiling, 2051 tokens (tail rows): the warp-per-row kernel
+    (default for whole steps up to D = 3072; forced at 5120, 10 held steps), the 128-thread kernel
+    with held tiles (default for partial steps) and its runtime loop (default beyond 3072). D =
+    1536 (3 whole steps), 5120 (10) and 1020 (a partial step: predicated loads) with head_dim 102,
+    whose 4-element vectors straddle heads; fp32 rows too (their squares round: order shows)."""
+    from ditfuse.kernels.common import warp as cw
     from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
 
     failures = []
-    for H, Dh in ((12, 128), (40, 128), (10, 102)):
-        a = _make(2, 2051, H, Dh, seed=H)
+    for H, Dh, dtype in ((12, 128, torch.bfloat16), (12, 128, torch.float32), (40, 128, torch.bfloat16),
+                         (10, 102, torch.bfloat16)):
+        a = _make(2, 2051, H, Dh, dtype=dtype, seed=H)
         exp = reference.qk_rmsnorm_across_heads_rope(**a)[0]
-        for unroll in (True, False):
+        paths = {"held": dict(warp=False), "loop": dict(unroll=False)}
+        if (H * Dh) % 512 == 0:
+            paths["warp"] = dict(warp=True)
+        for path, kw in paths.items():
             for R in (1, 2, 4):
                 got = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], H, 1e-6, True, rows_per_program=R,
-                                     unroll=unroll)
-                mm = compare_outputs(got, exp, f"H={H} Dh={Dh} unroll={unroll} R={R}")
+                                     **kw)
+                mm = compare_outputs(got, exp, f"H={H} Dh={Dh} {dtype} {path} R={R}")
                 if mm is not None:
                     failures.append(str(mm))
+    refused = {k: v for k, v in cw._VERDICTS.items() if v}
+    assert not refused, f"the layout guard refused warp-per-row binaries: {refused}"
     assert not failures, "\n".join(failures)
 
 
