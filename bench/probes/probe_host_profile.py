@@ -1,4 +1,4 @@
-"""GPU probe: where a family's step spends host (CPU) time, eager vs ditfuse lossless.
+"""GPU probe: where a family's step spends host (CPU) time, eager vs ditfuse lossless (and high).
 
 For each provider: the host time to enqueue one step (wall time of the forward call with no
 synchronisation inside; the GPU queue absorbs the kernels unless it fills), the synchronised
@@ -7,6 +7,7 @@ step whose enqueue time exceeds its GPU time is host-bound: the GPU idles betwee
 only a CUDA graph turns fused kernels into wall time.
 
     PYTHONPATH=. python3 bench/probes/probe_host_profile.py --family sd3 [--config dev] [--top 25]
+        [--providers eager lossless high]
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ def main() -> None:
     ap.add_argument("--size", default=None)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--providers", nargs="+", default=["eager", "lossless", "lossless+reset"],
+                    choices=["eager", "lossless", "lossless+reset", "high"],
+                    help="high: quality='high' (its close ops), profiled like lossless")
     args = ap.parse_args()
 
     fam = families.get(args.family)
@@ -42,10 +46,12 @@ def main() -> None:
 
     # "lossless+reset": the gate's verified signatures cleared before mounting, as ditfuse bench
     # does per provider (the SD3 bench measured 145.9 ms lossless where this probe saw 95.4)
-    for prov in ("eager", "lossless", "lossless+reset"):
+    for prov in args.providers:
         if prov == "lossless+reset":
             ditfuse.gate.reset()
-        handle = ditfuse.accelerate(model) if prov != "eager" else None
+        handle = None
+        if prov != "eager":
+            handle = ditfuse.accelerate(model, quality="high" if prov == "high" else "lossless")
         try:
             with torch.no_grad():
                 for _ in range(3):
@@ -70,7 +76,7 @@ def main() -> None:
                 handle.unmount()
         print(f"[host] {args.family} {prov}: enqueue {statistics.median(enq):.1f} ms, "
               f"step {statistics.median(tot):.1f} ms (median of {args.steps})", flush=True)
-        for key in (("tottime", "cumulative") if prov == "lossless" else ()):
+        for key in (("tottime", "cumulative") if prov in ("lossless", "high") else ()):
             s = io.StringIO()
             pstats.Stats(pr, stream=s).sort_stats(key).print_stats(args.top)
             lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
