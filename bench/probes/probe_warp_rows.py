@@ -9,7 +9,8 @@ be bitwise equal to the eager chain (checked for each before timing). Shapes: Wa
 [2, 32760, 5120] (bf16; at 5120 the warp kernel holds 10 steps, forced: the default there is the
 runtime loop). ms: median of triton.testing.do_bench_cudagraph (GPU time only); % of copy from
 the logical bytes over the device copy bandwidth. Also the layout guard's verdict on each warp
-binary (common/warp.py) and the gate-residual tile sweep against torch.compile's kernel.
+binary (common/warp.py) and the gate-residual tile sweep (32- and 64-bit addresses) against
+torch.compile's kernel.
 
     PYTHONPATH=. OUT=/tmp/probe_out python3 bench/probes/probe_warp_rows.py
 """
@@ -130,6 +131,12 @@ def main() -> None:
                     copy_gbs)
     finally:
         grt.tile = new_tile
+    fits = grt.fits_int32
+    grt.fits_int32 = lambda *a, **k: False
+    try:
+        row(case, "default tile, int64 addresses", lambda: grt._launch(x, g, u), expected, 3 * _nb(x), copy_gbs)
+    finally:
+        grt.fits_int32 = fits
     compiled = torch.compile(lambda a, b, c: (a.float() + b.float() * c).type_as(a))
     row(case, "torch.compile", lambda: compiled(x, u, g), ref.gate_residual(x, g, u), 3 * _nb(x), copy_gbs)
 

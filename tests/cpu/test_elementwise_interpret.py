@@ -236,3 +236,22 @@ def test_registry_loads_these_kernels():
     for op in ("modulate.gate_residual", "activation.gelu_tanh"):
         spec = select(op)
         assert callable(spec.load()) and callable(spec.load_predicate())
+
+
+def test_gate_residual_int32_and_int64_addressing_agree(monkeypatch):
+    """The 32-bit address path (every offset fits in int32) and the 64-bit one give the same
+    bits, strided inputs included; fits_int32 bounds the largest offset."""
+    from ditfuse.kernels.common import elementwise as ew
+    from ditfuse.kernels.modulate import gate_residual_triton as grt
+
+    g = torch.Generator().manual_seed(11)
+    res = torch.randn(2, 7, 96, generator=g).to(torch.bfloat16)
+    upd = torch.randn(2, 7, 192, generator=g).to(torch.bfloat16)[..., ::2]  # strided
+    gate = torch.randn(2, 1, 96, generator=g)
+    fast = grt._launch(res, gate, upd)
+    monkeypatch.setattr(grt, "fits_int32", lambda *a, **k: False)
+    assert_bitwise_equal(grt._launch(res, gate, upd), fast)
+    assert_bitwise_equal(fast, ref.gate_residual(res, gate, upd))
+    assert ew.fits_int32(res, upd)
+    assert not ew.fits_int32(torch.empty((2, 1 << 30), device="meta"))  # metadata only
+    assert ew.fits_int32(torch.empty(1, device="meta").expand(2, 1 << 30))  # stride 0: small offsets

@@ -88,6 +88,17 @@ def tile(d: int, per_program: int = 8192) -> tuple[int, int, int]:
     return block_r, block_d, 8 if block_r * block_d >= 2048 else 4
 
 
+def fits_int32(*tensors: torch.Tensor, rows_pad: int = 0) -> bool:
+    """Whether every element offset of these tensors (the largest is sum((size - 1) * |stride|)),
+    with ``rows_pad`` elements of slack for masked tail lanes, fits in int32: the kernels may then
+    compute addresses in 32 bits."""
+    for t in tensors:
+        span = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()) if n > 0)
+        if span + rows_pad >= 2**31 - 1:
+            return False
+    return True
+
+
 def overlap_reason(out: torch.Tensor, *inputs: torch.Tensor) -> str | None:
     """Reject an ``out`` that partially overlaps an input's memory (an identical view is fine:
     every element is read before it is written by the same program). Under torch.compile
