@@ -86,8 +86,27 @@ def test_rows_per_program_and_tail_rows(R, B, S, D, path):
     _eq(got, sim.layernorm_modulate(x, sc, sh, EPS))
 
 
+def test_row_kernel_switch(monkeypatch):
+    """DITFUSE_ROW_KERNEL picks the kernel family for whole-step rows (default: the 128-thread
+    kernels, until the warp kernels have been GPU-verified); both give the simulation's bits, and
+    an unknown value is an error, not a silent default."""
+    from ditfuse.kernels.common.host import warp_rows_enabled
+
+    x = _x((1, 3, 512), torch.bfloat16, 1)
+    sc, sh = _x((1, 512), torch.bfloat16, 2, 0.5, 0.0), _x((1, 512), torch.bfloat16, 3, 0.5, 0.0)
+    monkeypatch.delenv("DITFUSE_ROW_KERNEL", raising=False)
+    assert not warp_rows_enabled()
+    for v in ("block", "warp", "WARP"):
+        monkeypatch.setenv("DITFUSE_ROW_KERNEL", v)
+        assert warp_rows_enabled() == (v.lower() == "warp")
+        _eq(layernorm_modulate(x, sc, sh, EPS), sim.layernorm_modulate(x, sc, sh, EPS))
+    monkeypatch.setenv("DITFUSE_ROW_KERNEL", "fast")
+    with pytest.raises(ValueError, match="DITFUSE_ROW_KERNEL"):
+        layernorm_modulate(x, sc, sh, EPS)
+
+
 def test_warp_path_rule():
-    """Whole 128-thread steps up to WARP_MAX_STEPS take the warp-per-row kernels by default."""
+    """Whole 128-thread steps up to WARP_MAX_STEPS qualify for the warp-per-row kernels."""
     from ditfuse.kernels.common.host import warp_path
 
     assert warp_path(384) and warp_path(768)  # Wan 1536, FLUX 3072

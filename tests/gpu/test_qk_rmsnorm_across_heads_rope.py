@@ -50,7 +50,11 @@ def _failures(args, label):
     return [] if mm is None else [str(mm)]
 
 
-def test_sweep():
+@pytest.mark.parametrize("row_kernel", ["block", "warp"])
+def test_sweep(row_kernel, monkeypatch):
+    """The public op at Wan widths (1536, 3072: whole steps; 5120), token counts 1 / 1560 / 32760,
+    B = 1 / 2, fp32 and bf16 freqs, under both row-kernel families (DITFUSE_ROW_KERNEL)."""
+    monkeypatch.setenv("DITFUSE_ROW_KERNEL", row_kernel)
     failures = []
     for H in (12, 24, 40):
         for S in (1, 1560, 32760):
@@ -102,7 +106,9 @@ def test_other_dtypes_and_head_dims():
     assert not failures, "\n".join(failures)
 
 
-def test_strided_chunks_no_weights_no_rope_nan_inf():
+@pytest.mark.parametrize("row_kernel", ["block", "warp"])
+def test_strided_chunks_no_weights_no_rope_nan_inf(row_kernel, monkeypatch):
+    monkeypatch.setenv("DITFUSE_ROW_KERNEL", row_kernel)
     a = _make(2, 1560, 12, seed=5)
     qkv = torch.randn(2, 1560, 3 * 1536, device=DEV).to(torch.bfloat16)
     q, k, _ = qkv.chunk(3, dim=-1)

@@ -64,6 +64,20 @@ def warp_path(nvec: int, max_steps: int = WARP_MAX_STEPS) -> bool:
     return nvec > 0 and nvec % 128 == 0 and nvec // 128 <= max_steps
 
 
+ROW_KERNELS = ("block", "warp")
+
+
+def warp_rows_enabled() -> bool:
+    """``DITFUSE_ROW_KERNEL=warp``: rows that qualify (:func:`warp_path`) take the warp-per-row
+    kernels; ``block`` (the default) keeps the 128-thread kernels. The warp kernels pass the CPU
+    interpreter and codegen tests but have not yet been run on a GPU (notes/layernorm.md, round 7),
+    so they are opt-in until a GPU run has measured and verified them."""
+    v = env("DITFUSE_ROW_KERNEL", "block").strip().lower() or "block"
+    if v not in ROW_KERNELS:
+        raise ValueError(f"DITFUSE_ROW_KERNEL={v!r}: expected one of {', '.join(ROW_KERNELS)}")
+    return v == "warp"
+
+
 def warp_rows_per_program(M: int) -> int:
     """Rows (= warps) per program of a warp-per-row kernel: one on the GPU (with more, Triton
     spreads a warp's lanes over several rows and the shuffles would not be CUDA's; see

@@ -57,6 +57,7 @@ from ditfuse.kernels.common.host import (
     tl_dtype,
     use_custom_op,
     warp_path,
+    warp_rows_enabled,
     warp_rows_per_program,
 )
 from ditfuse.kernels.common.rounding import round_to, rround
@@ -553,8 +554,9 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
     only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). ``unroll=False`` keeps
-    the runtime loop over a row's steps even for narrow rows (tests and the benchmark compare the
-    two; same bits). The launch never
+    the runtime loop over a row's steps even for narrow rows; ``warp`` forces (True) or refuses
+    (False) the warp-per-row kernel, by default taken for whole-step rows under
+    ``DITFUSE_ROW_KERNEL=warp`` (tests and benchmarks compare the ways; same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     B, S, D = x.shape
@@ -575,7 +577,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
                weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
                *_mod_strides(scale), *_mod_strides(shift))
     if warp is None:
-        warp = unroll and warp_path(nvec)
+        warp = unroll and warp_path(nvec) and warp_rows_enabled()
     if warp:
         if not warp_path(nvec, max_steps=J):
             raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")

@@ -44,6 +44,7 @@ from ..common.host import (
     tl_dtype,
     use_custom_op,
     warp_path,
+    warp_rows_enabled,
     warp_rows_per_program,
 )
 from ..common.host import rows_per_program as common_rows_per_program
@@ -315,7 +316,8 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
                 unroll: bool = True, warp: bool | None = None) -> torch.Tensor:
     """One tensor (q or k). ``rows_per_program``, ``unroll`` (False: the runtime loop) and
-    ``warp`` (the warp-per-row kernel; default: common/host.py ``warp_path``) only choose how
+    ``warp`` (the warp-per-row kernel; default: DITFUSE_ROW_KERNEL=warp and common/host.py
+    ``warp_path``) only choose how
     the work is laid out: same bits (tests and the probes compare them)."""
     B, S, D = x.shape
     out = torch.empty((B, S, heads, D // heads), dtype=x.dtype, device=x.device)
@@ -326,7 +328,7 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     J = triton.cdiv(nvec, 128)
     has_rope = cos is not None
     if warp is None:
-        warp = unroll and warp_path(nvec)
+        warp = unroll and warp_path(nvec) and warp_rows_enabled()
     if warp:
         if not warp_path(nvec, max_steps=J):
             raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")
