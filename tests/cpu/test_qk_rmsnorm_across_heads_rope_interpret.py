@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ditfuse.kernels import exact, reference
-from ditfuse.kernels.compare import assert_bitwise_equal
+from ditfuse.kernels.compare import assert_bitwise_equal, first_mismatch
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.rope.qk_rmsnorm_across_heads_rope_triton import (
     can_use_qk_rmsnorm_across_heads_rope,
@@ -164,3 +164,17 @@ def test_custom_op_fake_and_registry():
     from ditfuse.kernels import registry
 
     assert registry.select("rope.qk_rmsnorm_across_heads_rope", device="cpu").load() is qk_rmsnorm_across_heads_rope
+
+
+@pytest.mark.parametrize("path", ["warp", "loop"])
+def test_close_variant_same_bits_every_way(path):
+    """The close kernel (EXACT=False) has one recipe whichever way it walks the row: the
+    warp-per-row kernel and the runtime loop give the held kernel's bits."""
+    from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
+
+    a = _make(1, 5, 4, 128, dtype=torch.bfloat16, seed=21)
+    held = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], 4, 1e-6, False, warp=False)
+    got = wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], 4, 1e-6, False, **PATHS[path])
+    assert_bitwise_equal(got, held)
+    assert first_mismatch(held, wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], 4, 1e-6, True,
+                                                warp=False)) is not None  # close differs from exact
