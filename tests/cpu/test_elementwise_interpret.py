@@ -238,9 +238,12 @@ def test_registry_loads_these_kernels():
         assert callable(spec.load()) and callable(spec.load_predicate())
 
 
-def test_gate_residual_int32_and_int64_addressing_agree(monkeypatch):
+def test_int32_and_int64_addressing_agree(monkeypatch):
     """The 32-bit address path (every offset fits in int32) and the 64-bit one give the same
-    bits, strided inputs included; fits_int32 bounds the largest offset."""
+    bits in each elementwise kernel (gate residual, GELU into a buffer slice, SwiGLU), strided
+    inputs included; fits_int32 bounds the largest offset."""
+    from ditfuse.kernels.activation import gelu_tanh_triton as gt
+    from ditfuse.kernels.activation import swiglu_triton as sw
     from ditfuse.kernels.common import elementwise as ew
     from ditfuse.kernels.modulate import gate_residual_triton as grt
 
@@ -248,10 +251,23 @@ def test_gate_residual_int32_and_int64_addressing_agree(monkeypatch):
     res = torch.randn(2, 7, 96, generator=g).to(torch.bfloat16)
     upd = torch.randn(2, 7, 192, generator=g).to(torch.bfloat16)[..., ::2]  # strided
     gate = torch.randn(2, 1, 96, generator=g)
-    fast = grt._launch(res, gate, upd)
-    monkeypatch.setattr(grt, "fits_int32", lambda *a, **k: False)
-    assert_bitwise_equal(grt._launch(res, gate, upd), fast)
-    assert_bitwise_equal(fast, ref.gate_residual(res, gate, upd))
+    buf = torch.zeros(2, 7, 160, dtype=torch.bfloat16)
+
+    def run():
+        gr = grt._launch(res, gate, upd)
+        buf.zero_()
+        gt._launch(upd, buf[..., 64:])  # GELU into a slice of a wider buffer
+        out = torch.empty_like(res)
+        sw._launch(res, upd, out)
+        return gr, buf.clone(), out
+
+    fast = run()
+    for mod in (grt, gt, sw):
+        monkeypatch.setattr(mod, "fits_int32", lambda *a, **k: False)
+    slow = run()
+    for a, b in zip(fast, slow):
+        assert_bitwise_equal(a, b)
+    assert_bitwise_equal(fast[0], ref.gate_residual(res, gate, upd))
     assert ew.fits_int32(res, upd)
     assert not ew.fits_int32(torch.empty((2, 1 << 30), device="meta"))  # metadata only
     assert ew.fits_int32(torch.empty(1, device="meta").expand(2, 1 << 30))  # stride 0: small offsets

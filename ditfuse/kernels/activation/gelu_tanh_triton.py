@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..common.elementwise import as_3d, load_f32, overlap_reason, tile
+from ..common.elementwise import as_3d, fits_int32, load_f32, overlap_reason, tile, tile_rows_cols
 from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
@@ -119,16 +119,10 @@ def _gelu_tanh_kernel(
     BLOCK_D: tl.constexpr,
     FMA_INNER: tl.constexpr,
     TANH_IMPL: tl.constexpr,
+    I64: tl.constexpr = True,
 ):
-    pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    b = rows // S
-    s = rows - b * S
-    mask = (rows < R)[:, None] & (cols < D)[None, :]
-    c = cols[None, :].to(tl.int64)
-    x = load_f32(x_ptr + (b * sxb + s * sxs)[:, None] + c * sxd, mask)
+    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
+    x = load_f32(x_ptr + (b * sxb + s * sxs) + c * sxd, mask)
     x_cube = x * x * x
     if FMA_INNER:
         a = tl.fma(tl.zeros_like(x) + _K_KAPPA, x_cube, x)  # nvcc's contraction of x + kKappa * x_cube
@@ -136,7 +130,7 @@ def _gelu_tanh_kernel(
         a = x + _K_KAPPA * x_cube
     inner = _K_BETA * a
     y = 0.5 * x * (1.0 + _tanh(inner, TANH_IMPL))
-    tl.store(out_ptr + (b * sob + s * sos)[:, None] + c * sod, round_to(y, DTYPE), mask=mask)
+    tl.store(out_ptr + (b * sob + s * sos) + c * sod, round_to(y, DTYPE), mask=mask)
 
 
 def _launch(
@@ -166,7 +160,7 @@ def _launch(
         sx[0], sx[1], sx[2],
         so[0], so[1], so[2],
         DTYPE=tl_dtype(x.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
-        FMA_INNER=fma_inner, TANH_IMPL=tanh_impl,
+        FMA_INNER=fma_inner, TANH_IMPL=tanh_impl, I64=not fits_int32(x, out),
         num_warps=warps, enable_fp_fusion=fp_fusion, enable_reflect_ftz=reflect_ftz,
     )
 

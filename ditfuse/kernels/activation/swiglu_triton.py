@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.elementwise import as_3d, load_f32, overlap_reason, silu_f32, tile
+from ..common.elementwise import as_3d, fits_int32, load_f32, overlap_reason, silu_f32, tile, tile_rows_cols
 from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
@@ -41,19 +41,13 @@ def _swiglu_kernel(
     DTYPE: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    I64: tl.constexpr = True,
 ):
-    pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    b = rows // S
-    s = rows - b * S
-    mask = (rows < R)[:, None] & (cols < D)[None, :]
-    c = cols[None, :].to(tl.int64)
-    a = load_f32(a_ptr + (b * sab + s * sas)[:, None] + c * sad, mask)
-    u = load_f32(b_ptr + (b * sbb + s * sbs)[:, None] + c * sbd, mask)
+    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
+    a = load_f32(a_ptr + (b * sab + s * sas) + c * sad, mask)
+    u = load_f32(b_ptr + (b * sbb + s * sbs) + c * sbd, mask)
     g = rround(silu_f32(a), DTYPE)  # eager stores silu's result before the multiply reads it
-    tl.store(out_ptr + (b * sob + s * sos)[:, None] + c * sod, round_to(g * u, DTYPE), mask=mask)
+    tl.store(out_ptr + (b * sob + s * sos) + c * sod, round_to(g * u, DTYPE), mask=mask)
 
 
 def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
@@ -72,7 +66,7 @@ def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
         sb[0], sb[1], sb[2],
         so[0], so[1], so[2],
         DTYPE=tl_dtype(gate_in.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+        I64=not fits_int32(gate_in, up, out), num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
 
 

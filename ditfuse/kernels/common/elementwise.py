@@ -125,6 +125,27 @@ def overlap_reason(out: torch.Tensor, *inputs: torch.Tensor) -> str | None:
 
 
 @triton.jit
+def tile_rows_cols(R, S, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, I64: tl.constexpr):
+    """This program's [BLOCK_R, BLOCK_D] tile of an [R = B * S, D] elementwise problem: per row its
+    sample ``b`` and token ``s`` ([BLOCK_R, 1] each), the column index ``c`` ([1, BLOCK_D]) and the
+    mask. ``I64=False`` when every element offset of every operand fits in int32
+    (:func:`fits_int32`, checked on the host): the row division and the address arithmetic then
+    run in 32 bits (the same addresses, about a third of the integer instructions)."""
+    pid_r = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    if I64:
+        rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
+    else:
+        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    b = rows // S
+    s = rows - b * S
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    c = cols[None, :].to(tl.int64) if I64 else cols[None, :]
+    return b[:, None], s[:, None], c, mask
+
+
+@triton.jit
 def load_f32(ptr, mask):
     """Load and widen to fp32 exactly. Under TRITON_INTERPRET=1 the interpreter's bf16 -> fp32
     conversion flushes bf16 subnormals to zero (the GPU's widening is exact), so bf16 is widened

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.elementwise import broadcast_3d, fits_int32, load_f32, tile
+from ..common.elementwise import broadcast_3d, fits_int32, load_f32, tile, tile_rows_cols
 from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
@@ -36,25 +36,13 @@ def _gate_residual_kernel(
     BLOCK_D: tl.constexpr,
     I64: tl.constexpr = True,
 ):
-    pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    # I64=False (every element offset fits in int32, checked on the host): 32-bit row division
-    # and address arithmetic, a third of the integer instructions; same addresses.
-    if I64:
-        rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
-    else:
-        rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    b = rows // S
-    s = rows - b * S
-    mask = (rows < R)[:, None] & (cols < D)[None, :]
-    c = cols[None, :].to(tl.int64) if I64 else cols[None, :]
-    res = load_f32(res_ptr + (b * srb + s * srs)[:, None] + c * srd, mask)
-    g = load_f32(gate_ptr + (b * sgb + s * sgs)[:, None] + c * sgd, mask)
-    u = load_f32(upd_ptr + (b * sub + s * sus)[:, None] + c * sud, mask)
+    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
+    res = load_f32(res_ptr + (b * srb + s * srs) + c * srd, mask)
+    g = load_f32(gate_ptr + (b * sgb + s * sgs) + c * sgd, mask)
+    u = load_f32(upd_ptr + (b * sub + s * sus) + c * sud, mask)
     prod = rround(g * u, P_DT)  # eager op 1: gate[:, None] * update
     out = round_to(res + prod, DTYPE)  # eager op 2: residual + product (fp32 opmath), stored
-    tl.store(out_ptr + (b * sob + s * sos)[:, None] + c, out, mask=mask)
+    tl.store(out_ptr + (b * sob + s * sos) + c, out, mask=mask)
 
 
 def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> str | None:
@@ -103,7 +91,7 @@ def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
     block_r, block_d, warps = tile(D, per_program=2048)
     R = B * S
     grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
-    i64 = not fits_int32(residual, update, out) or not fits_int32(gate)
+    i64 = not fits_int32(residual, gate, update, out)
     _gate_residual_kernel[grid](
         residual, gate, update, out,
         R, S, D,
