@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
-from ..kernels.activation import GELU_TANH
-from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer, cat_or_view
+from ..kernels.activation import GELU_TANH_CAT
+from ..kernels.layout.joint_buffers_torch import cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
@@ -31,15 +31,12 @@ _TF = "diffusers.models.transformers.transformer_flux"
 
 
 def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSet) -> torch.Tensor:
-    """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` without the cat: the attention output is copied
-    into, and the GELU written straight into, one preallocated [B, S, D + mlp] buffer."""
-    buf = SingleBlockBuffer.allocate(
-        attn_output.shape[0], attn_output.shape[1], attn_output.shape[-1], mlp.shape[-1],
-        attn_output.dtype, attn_output.device,
-    )
-    buf.write_attention(attn_output)
-    _ops.gelu_tanh(mlp, out=buf.mlp)
-    return buf.buf
+    """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` as one kernel writing the [B, S, D + mlp] buffer:
+    the attention half copied, the MLP half through the GELU (round 6 wrote the GELU into the
+    buffer and copied the attention half with a second kernel)."""
+    if attn_output.dim() == 4:
+        attn_output = attn_output.flatten(2, 3)
+    return _ops.gelu_tanh_cat(attn_output, mlp)
 
 
 # -- AdaLayerNormZeroSingle (AdaLayerNormZero and AdaLayerNormContinuous: models/adaln.py) -------
@@ -206,8 +203,8 @@ def single_block_forward(
     *,
     _ops: OpSet = LOSSLESS,
 ):
-    """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` disappears (lossless):
-    the attention output and the GELU are written into one preallocated [B, S, D + mlp] buffer."""
+    """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` is one kernel
+    (lossless): the attention output is copied and the GELU written into proj_out's input."""
     text_seq_len = encoder_hidden_states.shape[1]
     # The previous single block returned two views of one tensor: re-joining them needs no copy.
     hidden_states = cat_or_view((encoder_hidden_states, hidden_states), dim=1)
@@ -255,9 +252,9 @@ SITES = (
         cls=f"{_TF}:FluxSingleTransformerBlock",
         params=_BLOCK_PARAMS,
         forward=single_block_forward,
-        ops=(LAYERNORM_MODULATE, GELU_TANH, GATE_RESIDUAL),
+        ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL),
         applies=_single_applies,
-        description="single block: adaLN-Zero-Single, GELU into the joint buffer (no cat), gate residual",
+        description="single block: adaLN-Zero-Single, attention copy + GELU into proj_out's input in one kernel, gate residual",
     ),
     Site(
         name="flux.attention",

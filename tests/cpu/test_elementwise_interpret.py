@@ -152,6 +152,27 @@ def test_gelu_tanh_into_buffer_slice(k):
     _gelu_close(buf[:, :, D:], mlp_pre)
 
 
+@pytest.mark.parametrize("DA,DM", [(32, 128), (96, 384), (40, 200), (1000, 24), (0, 64)],
+                         ids=["aligned", "flux-ratio", "straddle", "wide-attn", "no-attn"])
+def test_gelu_tanh_cat_is_copy_plus_gelu(k, DA, DM):
+    """gelu_tanh_cat == cat([attn, gelu_tanh(mlp_pre)]) bitwise (the same GELU code under the
+    interpreter; its closeness to eager is checked above), whether or not a column block
+    straddles the boundary, NaN payloads in the attention half copied as they are, tail rows, a
+    strided attention view."""
+    torch.manual_seed(DA + DM)
+    B, S = 2, 5
+    attn = _rand((B, S, 2 * DA), torch.bfloat16)[:, :, ::2]
+    if DA:
+        attn.view(torch.int16)[0, 0, 0] = 0x7F81  # NaN with a payload
+    mlp_pre = _rand((B, S, DM), torch.bfloat16, 3.0)
+    got = k.g.gelu_tanh_cat(attn, mlp_pre)
+    assert got.shape == (B, S, DA + DM) and got.is_contiguous()
+    assert_bitwise_equal(got, torch.cat([attn, k.g.gelu_tanh(mlp_pre)], dim=2))
+    with pytest.raises(UnsupportedInput, match="dtype"):
+        k.g.gelu_tanh_cat(attn.float(), mlp_pre)
+    assert not k.g.can_use_gelu_tanh_cat(attn[:, :3], mlp_pre)
+
+
 def test_gelu_tanh_strided_input_and_in_place(k):
     torch.manual_seed(4)
     x = _rand((2, 6, 128), torch.bfloat16, 3.0)[:, :, ::2]

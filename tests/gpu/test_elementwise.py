@@ -125,6 +125,34 @@ def test_gelu_into_single_block_buffer(k, B):
     assert_bitwise_equal(buf, ref.single_block_mlp_cat(attn, mlp_pre), "single-block buffer")
 
 
+@pytest.mark.parametrize("B", [1, 2])
+def test_gelu_tanh_cat(B):
+    """activation.gelu_tanh_cat: the whole single-block buffer in one kernel, bitwise equal to the
+    eager cat of the attention output and the GELU: FLUX's widths (no block straddles), widths
+    whose boundary falls inside a column block, a strided attention view, 4607 tokens (tail rows),
+    NaN/Inf/-0 in both halves (the copy keeps NaN payloads)."""
+    from ditfuse.kernels.activation.gelu_tanh_triton import can_use_gelu_tanh_cat, gelu_tanh_cat
+
+    torch.manual_seed(5 + B)
+    dt = torch.bfloat16
+    failures = []
+    for S, DA, DM in ((4608, 3072, 12288), (4607, 3072, 12288), (333, 96, 384), (77, 40, 200), (5, 1000, 24)):
+        attn = _rand((B, S, DA), dt, 1.0)
+        mlp_pre = _rand((B, S, DM), dt, 3.0)
+        attn.view(-1)[:5] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 1e-40], dtype=dt)
+        attn.view(torch.int16).view(-1)[5] = 0x7F81  # a NaN with a payload: copied, not re-canonicalised
+        mlp_pre.view(-1)[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0], dtype=dt)
+        assert can_use_gelu_tanh_cat(attn, mlp_pre)
+        got = gelu_tanh_cat(attn, mlp_pre)
+        if not torch.equal(got.view(torch.int16), ref.single_block_mlp_cat(attn, mlp_pre).view(torch.int16)):
+            failures.append(f"S={S} DA={DA} DM={DM}")
+    wide = _rand((B, 64, 2 * 3072), dt, 1.0)
+    attn = wide[:, :, ::2]  # strided attention input
+    mlp_pre = _rand((B, 64, 4 * 3072), dt, 3.0)
+    assert_bitwise_equal(gelu_tanh_cat(attn, mlp_pre), ref.single_block_mlp_cat(attn, mlp_pre), "strided attn")
+    assert not failures, failures
+
+
 def test_in_place_and_rejections(k):
     x = _rand((2, 17, 3072), torch.bfloat16, 3.0)
     expect = ref.gelu_tanh(x)

@@ -14,6 +14,18 @@ GELU_TANH = OpDescriptor(
     key_note="elementwise: no shape dim changes the arithmetic",
 )
 
+GELU_TANH_CAT = OpDescriptor(
+    op="activation.gelu_tanh_cat",
+    contract=Contract.BIT_EXACT,
+    replaces="cat([attn, r(gelu(mlp_pre, approximate='tanh'))], dim=2)",
+    summary="the FLUX single block's proj_out input in one pass: the attention half copied bit for bit, "
+            "the MLP half through the tanh-GELU",
+    reference="ditfuse.kernels.reference:single_block_mlp_cat",
+    impls=(triton_impl("activation.gelu_tanh_triton", "gelu_tanh_cat"),),
+    key=(K("attn", dims=(-1,)), K("mlp_pre", dims=(-1,))),
+    key_note="elementwise, but the widths place the copy/GELU boundary among the column blocks",
+)
+
 SWIGLU = OpDescriptor(
     op="activation.swiglu",
     contract=Contract.BIT_EXACT,
@@ -26,4 +38,4 @@ SWIGLU = OpDescriptor(
     key_note="elementwise: no shape dim changes the arithmetic",
 )
 
-DESCRIPTORS = (GELU_TANH, SWIGLU)
+DESCRIPTORS = (GELU_TANH, GELU_TANH_CAT, SWIGLU)

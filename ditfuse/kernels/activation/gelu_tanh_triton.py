@@ -28,6 +28,8 @@ only to a couple of ulps before the final rounding.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -123,14 +125,52 @@ def _gelu_tanh_kernel(
 ):
     b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
     x = load_f32(x_ptr + (b * sxb + s * sxs) + c * sxd, mask)
+    tl.store(out_ptr + (b * sob + s * sos) + c * sod, round_to(_gelu_f32(x, FMA_INNER, TANH_IMPL), DTYPE), mask=mask)
+
+
+@triton.jit
+def _gelu_f32(x, FMA_INNER: tl.constexpr, TANH_IMPL: tl.constexpr):
+    """ATen's tanh-GELU on fp32 x, before the store's rounding (module docstring)."""
     x_cube = x * x * x
     if FMA_INNER:
         a = tl.fma(tl.zeros_like(x) + _K_KAPPA, x_cube, x)  # nvcc's contraction of x + kKappa * x_cube
     else:
         a = x + _K_KAPPA * x_cube
     inner = _K_BETA * a
-    y = 0.5 * x * (1.0 + _tanh(inner, TANH_IMPL))
-    tl.store(out_ptr + (b * sob + s * sos) + c * sod, round_to(y, DTYPE), mask=mask)
+    return 0.5 * x * (1.0 + _tanh(inner, TANH_IMPL))
+
+
+# ``cat([attn, gelu(mlp)], dim=2)`` in one pass over the [R, DA + DM] output: column blocks inside
+# the attention half copy its bits (a load and a store in the storage dtype: NaN payloads too),
+# blocks inside the MLP half compute the GELU above, and a block straddling the boundary does both
+# under complementary masks. The host picks BLOCK_D dividing DA when it can, so no block straddles.
+@triton.jit
+def _gelu_tanh_cat_kernel(
+    a_ptr, x_ptr, out_ptr,
+    R, S, DA, DM,
+    sab, sas, sad,
+    sxb, sxs, sxd,
+    sob, sos,
+    DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    TANH_IMPL: tl.constexpr,
+    I64: tl.constexpr,
+):
+    b, s, c, mask = tile_rows_cols(R, S, DA + DM, BLOCK_R, BLOCK_D, I64)
+    dst = out_ptr + (b * sob + s * sos) + c
+    col0 = tl.program_id(1) * BLOCK_D
+    if col0 + BLOCK_D <= DA:
+        tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=mask), mask=mask)
+    elif col0 >= DA:
+        x = load_f32(x_ptr + (b * sxb + s * sxs) + (c - DA) * sxd, mask)
+        tl.store(dst, round_to(_gelu_f32(x, True, TANH_IMPL), DTYPE), mask=mask)
+    else:
+        in_a = mask & (c < DA)
+        in_m = mask & (c >= DA)
+        tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=in_a), mask=in_a)
+        x = load_f32(x_ptr + (b * sxb + s * sxs) + (c - DA) * sxd, in_m)
+        tl.store(dst, round_to(_gelu_f32(x, True, TANH_IMPL), DTYPE), mask=in_m)
 
 
 def _launch(
@@ -235,4 +275,84 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
-__all__ = ["gelu_tanh", "can_use_gelu_tanh"]
+def _cat_reason(attn: torch.Tensor, mlp_pre: torch.Tensor) -> str | None:
+    if not isinstance(attn, torch.Tensor) or not isinstance(mlp_pre, torch.Tensor):
+        return "attn and mlp_pre must be tensors"
+    if attn.dim() != 3 or mlp_pre.dim() != 3:
+        return f"attn {tuple(attn.shape)} and mlp_pre {tuple(mlp_pre.shape)} must be [B, S, D]"
+    if attn.shape[:2] != mlp_pre.shape[:2]:
+        return f"attn {tuple(attn.shape)} and mlp_pre {tuple(mlp_pre.shape)} differ in [B, S]"
+    if mlp_pre.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {mlp_pre.dtype} is not bf16, fp16 or fp32"
+    if attn.dtype != mlp_pre.dtype:
+        return f"attn dtype {attn.dtype} differs from mlp_pre dtype {mlp_pre.dtype} (torch.cat would promote)"
+    reason = device_reason(attn, mlp_pre) or grad_reason(attn, mlp_pre)
+    if reason:
+        return reason
+    return None
+
+
+def _launch_cat(attn: torch.Tensor, mlp_pre: torch.Tensor, tanh_impl: int = TANH_PTX) -> torch.Tensor:
+    B, S, DA = attn.shape
+    DM = mlp_pre.shape[2]
+    out = torch.empty((B, S, DA + DM), dtype=mlp_pre.dtype, device=mlp_pre.device)
+    if out.numel() == 0:
+        return out
+    if DA == 0:
+        gelu_tanh(mlp_pre, out=out)
+        return out
+    # Column blocks that divide the attention width where possible (FLUX: gcd(3072, 12288) ->
+    # 1024), so every block is all copy or all GELU; 4096 elements per program as for the GELU.
+    block_r, block_d, warps = tile(math.gcd(DA, DM) if DM else DA, per_program=4096)
+    R = B * S
+    grid = (triton.cdiv(R, block_r), triton.cdiv(DA + DM, block_d))
+    sa, sx = attn.stride(), mlp_pre.stride()
+    _gelu_tanh_cat_kernel[grid](
+        attn, mlp_pre, out,
+        R, S, DA, DM,
+        sa[0], sa[1], sa[2],
+        sx[0], sx[1], sx[2],
+        out.stride(0), out.stride(1),
+        DTYPE=tl_dtype(out.dtype), BLOCK_R=block_r, BLOCK_D=block_d, TANH_IMPL=tanh_impl,
+        I64=not fits_int32(attn, mlp_pre, out, rows_pad=block_r * (DA + DM)),
+        num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return out
+
+
+@torch.library.custom_op("ditfuse::gelu_tanh_cat", mutates_args=())
+def _gelu_tanh_cat_op(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
+    return _launch_cat(attn, mlp_pre)
+
+
+@_gelu_tanh_cat_op.register_fake
+def _(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
+    B, S, DA = attn.shape
+    return mlp_pre.new_empty((B, S, DA + mlp_pre.shape[2]))
+
+
+def can_use_gelu_tanh_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> bool:
+    """True when :func:`gelu_tanh_cat` reproduces eager for these inputs. Rejected (False):
+    non-tensors; not both [B, S, *] with the same B and S; dtypes other than bf16/fp16/fp32 or two
+    different dtypes (torch.cat would promote); different devices, or the CPU without
+    TRITON_INTERPRET=1; an input that requires grad with grad mode on. Any strides."""
+    return _cat_reason(attn, mlp_pre) is None
+
+
+def gelu_tanh_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
+    """``cat([attn, r(gelu_tanh(mlp_pre))], dim=2)`` in one kernel, bitwise equal to torch 2.11 CUDA
+    eager (``ditfuse.kernels.reference.single_block_mlp_cat``): the attention half is copied bit
+    for bit, the MLP half is :func:`gelu_tanh`'s arithmetic. Returns a new contiguous
+    ``[B, S, DA + DM]`` tensor (the FLUX single block's ``proj_out`` input). attn: ``[B, S, DA]``
+    (e.g. the flattened attention output), mlp_pre: ``[B, S, DM]``, any strides, one dtype. Raises
+    :class:`UnsupportedInput` exactly where :func:`can_use_gelu_tanh_cat` is False. Runs as the
+    custom op ``ditfuse::gelu_tanh_cat``."""
+    reason = _cat_reason(attn, mlp_pre)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.gelu_tanh_cat(attn, mlp_pre)
+    return _launch_cat(attn, mlp_pre)
+
+
+__all__ = ["gelu_tanh", "can_use_gelu_tanh", "gelu_tanh_cat", "can_use_gelu_tanh_cat"]
