@@ -19,61 +19,22 @@ from __future__ import annotations
 
 import csv
 import os
+import sys
 
 import torch
 import triton
 import triton.testing
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_held_rows import ROWS, _nb, _r, ln_cases, row  # noqa: E402  (the round-6 probe's cases and timing)
+
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.common import warp as cw
-from ditfuse.kernels.compare import compare_outputs
 from ditfuse.kernels.modulate import gate_residual_triton as grt
 from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
 
 F32, BF = torch.float32, torch.bfloat16
-ROWS: list[dict] = []
-
-
-def _r(shape, scale=1.0, dtype=BF):
-    return (torch.randn(shape, device="cuda") * scale).to(dtype)
-
-
-def _nb(*ts):
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
-def row(case, variant, fn, expected, nbytes, copy_gbs):
-    got = fn()
-    bad = compare_outputs(got, expected)
-    ms = triton.testing.do_bench_cudagraph(fn, rep=60)
-    pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
-    ROWS.append(dict(case=case, variant=variant, ms=round(ms, 4), pct_of_copy=round(pct, 1), bitwise=bad is None))
-    print(f"{case:<40} {variant:<22} {ms:8.4f} {pct:6.1f} {'ok' if bad is None else 'MISMATCH ' + str(bad)[:80]}",
-          flush=True)
-
-
-def ln_cases(B, S, D, wan):
-    x, u = _r((B, S, D), 2.0), _r((B, S, D), 2.0)
-    n = _nb(x)
-    if wan:
-        sc, sh, g = (_r((B, 1, D), 0.5, F32) for _ in range(3))
-        w, b = torch.randn(D, device="cuda") * 0.2 + 1, torch.randn(D, device="cuda") * 0.2
-        return [
-            ("wan norm1+modulate", (x, None, None, sc, sh, 1e-6, None, None, F32),
-             lambda: ref.layernorm_modulate(x, sc, sh, 1e-6, norm_dtype=F32), 2 * n, 1),
-            ("wan gate+residual+norm2", (x, g, u, None, None, 1e-6, w, b, F32),
-             lambda: ref.gate_residual_layernorm_modulate(x, g, u, None, None, 1e-6, w, b, F32), 4 * n, 2),
-            ("wan residual+norm3+modulate", (x, None, u, sc, sh, 1e-6, None, None, F32),
-             lambda: ref.gate_residual_layernorm_modulate(x, None, u, sc, sh, 1e-6, norm_dtype=F32), 4 * n, 2),
-        ]
-    sc, sh, g = (_r((B, D), 0.5) for _ in range(3))
-    return [
-        ("flux layernorm_modulate", (x, None, None, sc, sh, 1e-6, None, None, None),
-         lambda: ref.layernorm_modulate(x, sc, sh, 1e-6), 2 * n, 1),
-        ("flux gate_residual_layernorm_mod", (x, g, u, sc, sh, 1e-6, None, None, None),
-         lambda: ref.gate_residual_layernorm_modulate(x, g, u, sc, sh, 1e-6), 4 * n, 2),
-    ]
 
 
 def main() -> None:

@@ -71,6 +71,20 @@ def lane0_broadcast(x, R: tl.constexpr):
 
 
 
+@triton.jit
+def warp_rows(M, S, N, R: tl.constexpr):
+    """A warp-per-row program's rows: (row_ok, b, s, out_row) as [R] tensors. Rows past M are
+    clamped to row 0 (they read valid memory; their stores are masked with row_ok); b and s are
+    the row's sample and token of a [B, S, *] input; out_row = row * N is the start of its row in
+    a contiguous output (N % 4 == 0: vector stores)."""
+    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < M
+    rows = tl.where(row_ok, rows, 0)
+    b = rows // S
+    s = rows % S
+    return row_ok, b, s, tl.multiple_of(rows * N, 4)
+
+
 # ----------------------------------------------------------------------------- host-side guard
 #
 # The shuffles above are only what CUDA's are if Triton laid the [R, 32] operand out as assumed:

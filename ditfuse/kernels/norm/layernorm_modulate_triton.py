@@ -61,7 +61,7 @@ from ditfuse.kernels.common.host import (
     warp_rows_per_program,
 )
 from ditfuse.kernels.common.rounding import round_to, rround
-from ditfuse.kernels.common.warp import warp_layout_ok
+from ditfuse.kernels.common.warp import warp_layout_ok, warp_rows
 from ditfuse.kernels.common.welford import (
     LN_THREADS,
     LN_VEC,
@@ -331,12 +331,7 @@ def _ln_warp_kernel(
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
     R: tl.constexpr, JS: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
 ):
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
-    row_ok = rows < M
-    rows = tl.where(row_ok, rows, 0)  # tail rows read row 0 and store nothing
-    b = rows // S
-    s = rows % S
-    out_row = tl.multiple_of(rows * N, 4)
+    row_ok, b, s, out_row = warp_rows(M, S, N, R)
     lane = tl.arange(0, 32)
     k4 = tl.arange(0, LN_VEC)
     keep = row_ok[:, None, None]

@@ -50,7 +50,7 @@ from ..common.host import (
 from ..common.host import rows_per_program as common_rows_per_program
 from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_4warps_in_registers, rms_fold_rows, rsqrt_approx
 from ..common.rounding import round_to, rround
-from ..common.warp import warp_layout_ok
+from ..common.warp import warp_layout_ok, warp_rows
 from ..errors import UnsupportedInput
 
 _THREADS: tl.constexpr = tl.constexpr(128)
@@ -188,12 +188,7 @@ def _rms_rope_warp_kernel(
     DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, EXACT: tl.constexpr,
     DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr, JS: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
-    row_ok = rows < M
-    rows = tl.where(row_ok, rows, 0)  # tail rows read row 0 and store nothing
-    b = rows // S
-    s = rows % S
-    out_row = tl.multiple_of(rows * N, 4)
+    row_ok, b, s, out_row = warp_rows(M, S, N, R)
     lane = tl.arange(0, 32)
     k4 = tl.arange(0, _VEC)
     base = b * xsb + s * xss
