@@ -87,6 +87,25 @@ def warp_rows_per_program(M: int) -> int:
     return 1
 
 
+def warp_plan(D: int, M: int, warp: bool | None, unroll: bool = True,
+              rows_per_program: int | None = None) -> int | None:
+    """Whether a row-norm launch over ``M`` rows of width ``D`` takes the warp-per-row kernel, and
+    with how many rows per program (None: the 128-thread kernel). ``warp``: True forces it (an
+    error unless D % 512 == 0), False refuses it, None decides (:func:`warp_path`, the
+    ``DITFUSE_ROW_KERNEL`` switch, ``unroll``). ``rows_per_program`` only tiles the interpreter's
+    programs: on the GPU a program is one row in one warp, the layout its shuffles need."""
+    nvec = D // 4
+    if warp is None:
+        warp = unroll and warp_path(nvec) and warp_rows_enabled()
+    if not warp:
+        return None
+    if nvec == 0 or nvec % 128:
+        raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")
+    if interpreter_on():
+        return rows_per_program or warp_rows_per_program(M)
+    return warp_rows_per_program(M)
+
+
 def promote(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype an eager op on tensors of these dtypes stores (torch's type promotion)."""
     out = dtypes[0]

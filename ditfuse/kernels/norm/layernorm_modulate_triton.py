@@ -51,14 +51,11 @@ from ditfuse.kernels.common.host import (
     device_reason,
     grad_reason,
     held_steps,
-    interpreter_on,
     promote,
     rows_per_program,
     tl_dtype,
     use_custom_op,
-    warp_path,
-    warp_rows_enabled,
-    warp_rows_per_program,
+    warp_plan,
 )
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.warp import warp_layout_ok, warp_rows
@@ -571,14 +568,8 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
                weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
                *_mod_strides(scale), *_mod_strides(shift))
-    if warp is None:
-        warp = unroll and warp_path(nvec) and warp_rows_enabled()
-    if warp:
-        if not warp_path(nvec, max_steps=J):
-            raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")
-        # One row per one-warp program on the GPU (rows_per_program only tiles the interpreter's
-        # programs): the layout its shuffles need, checked on the binary before the result is used.
-        R = warp_rows_per_program(M) if not interpreter_on() else (rows_per_program or warp_rows_per_program(M))
+    R = warp_plan(D, M, warp, unroll, rows_per_program)
+    if R is not None:
         compiled = _ln_warp_kernel[(triton.cdiv(M, R),)](
             x, g, u, weight if weight is not None else x, bias if bias is not None else x,
             scale if scale is not None else x, shift if shift is not None else x, h, out,
@@ -586,6 +577,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
             RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
             EXACT=exact, **consts, R=R, JS=J, AFFINE_FMA=affine_fma, num_warps=R, enable_fp_fusion=False,
         )
+        # the binary's shuffle layout is checked before its result is used
         if warp_layout_ok(compiled, "norm.layernorm_modulate"):
             return h, out
         # refused: the 128-thread kernel below rewrites h and out completely

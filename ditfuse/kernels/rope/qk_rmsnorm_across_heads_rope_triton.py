@@ -39,13 +39,10 @@ from ..common.host import (
     device_reason,
     grad_reason,
     held_steps,
-    interpreter_on,
     promote,
     tl_dtype,
     use_custom_op,
-    warp_path,
-    warp_rows_enabled,
-    warp_rows_per_program,
+    warp_plan,
 )
 from ..common.host import rows_per_program as common_rows_per_program
 from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_4warps_in_registers, rms_fold_rows, rsqrt_approx
@@ -322,12 +319,8 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     nvec = D // 4
     J = triton.cdiv(nvec, 128)
     has_rope = cos is not None
-    if warp is None:
-        warp = unroll and warp_path(nvec) and warp_rows_enabled()
-    if warp:
-        if not warp_path(nvec, max_steps=J):
-            raise ValueError(f"the warp-per-row kernel needs D % 512 == 0 (D={D})")
-        R = warp_rows_per_program(M) if not interpreter_on() else (rows_per_program or warp_rows_per_program(M))
+    R = warp_plan(D, M, warp, unroll, rows_per_program)
+    if R is not None:
         p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
         compiled = _rms_rope_warp_kernel[(triton.cdiv(M, R),)](
             x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
