@@ -196,11 +196,11 @@ class Acceleration:
     def report(self) -> AccelerationReport:
         return AccelerationReport(self._quality, list(self._reports.values()), list(self._notes), gate.report())
 
-    def enable_cuda_graphs(self) -> None:
+    def enable_cuda_graphs(self, max_graphs: int = 8) -> None:
         from .cuda_graph import install_graph_runner
 
         for name, (_, model) in self._mounted.items():
-            self._graphs[name] = install_graph_runner(model)
+            self._graphs[name] = install_graph_runner(model, max_graphs=max_graphs)
 
     def unmount(self) -> None:
         """Remove everything ditfuse installed; the models behave exactly as before."""
@@ -226,14 +226,19 @@ def _components(target: Any) -> dict[str, torch.nn.Module]:
     raise TypeError(f"accelerate() takes a diffusers pipeline or a torch.nn.Module, not {type(target).__name__}")
 
 
-def accelerate(pipe_or_model: Any, quality: "str | Quality" = "lossless", cuda_graph: bool = False) -> Acceleration:
+def accelerate(pipe_or_model: Any, quality: "str | Quality" = "lossless", cuda_graph: bool = False,
+               max_cuda_graphs: int = 8) -> Acceleration:
     """Mount ditfuse's fused kernels on a diffusers pipeline or model.
 
     quality="lossless" (default): bit-exact kernels only; outputs are bitwise equal to diffusers.
     quality="high": also the request-gated close kernels (all-or-nothing per transformer).
     cuda_graph=True: capture each accelerated transformer's forward per static input shape (after
     one eager warm-up call that performs all first-sight verification); replays are bitwise equal.
+    At most ``max_cuda_graphs`` shapes per transformer keep a graph (each holds about one
+    forward's activations); the least recently used one is released for a new shape.
     """
+    if max_cuda_graphs < 1:
+        raise ValueError("max_cuda_graphs must be >= 1")
     q = Quality.parse(quality)
     handle = Acceleration(_components(pipe_or_model), q)
     handle._mount_all()
@@ -241,7 +246,7 @@ def accelerate(pipe_or_model: Any, quality: "str | Quality" = "lossless", cuda_g
         handle.set_quality(q)
     if cuda_graph and handle._mounted:
         if torch.cuda.is_available():
-            handle.enable_cuda_graphs()
+            handle.enable_cuda_graphs(max_cuda_graphs)
         else:
             handle._notes.append("cuda_graph=True ignored: no CUDA device")
     return handle

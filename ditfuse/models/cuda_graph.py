@@ -8,10 +8,17 @@ outputs. Verification never runs inside capture: the gate runs verified signatur
 unverified ones' references while capturing, so a replay computes exactly what eager computed.
 A capture that fails (a host sync inside the forward, say) leaves that signature eager, logged
 once.
+
+At most ``max_graphs`` signatures hold a captured graph at a time. Each graph keeps a private
+memory pool about one forward's activations in size, so a server that sees many shapes (batch
+sizes x resolutions) would otherwise grow without bound. Capturing one more evicts the least
+recently replayed one: its graph and buffers are released, and the signature starts again from
+a single eager call if it comes back.
 """
 
 from __future__ import annotations
 
+import collections
 import inspect
 import logging
 from typing import Any
@@ -61,17 +68,37 @@ class GraphRunner:
 
     _is_stateful = False
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, max_graphs: int = 8) -> None:
+        if max_graphs < 1:
+            raise ValueError("max_graphs must be >= 1")
         self.fn_ref = None
         self.entries: dict[tuple, _Entry] = {}
+        # signatures holding a captured graph, least recently replayed first
+        self.live: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self.max_graphs = int(max_graphs)
         self.signature = inspect.signature(type(model).forward)
         self.replays = 0
         self.captures = 0
+        self.evictions = 0
         self.parallel_noted = False
 
     def invalidate(self) -> None:
         """Drop every captured graph (the forward changed: another quality tier was mounted)."""
         self.entries.clear()
+        self.live.clear()
+
+    def _make_room(self) -> None:
+        """Evict least recently replayed graphs until one more fits under ``max_graphs``."""
+        while len(self.live) >= self.max_graphs:
+            key, _ = self.live.popitem(last=False)
+            entry = self.entries.get(key)
+            if entry is not None:
+                entry.graph = None
+                entry.static_in = {}
+                entry.static_out = None
+                entry.calls = 0  # if it returns: one eager call, then a capture again
+            self.evictions += 1
+            logger.info("ditfuse: CUDA graph evicted (at most %d kept): %s", self.max_graphs, key)
 
     def initialize_hook(self, module):
         return module
@@ -113,9 +140,12 @@ class GraphRunner:
         if entry.calls == 1:
             return original(*args, **kwargs)  # eager warm-up: all first-sight verification happens here
         if entry.graph is None:
+            self._make_room()
             self._capture(entry, original, named)
             if entry.graph is None:
                 return original(*args, **kwargs)
+            self.live[key] = None
+        self.live.move_to_end(key)
         for name, buf in entry.static_in.items():
             buf.copy_(named[name])
         entry.graph.replay()
@@ -143,7 +173,7 @@ class GraphRunner:
         self.captures += 1
 
 
-def install_graph_runner(model: torch.nn.Module) -> GraphRunner:
+def install_graph_runner(model: torch.nn.Module, max_graphs: int = 8) -> GraphRunner:
     from diffusers.hooks import HookRegistry, ModelHook
 
     class _Runner(GraphRunner, ModelHook):
@@ -152,8 +182,9 @@ def install_graph_runner(model: torch.nn.Module) -> GraphRunner:
     reg = HookRegistry.check_if_exists_or_initialize(model)
     existing = reg.get_hook(HOOK_NAME)
     if existing is not None:
+        existing.max_graphs = int(max_graphs)
         return existing
-    runner = _Runner(model)
+    runner = _Runner(model, max_graphs=max_graphs)
     reg.register_hook(runner, HOOK_NAME)
     return runner
 

@@ -78,6 +78,13 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                           "or ring (GPUs only)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
+    p.add_argument("--no-cuda-graph", action="store_true",
+                   help="run each transformer step eagerly (default: after one eager call per input shape, "
+                        "which verifies the kernels, the step is captured as a CUDA graph and replayed; "
+                        "bitwise equal, less host time)")
+    p.add_argument("--max-cuda-graphs", type=int, default=4,
+                   help="input shapes per transformer that keep a captured graph (each holds about one step's "
+                        "activations); the least recently used is released for a new shape")
     p.add_argument("--no-access-log", action="store_true", help="no per-request log line (ditfuse.access logger, stderr)")
     p.add_argument("--log-prompts", action="store_true", help="include the prompt (first 200 characters) in access-log lines")
     v = p.add_argument_group("videos (video models: POST /v1/videos and the other /v1/videos routes)")

@@ -573,9 +573,13 @@ def build_engine(
     worker_options: dict[str, Any] | None = None,
     parallel: str = "data",
     parallel_mode: str = "ulysses",
+    cuda_graph: bool = False,
+    max_cuda_graphs: int = 4,
     **engine_kwargs: Any,
 ) -> tuple[Engine, str]:
     """Load ``model``, mount ditfuse (unless ``accelerate=False``), wrap it in an Engine.
+    ``cuda_graph``: lossless CUDA graphs for each transformer's step (``accelerate(cuda_graph=)``),
+    at most ``max_cuda_graphs`` input shapes each; ``ditfuse serve`` turns them on.
 
     With two or more ``devices`` the model is loaded by one worker process per device instead
     (:class:`~ditfuse.runtime.workers.WorkerPool`, ``worker_options`` passed to it; data
@@ -590,12 +594,14 @@ def build_engine(
     if devices is not None and len(devices) > 1:
         from .workers import ContextPool, WorkerPool
 
+        graphs = dict(cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs)
         if parallel == "context":
             pool = ContextPool(model, devices, mode=parallel_mode, dtype=dtype, accelerate=accelerate,
-                               default_quality=default_quality, **(worker_options or {}))
+                               default_quality=default_quality, **graphs, **(worker_options or {}))
         else:
             pool = WorkerPool(
-                model, devices, dtype=dtype, accelerate=accelerate, default_quality=default_quality, **(worker_options or {})
+                model, devices, dtype=dtype, accelerate=accelerate, default_quality=default_quality, **graphs,
+                **(worker_options or {})
             )
         pool.start()
         try:
@@ -613,7 +619,7 @@ def build_engine(
     if accelerate:
         from ..models import accelerate as _accelerate
 
-        handle = _accelerate(loaded.pipe, quality=default_quality)
+        handle = _accelerate(loaded.pipe, quality=default_quality, cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs)
         summary = handle.report().summary()
     engine = Engine(loaded, handle, default_quality=default_quality, **engine_kwargs)
     return engine, summary
@@ -690,6 +696,8 @@ def run(args: Any) -> int:
             dtype=args.dtype,
             accelerate=not args.no_accelerate,
             default_quality=args.default_quality,
+            cuda_graph=not getattr(args, "no_cuda_graph", False),
+            max_cuda_graphs=getattr(args, "max_cuda_graphs", 4),
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
             quality_switch_wait_ms=args.quality_switch_wait_ms,

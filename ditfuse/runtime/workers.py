@@ -209,6 +209,9 @@ class WorkerSpec:
     # A member of a context-parallel group (ContextPool): (rank, world size, the process group's
     # init_method, the attention mode "ulysses" | "ring"); None for a data-parallel worker.
     group: tuple[int, int, str, str] | None = None
+    # accelerate(cuda_graph=, max_cuda_graphs=) in the worker
+    cuda_graph: bool = False
+    max_cuda_graphs: int = 4
 
 
 def _resolve(path: str) -> Callable[..., Any]:
@@ -262,7 +265,8 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
         if spec.accelerate:
             from ..models import accelerate
 
-            handle = accelerate(loaded.pipe, quality=spec.default_quality)
+            handle = accelerate(loaded.pipe, quality=spec.default_quality, cuda_graph=spec.cuda_graph,
+                                max_cuda_graphs=spec.max_cuda_graphs)
             summary = handle.report().summary()
     except BaseException as e:  # noqa: BLE001 - every startup failure is reported, then we exit
         _send(conn, ("failed", type(e).__name__, str(e), traceback.format_exc()))
@@ -568,9 +572,13 @@ class WorkerPool:
         env: Mapping[str, str | None] | None = None,
         start_timeout_s: float = 1800.0,
         stop_timeout_s: float = 30.0,
+        cuda_graph: bool = False,
+        max_cuda_graphs: int = 4,
     ) -> None:
         if not devices:
             raise ValueError("WorkerPool needs at least one device")
+        if max_cuda_graphs < 1:
+            raise ValueError("max_cuda_graphs must be >= 1")
         Quality.parse(default_quality)
         env_items = tuple((env or {}).items())
         self.devices = [parse_device(d) for d in devices]
@@ -578,7 +586,8 @@ class WorkerPool:
             worker_environment(d)  # a CUDA index past CUDA_VISIBLE_DEVICES fails here, not in a child
         self.model = model
         self.specs = [
-            WorkerSpec(i, model, d, dtype, accelerate, default_quality, threads, runner, env_items)
+            WorkerSpec(i, model, d, dtype, accelerate, default_quality, threads, runner, env_items,
+                       cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs)
             for i, d in enumerate(self.devices)
         ]
         self.start_timeout_s = float(start_timeout_s)

@@ -690,3 +690,26 @@ def test_observed_app_logs_prompts_when_asked_and_reports_shutdown(caplog):
     assert any(" POST /boom 500 " in line for line in lines), lines
     assert m.value("ditfuse_requests_total", outcome="ok", status=200) == 2
     assert m.value("ditfuse_requests_total", outcome="internal_error", status=500) == 0  # not the image route
+
+
+def test_cuda_graph_options_reach_accelerate_and_workers(monkeypatch):
+    """serve's --no-cuda-graph / --max-cuda-graphs: build_engine hands them to accelerate() in
+    process and to every worker's spec; graphs are on unless --no-cuda-graph; on a machine
+    without CUDA accelerate says it ignored them."""
+    import argparse
+
+    from ditfuse.runtime import commands
+    from ditfuse.runtime.server import build_engine
+    from ditfuse.runtime.workers import WorkerPool
+
+    p = argparse.ArgumentParser()
+    commands._serve_arguments(p)
+    on, off = p.parse_args([]), p.parse_args(["--no-cuda-graph", "--max-cuda-graphs", "2"])
+    assert (on.no_cuda_graph, on.max_cuda_graphs) == (False, 4)
+    assert (off.no_cuda_graph, off.max_cuda_graphs) == (True, 2)
+    _engine, summary = build_engine("tiny-flux", device="cpu", accelerate=True, cuda_graph=True, max_cuda_graphs=2)
+    assert "cuda_graph=True ignored: no CUDA device" in summary
+    pool = WorkerPool("tiny-flux", ["cpu"], cuda_graph=True, max_cuda_graphs=3)
+    assert (pool.specs[0].cuda_graph, pool.specs[0].max_cuda_graphs) == (True, 3)
+    with pytest.raises(ValueError, match="max_cuda_graphs"):
+        WorkerPool("tiny-flux", ["cpu"], max_cuda_graphs=0)

@@ -74,6 +74,26 @@ def test_cuda_graph_replays_bitwise():
     assert_engaged()
 
 
+def test_cuda_graph_cache_is_bounded_and_stays_bitwise():
+    """max_cuda_graphs=1: a second shape's capture releases the first shape's graph; when the
+    first shape returns it runs eagerly once, then is captured again. Every output bitwise equal."""
+    m = _model(24, (1, 1), True)
+    a = flux_inputs(m, batch=1, img=256, txt=512, dtype=torch.bfloat16, device=DEV)
+    b = flux_inputs(m, batch=2, img=256, txt=512, dtype=torch.bfloat16, device=DEV)
+    with torch.no_grad():
+        base_a, base_b = m(**a)[0], m(**b)[0]
+        h = ditfuse.accelerate(m, cuda_graph=True, max_cuda_graphs=1)
+        runner = h._graphs["FluxTransformer2DModel"]
+        outs = [(m(**x)[0], ref) for x, ref in ((a, base_a), (a, base_a), (b, base_b), (b, base_b),
+                                                (a, base_a), (a, base_a), (a, base_a))]
+        captures, evictions, live = runner.captures, runner.evictions, len(runner.live)
+        h.unmount()
+    assert (captures, evictions, live) == (3, 2, 1), (captures, evictions, live)
+    for i, (o, ref) in enumerate(outs):
+        assert_bitwise_equal(o, ref, f"call {i}")
+    assert_engaged()
+
+
 def test_whole_pipeline_image_bitwise():
     """tiny-flux encoders/VAE with a head_dim-128 transformer, 4 steps, bf16, CFG-free FLUX.1-dev style."""
     from diffusers import FluxPipeline
