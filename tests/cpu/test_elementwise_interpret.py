@@ -240,6 +240,8 @@ def test_custom_ops_registered_with_fake_impls(k):
         sc = torch.empty(2, 64, dtype=torch.bfloat16)
         assert torch.ops.ditfuse.gate_residual(x, sc, x).shape == (2, 3, 64)
         assert torch.ops.ditfuse.gelu_tanh(x, x) is None
+        m = torch.empty(2, 3, 256, dtype=torch.bfloat16)
+        assert torch.ops.ditfuse.gelu_tanh_cat(x, m).shape == (2, 3, 320)
 
 
 def test_opcheck(k):
@@ -248,6 +250,8 @@ def test_opcheck(k):
     torch.library.opcheck(torch.ops.ditfuse.gate_residual.default, (x, sc, x),
                           test_utils=("test_schema", "test_faketensor"))
     torch.library.opcheck(torch.ops.ditfuse.gelu_tanh.default, (x, torch.empty_like(x)),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.ditfuse.gelu_tanh_cat.default, (x, torch.randn(1, 2, 128).to(torch.bfloat16)),
                           test_utils=("test_schema", "test_faketensor"))
 
 
