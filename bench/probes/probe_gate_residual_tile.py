@@ -7,12 +7,15 @@ variant is checked bitwise against eager before timing. ms: do_bench_cudagraph m
 
 from __future__ import annotations
 
-import csv
 import os
+import sys
 
 import torch
 import triton
 import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from probe_held_rows import write_rows  # noqa: E402
 
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.common import elementwise as ew
@@ -60,12 +63,7 @@ def main() -> None:
             pct = 100 * nbytes / (ms * 1e-3) / 1e9 / copy_gbs
             rows.append(dict(shape=label, variant=name, ms=round(ms, 4), pct_of_copy=round(pct, 1), bitwise=ok))
             print(f"{label:<16} {name:<18} {ms:8.4f} {pct:6.1f} {ok}", flush=True)
-    out_dir = os.environ.get("OUT", "/tmp/probe_out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "probe_gate_residual_tile_h200.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_rows("probe_gate_residual_tile_h200.csv", rows)
 
 
 if __name__ == "__main__":

@@ -54,6 +54,16 @@ def row(case, variant, fn, expected, nbytes, copy_gbs):
           flush=True)
 
 
+def write_rows(name: str, rows: list[dict]) -> None:
+    """A probe's rows as CSV ``name`` under $OUT (default /tmp/probe_out)."""
+    out_dir = os.environ.get("OUT", "/tmp/probe_out")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, name), "w", newline="") as f:
+        wtr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wtr.writeheader()
+        wtr.writerows(rows)
+
+
 def ln_cases(B, S, D, wan):
     x, u = _r((B, S, D), 2.0), _r((B, S, D), 2.0)
     n = _nb(x)
@@ -148,12 +158,7 @@ def main() -> None:
         row(case, "eager", lambda: ref.gelu_tanh(y), expected, 2 * _nb(y), copy_gbs)
         y = expected = None
         torch.cuda.empty_cache()
-    out_dir = os.environ.get("OUT", "/tmp/probe_out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "probe_held_rows_h200.csv"), "w", newline="") as f:
-        wtr = csv.DictWriter(f, fieldnames=list(ROWS[0]))
-        wtr.writeheader()
-        wtr.writerows(ROWS)
+    write_rows("probe_held_rows_h200.csv", ROWS)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ torch.compile's kernel.
 
 from __future__ import annotations
 
-import csv
 import os
 import sys
 
@@ -26,7 +25,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_held_rows import ROWS, _nb, _r, ln_cases, row  # noqa: E402  (the round-6 probe's cases and timing)
+from probe_held_rows import ROWS, _nb, _r, ln_cases, row, write_rows  # noqa: E402  (the round-6 probe's cases and timing)
 
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.common import warp as cw
@@ -102,12 +101,7 @@ def main() -> None:
     compiled = torch.compile(lambda a, b, c: (a.float() + b.float() * c).type_as(a))
     row(case, "torch.compile", lambda: compiled(x, u, g), ref.gate_residual(x, g, u), 3 * _nb(x), copy_gbs)
 
-    out_dir = os.environ.get("OUT", "/tmp/probe_out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "probe_warp_rows_h200.csv"), "w", newline="") as f:
-        wtr = csv.DictWriter(f, fieldnames=list(ROWS[0]))
-        wtr.writeheader()
-        wtr.writerows(ROWS)
+    write_rows("probe_warp_rows_h200.csv", ROWS)
 
 
 if __name__ == "__main__":

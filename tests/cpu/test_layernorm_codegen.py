@@ -138,3 +138,25 @@ def test_warp_layout_guard(warp_facts):
             assert f["warp_layout_reason"] is None, f
         else:
             assert f["warp_layout_reason"] and "threadsPerWarp = [4, 8]" in f["warp_layout_reason"], f
+
+
+def test_warp_layout_ok_judges_each_binary_once(monkeypatch):
+    """warp_layout_ok reads a binary's TTGIR only the first time (one dict lookup per launch
+    after that); a binary with no lane-major shuffles is refused; the interpreter (no binary)
+    passes."""
+    from types import SimpleNamespace
+
+    from ditfuse.kernels.common import warp
+
+    monkeypatch.setattr(warp, "_VERDICTS", {})
+    reads = []
+
+    class Asm(dict):
+        def __getitem__(self, k):
+            reads.append(k)
+            return super().__getitem__(k)
+
+    bad = SimpleNamespace(hash="h-bad", asm=Asm(ttgir="module {}"))
+    assert not warp.warp_layout_ok(bad, "test") and not warp.warp_layout_ok(bad, "test")
+    assert reads == ["ttgir"] and warp._VERDICTS["h-bad"] == "no shuffles found in the TTGIR"
+    assert warp.warp_layout_ok(None, "test")

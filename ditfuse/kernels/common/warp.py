@@ -157,13 +157,15 @@ _VERDICTS: dict[str, str | None] = {}
 def warp_layout_ok(compiled: object, what: str) -> bool:
     """Whether the compiled warp-per-row kernel ``compiled`` (what a launch returns) may be used;
     checked once per binary, a refusal logged once. No binary (the interpreter): True."""
-    asm = getattr(compiled, "asm", None)
-    if not asm or "ttgir" not in asm:
+    if compiled is None:
         return True
     key = getattr(compiled, "hash", None) or str(id(compiled))
-    if key not in _VERDICTS:
-        reason = warp_layout_reason(asm["ttgir"])
-        _VERDICTS[key] = reason
-        if reason:
-            log.warning("%s: warp-per-row kernel refused (%s); the 128-thread kernel runs instead", what, reason)
-    return _VERDICTS[key] is None
+    verdict = _VERDICTS.get(key, False)  # per launch: one dict lookup once the binary is judged
+    if verdict is False:
+        asm = getattr(compiled, "asm", None)
+        if not asm or "ttgir" not in asm:
+            return True
+        verdict = _VERDICTS[key] = warp_layout_reason(asm["ttgir"])
+        if verdict:
+            log.warning("%s: warp-per-row kernel refused (%s); the 128-thread kernel runs instead", what, verdict)
+    return verdict is None

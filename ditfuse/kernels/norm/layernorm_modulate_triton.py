@@ -103,16 +103,17 @@ def _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
 
 
 @triton.jit
-def _welford4(mean, m2, x, j, valid_t, R: tl.constexpr):
-    """Four Welford updates, in element order, with step j's [128, R, 4] tile (cuWelfordOnlineSum)."""
-    x02, x13 = tl.split(tl.reshape(x, [LN_THREADS, R, 2, 2]))
+def _welford4(mean, m2, x, j, valid, A0: tl.constexpr, A1: tl.constexpr):
+    """Four Welford updates, in element order, with step j's [A0, A1, 4] tile (cuWelfordOnlineSum):
+    [128 threads, R rows, 4] in the 128-thread kernel, [R rows, 32 lanes, 4] in the warp kernel.
+    ``valid`` ([A0, A1]-broadcastable): which threads hold the step; None: all of them."""
+    x02, x13 = tl.split(tl.reshape(x, [A0, A1, 2, 2]))
     x0, x2 = tl.split(x02)
     x1, x3 = tl.split(x13)
-    v = valid_t[:, None]
-    mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, v)
-    mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, v)
-    mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, v)
-    mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, v)
+    mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, valid)
+    mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, valid)
+    mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, valid)
+    mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, valid)
     return mean, m2
 
 
@@ -224,7 +225,7 @@ def _ln_kernel(
                 dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
                 hj = held[j] if EXACT else round_to(held[j], H_DT)  # exact: held in H_DT already
                 tl.store(h_ptr + dst, hj, mask=valid_t[:, None, None] & row_ok[None, :, None])
-            mean, m2 = _welford4(mean, m2, held[j].to(tl.float32), j, valid_t, R)
+            mean, m2 = _welford4(mean, m2, held[j].to(tl.float32), j, valid_t[:, None], LN_THREADS, R)
     else:
         # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order.
         j = 0
@@ -237,7 +238,7 @@ def _ln_kernel(
             if RES != 0:
                 dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
                 tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
-            mean, m2 = _welford4(mean, m2, x, j, valid_t, R)
+            mean, m2 = _welford4(mean, m2, x, j, valid_t[:, None], LN_THREADS, R)
             j += 1
     nvecs_t = tl.maximum((NVEC - t + LN_THREADS - 1) // LN_THREADS, 0)
     count = tl.broadcast_to((nvecs_t * LN_VEC).to(tl.float32)[:, None], [LN_THREADS, R])
@@ -292,19 +293,6 @@ def _wtile(ptr, b, s, sb, ss, sd, vec, k4):
 def _wvec(ptr, sd, vec, k4):
     """A [D] parameter as a [1, 32, 4] tile."""
     return load_f32(ptr + (vec[None, :, None] * 4 + k4[None, None, :]).to(tl.int64) * sd, None)
-
-
-@triton.jit
-def _welford4_w(mean, m2, x, j: tl.constexpr, R: tl.constexpr):
-    """Four Welford updates with a [R, 32, 4] tile, every thread holding it (constant counts)."""
-    x02, x13 = tl.split(tl.reshape(x, [R, 32, 2, 2]))
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
-    mean, m2 = welford_update(mean, m2, x0, j * 4 + 1.0, None)
-    mean, m2 = welford_update(mean, m2, x1, j * 4 + 2.0, None)
-    mean, m2 = welford_update(mean, m2, x2, j * 4 + 3.0, None)
-    mean, m2 = welford_update(mean, m2, x3, j * 4 + 4.0, None)
-    return mean, m2
 
 
 # One warp per row, for rows that are whole 128-thread steps (D % 512 == 0) of at most
@@ -362,10 +350,10 @@ def _ln_warp_kernel(
     z = tl.zeros([R, 32], dtype=tl.float32)
     mean0, m20, mean1, m21, mean2, m22, mean3, m23 = z, z, z, z, z, z, z, z
     for j in tl.static_range(JS):
-        mean0, m20 = _welford4_w(mean0, m20, held[4 * j].to(tl.float32), j, R)
-        mean1, m21 = _welford4_w(mean1, m21, held[4 * j + 1].to(tl.float32), j, R)
-        mean2, m22 = _welford4_w(mean2, m22, held[4 * j + 2].to(tl.float32), j, R)
-        mean3, m23 = _welford4_w(mean3, m23, held[4 * j + 3].to(tl.float32), j, R)
+        mean0, m20 = _welford4(mean0, m20, held[4 * j].to(tl.float32), j, None, R, 32)
+        mean1, m21 = _welford4(mean1, m21, held[4 * j + 1].to(tl.float32), j, None, R, 32)
+        mean2, m22 = _welford4(mean2, m22, held[4 * j + 2].to(tl.float32), j, None, R, 32)
+        mean3, m23 = _welford4(mean3, m23, held[4 * j + 3].to(tl.float32), j, None, R, 32)
     mean_r, m2_r = welford_fold_4warps_in_registers(mean0, m20, mean1, m21, mean2, m22, mean3, m23,
                                                     JS * 4, R)
     var = tl.math.div_rn(m2_r, N.to(tl.float32))

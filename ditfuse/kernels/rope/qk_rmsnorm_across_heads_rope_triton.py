@@ -55,9 +55,10 @@ _VEC: tl.constexpr = tl.constexpr(4)
 
 
 @triton.jit
-def _sumsq4(acc, x, R: tl.constexpr):
-    """A thread's four FMAs for its 4-element vector, in element order."""
-    x02, x13 = tl.split(tl.reshape(x, [_THREADS, R, 2, 2]))
+def _sumsq4(acc, x, A0: tl.constexpr, A1: tl.constexpr):
+    """A thread's four FMAs for its 4-element vector, in element order, on an [A0, A1, 4] tile
+    ([128 threads, R rows, 4] or, in the warp kernel, [R rows, 32 lanes, 4])."""
+    x02, x13 = tl.split(tl.reshape(x, [A0, A1, 2, 2]))
     x0, x2 = tl.split(x02)
     x1, x3 = tl.split(x13)
     acc = fma_rn(x0, x0, acc)  # fma(v, v, 0) == v * v for the first element: no special case
@@ -140,13 +141,13 @@ def _rms_rope_kernel(
                                   (vec < NVEC)[:, None, None] & row_ok[None, :, None])
             held = held + (x.to(DTYPE),)  # exact: a value of the input dtype
         for j in tl.static_range(JS):
-            acc = _sumsq4(acc, held[j].to(tl.float32), R)
+            acc = _sumsq4(acc, held[j].to(tl.float32), _THREADS, R)
     else:
         j = 0
         while j < J:
             vec = j * _THREADS + t
             valid = (vec < NVEC)[:, None, None] & row_ok[None, :, None]
-            acc = _sumsq4(acc, load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid), R)
+            acc = _sumsq4(acc, load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid), _THREADS, R)
             j += 1
     rstd = rsqrt_approx(tl.math.div_rn(rms_fold_rows(acc, R), N.to(tl.float32)) + eps)
     rstd = rstd[None, :, None]
@@ -198,10 +199,10 @@ def _rms_rope_warp_kernel(
     z = tl.zeros([R, 32], dtype=tl.float32)
     a0, a1, a2, a3 = z, z, z, z
     for j in tl.static_range(JS):
-        a0 = _sumsq4_w(a0, held[4 * j].to(tl.float32), R)
-        a1 = _sumsq4_w(a1, held[4 * j + 1].to(tl.float32), R)
-        a2 = _sumsq4_w(a2, held[4 * j + 2].to(tl.float32), R)
-        a3 = _sumsq4_w(a3, held[4 * j + 3].to(tl.float32), R)
+        a0 = _sumsq4(a0, held[4 * j].to(tl.float32), R, 32)
+        a1 = _sumsq4(a1, held[4 * j + 1].to(tl.float32), R, 32)
+        a2 = _sumsq4(a2, held[4 * j + 2].to(tl.float32), R, 32)
+        a3 = _sumsq4(a3, held[4 * j + 3].to(tl.float32), R, 32)
     total = rms_fold_4warps_in_registers(a0, a1, a2, a3, R)
     rstd = rsqrt_approx(tl.math.div_rn(total, N.to(tl.float32)) + eps)[:, :, None]
     keep = row_ok[:, None, None]
@@ -220,19 +221,6 @@ def _rms_rope_warp_kernel(
                 sn = load_f32(sin_ptr + (s[:, None, None] * sss + pos * ssd), None)
                 n = _rope_pairs(n, c, sn, R, 32, EXACT, P_DT)
             tl.store(out_ptr + (out_row[:, None, None] + col), round_to(n, DTYPE), mask=keep)
-
-
-@triton.jit
-def _sumsq4_w(acc, x, R: tl.constexpr):
-    """:func:`_sumsq4` on an [R, 32, 4] tile."""
-    x02, x13 = tl.split(tl.reshape(x, [R, 32, 2, 2]))
-    x0, x2 = tl.split(x02)
-    x1, x3 = tl.split(x13)
-    acc = fma_rn(x0, x0, acc)
-    acc = fma_rn(x1, x1, acc)
-    acc = fma_rn(x2, x2, acc)
-    acc = fma_rn(x3, x3, acc)
-    return acc
 
 
 # ----------------------------------------------------------------------------- predicate
