@@ -278,6 +278,13 @@ def channels_last_format(x: torch.Tensor) -> torch.memory_format | None:
     return fmt if x.is_contiguous(memory_format=fmt) else None
 
 
+def dense_channels_last(t: torch.Tensor) -> bool:
+    """t is 5-D and its elements lie as a dense ``[B, T, H, W, C]`` array (the strides of size-1
+    dims do not matter): the one layout the Wan decode's cache frames are copied from by address
+    arithmetic."""
+    return t.dim() == 5 and t.is_contiguous(memory_format=torch.channels_last_3d)
+
+
 def wan_rms_norm_silu(
     x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0, silu: bool = True,
     ncdhw: bool = False,
@@ -298,16 +305,25 @@ def wan_rms_norm_silu(
 
 def wan_rms_norm_silu_pad(
     x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float, silu: bool, ncdhw: bool,
-    pad: tuple[int, ...], pre_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``F.pad(wan_rms_norm_silu(x + pre_bias, gamma, bias, silu, ncdhw), pad)`` (what
-    WanCausalConv3d's ``F.pad`` makes of the norm's output), channels-last-3d like x.
-    ``pre_bias``: the bias of the convolution that produced x, added as aten adds a cuDNN
-    convolution's bias (``output.add_(bias.reshape(1, C, 1, 1, 1))``, one rounding)."""
+    pad: tuple[int, ...], pre_bias: torch.Tensor | None = None, cache: torch.Tensor | None = None,
+    keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal convolution's padded input and cache, from the norm in front of it, as
+    WanResidualBlock and WanCausalConv3d make them: ``y = wan_rms_norm_silu(x + pre_bias, ...)``,
+    ``kept = y[:, :, -keep:].clone()`` (the frames cached for the next chunk), and
+    ``F.pad(cat([cache, y], 2), pad)`` with ``pad``'s front frames reduced by the cache's
+    (``WanCausalConv3d.forward``). Both channels-last-3d like x. ``pre_bias``: the bias of the
+    convolution that produced x, added as aten adds a cuDNN convolution's bias
+    (``output.add_(bias.reshape(1, C, 1, 1, 1))``, one rounding)."""
     if pre_bias is not None:
         x = x + pre_bias.reshape(1, -1, *([1] * (x.dim() - 2)))
-    y = F.pad(wan_rms_norm_silu(x, gamma, bias, silu, ncdhw), list(pad))
-    return y.contiguous(memory_format=torch.channels_last_3d)
+    y = wan_rms_norm_silu(x, gamma, bias, silu, ncdhw)
+    kept = y[:, :, y.shape[2] - keep:].contiguous(memory_format=torch.channels_last_3d)
+    pad = list(pad)
+    if cache is not None:
+        y = torch.cat([cache, y], dim=2)
+        pad[4] -= cache.shape[2]
+    return F.pad(y, pad).contiguous(memory_format=torch.channels_last_3d), kept
 
 
 def bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -324,7 +340,7 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
 
 
-__all__ += ["channels_last_format", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "bias_residual", "conv_channels_last"]
+__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "bias_residual", "conv_channels_last"]
 
 
 # ----------------------------------------------------------------------------- image families

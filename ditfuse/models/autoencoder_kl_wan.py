@@ -13,9 +13,13 @@ the latent chunk channels-last; everything in between keeps that layout (views, 
 nearest upsampling and the norm kernel all follow their input), and the chunk leaves the decoder
 contiguous again. Sites:
 
-- ``WanDecoder3d``: channels-last in, contiguous out, when the decode qualifies (:func:`_cl_problem`).
+- ``WanDecoder3d``: channels-last in, contiguous out, when the decode qualifies (:func:`_cl_problem`);
+  its head (``norm_out -> SiLU -> conv_out``) runs like a residual block's norm and convolution.
 - ``WanCausalConv3d``: on a channels-last input, the ``cat([cache, x])`` + ``F.pad`` of the causal
   padding become one zero-bordered channels-last buffer the convolution reads directly.
+- Frame caches: where a norm feeds a causal convolution, the norm kernel stores the frames eager
+  clones for the next chunk a second time (dense channels-last), and the next chunk's border launch
+  copies them into the padded buffer's front (eager: ``clone``, then ``cat`` and ``F.pad``).
 - ``nn.Conv2d`` (WanResample's and the attention block's): the channels-last convolution.
 - ``WanResample`` (upsample3d): the frame interleave after the time convolution writes
   channels-last (eager's ``stack`` writes NCDHW, which would end the channels-last run).
@@ -177,6 +181,15 @@ def _next_cache(cache_x: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor
     return cache_x
 
 
+def _cache_arg(cache: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``cache`` where the padded buffer's border launch can copy it in (dense channels-last, x's
+    dtype and device: every cache the channels-last decode makes); None: the caller copies it."""
+    if (cache is None or cache.dim() != 5 or cache.dtype != x.dtype or cache.device != x.device
+            or not ref.dense_channels_last(cache)):
+        return None
+    return cache
+
+
 def _causal_conv(conv, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int]) -> torch.Tensor:
     """diffusers' cache bookkeeping around one WanCausalConv3d call, as WanResidualBlock spells it."""
     if feat_cache is None:
@@ -214,16 +227,17 @@ def _norm_conv(norm: Any, conv: Any, x: torch.Tensor, feat_cache: list | None, f
         if pre_bias is not None:
             x = x + pre_bias.reshape(1, -1, *([1] * (x.dim() - 2)))
         return _causal_conv(conv, _norm(norm, x, True, _ops), feat_cache, feat_idx), None
-    xp = _ops.wan_rms_norm_silu_pad(x, norm.gamma, norm.bias, True, True, (wl, wr, ht, hb, front, 0), pre_bias)
-    if not _is_cl(xp):  # the gate hands back the reference's output on a signature's first call
+    cache = _cache_arg(cache_in, x) if tc else None
+    # the norm's last frames come back a second time, dense channels-last, as the next chunk's
+    # cache (eager: y[:, :, -2:].clone()); the cached frames go in front of y in the same launches
+    xp, kept = _ops.wan_rms_norm_silu_pad(x, norm.gamma, norm.bias, True, True, (wl, wr, ht, hb, front, 0),
+                                          pre_bias, cache, min(CACHE_T, x.shape[2]))
+    if not _is_cl(xp):  # whatever the gate hands back, the convolution gets channels-last
         xp = _keep_cl(xp)
-    H, W = x.shape[3], x.shape[4]
-    if tc:
+    if tc and cache is None:
+        H, W = x.shape[3], x.shape[4]
         xp[:, :, front - tc:front, ht:ht + H, wl:wl + W].copy_(cache_in.to(x.device))
-    y = xp[:, :, front:, ht:ht + H, wl:wl + W]  # the norm's output, as eager caches it
-    # channels-last like y (clone() of this strided view would transpose to NCDHW, and the next
-    # chunk's copy into its padded buffer back): same values as eager's cache
-    cache_x = _next_cache(y[:, :, -CACHE_T:, :, :].contiguous(memory_format=torch.channels_last_3d), cache_in)
+    cache_x = _next_cache(kept, cache_in)
     bias = conv.bias if not defer_bias else None
     out = _keep_cl(_ops.conv_channels_last(xp, conv.weight, bias, conv.stride, (0, 0, 0)))
     feat_cache[idx] = cache_x
@@ -320,8 +334,24 @@ def decoder_forward(decoder, original, x: torch.Tensor, feat_cache: list | None 
         _say_once(f"Wan decoder stays NCDHW for latent chunks {tuple(x.shape)}: {layouts.problem}")
         return original(x, feat_cache, feat_idx, first_chunk)
     with _active("replaying", layouts):
-        out = original(x.contiguous(memory_format=torch.channels_last_3d), feat_cache, feat_idx, first_chunk)
+        out = _decoder_chunk(decoder, x.contiguous(memory_format=torch.channels_last_3d), feat_cache, feat_idx,
+                             first_chunk, _ops)
     return out.contiguous()
+
+
+def _decoder_chunk(decoder, x: torch.Tensor, feat_cache: list | None, feat_idx: list[int], first_chunk: bool,
+                   _ops: OpSet) -> torch.Tensor:
+    """WanDecoder3d.forward (diffusers 0.42.1) on a channels-last chunk, its head's
+    ``norm_out -> SiLU -> conv_out`` run as a residual block's norm and convolution are (the norm
+    writing into the convolution's padded input and the next cache; eager: the norm, a SiLU pass,
+    a clone of the cached frames, the cat and the pad copy)."""
+    x = _causal_conv(decoder.conv_in, x, feat_cache, feat_idx)
+    x = decoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
+    for up_block in decoder.up_blocks:
+        x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+    if type(decoder.nonlinearity) is torch.nn.SiLU and _rms_applies(decoder.norm_out) is None:
+        return _norm_conv(decoder.norm_out, decoder.conv_out, x, feat_cache, feat_idx, _ops)[0]
+    return _causal_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(x)), feat_cache, feat_idx)
 
 
 def causal_conv_forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor | None = None,
@@ -356,9 +386,13 @@ def causal_conv_forward(conv, original, x: torch.Tensor, cache_x: torch.Tensor |
     else:
         from ..kernels.layout.pad_channels_last_triton import padded_channels_last
 
-        xp = padded_channels_last((B, C, tc + T, H, W), (wl, wr, ht, hb, front, 0), x.dtype, x.device)
+        cache = _cache_arg(cache_x, x) if tc else None
+        # the cache frames, when the border launch copies them, sit in the buffer's front frames
+        xp = padded_channels_last((B, C, T, H, W), (wl, wr, ht, hb, front + tc, 0), x.dtype, x.device, cache) \
+            if cache is not None else \
+            padded_channels_last((B, C, tc + T, H, W), (wl, wr, ht, hb, front, 0), x.dtype, x.device)
         inner = xp[:, :, front:, ht:ht + H, wl:wl + W]
-        if tc:
+        if tc and cache is None:
             inner[:, :, :tc].copy_(cache_x.to(x.device))
         inner[:, :, tc:].copy_(x)
     # the gate hands back the reference's (contiguous) output on a signature's first call
@@ -462,16 +496,17 @@ SITES = (
         forward=rms_norm_forward,
         ops=(WAN_RMS_NORM_SILU,),
         applies=_rms_applies,
-        description="every other WanRMS_norm (norm_out before the head's SiLU, the attention block's norm)",
+        description="every other WanRMS_norm (the attention block's; norm_out where the decoder runs NCDHW)",
     ),
     Site(
         name="wan_vae.decoder",
         cls=f"{_VAE}:WanDecoder3d",
         params=("self", "x", "feat_cache", "feat_idx", "first_chunk"),
         forward=decoder_forward,
-        ops=(CONV_CHANNELS_LAST,),
+        ops=(CONV_CHANNELS_LAST, WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD),
         high=False,
-        description="the decoder on channels-last memory (each latent chunk in, contiguous out)",
+        description="the decoder on channels-last memory (each latent chunk in, contiguous out; the head's "
+                    "norm_out + SiLU written into conv_out's padded input)",
     ),
     Site(
         name="wan_vae.causal_conv",

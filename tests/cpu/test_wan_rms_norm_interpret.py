@@ -96,20 +96,73 @@ def test_padded_output_is_the_causal_conv_input(shape, pad):
     gam = _gamma(shape[1], 3, torch.bfloat16, 19)
     assert wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad)
     assert not wk.can_use_wan_rms_norm_silu_pad(x.contiguous(), gam, 0.0, True, True, pad)
-    got = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad)
-    assert got.is_contiguous(memory_format=torch.channels_last_3d)
+    got, kept = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad)
+    assert got.is_contiguous(memory_format=torch.channels_last_3d) and kept.shape[2] == 0
     exp = torch.nn.functional.pad(ws.rms_norm_silu(x.contiguous(), gam), list(pad))
     mm = compare_outputs(got, exp, f"padded {shape} {pad}")
     assert mm is None, str(mm)
-    assert compare_outputs(ref.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad),
+    assert compare_outputs(ref.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad)[0],
                            torch.nn.functional.pad(ref.wan_rms_norm_silu(x.contiguous(), gam), list(pad))) is None
     # the producing convolution's bias, added first (aten's separate add_, one rounding)
     pb = _rand((shape[1],), torch.bfloat16, 20, 0.5, 0.1)
-    got = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb)
+    got = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb)[0]
     xb = x.contiguous() + pb.reshape(1, -1, 1, 1, 1)
     mm = compare_outputs(got, torch.nn.functional.pad(ws.rms_norm_silu(xb, gam), list(pad)), f"pre-bias {shape}")
     assert mm is None, str(mm)
     assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb.float())
+
+
+@pytest.mark.parametrize(
+    "shape,pad,tc,keep",
+    [
+        ((1, 64, 4, 4, 6), (1, 1, 1, 1, 2, 0), 2, 2),  # a later chunk at full resolution: 2 cached, 2 kept
+        ((2, 24, 3, 3, 5), (1, 1, 1, 1, 2, 0), 2, 2),  # batch 2 (CFG), odd frame size
+        ((1, 40, 1, 2, 6), (1, 1, 1, 1, 2, 0), 2, 1),  # one new frame: one kept (the caller cats the old one)
+        ((2, 16, 2, 2, 4), (1, 1, 1, 1, 2, 0), 1, 2),  # one cached frame, one zero front frame
+        ((1, 24, 3, 2, 4), (0, 0, 0, 0, 2, 0), 0, 3),  # no cache (first chunk), every frame kept
+    ],
+    ids=["full-res", "b2-odd", "t1", "tc1", "no-cache"],
+)
+def test_cache_frames_in_front_and_kept_frames_out(shape, pad, tc, keep):
+    """The cache plumbing of a causal convolution, in the op: ``cache`` copied into the buffer's
+    front frames by the border launch, the norm's last ``keep`` frames stored a second time.
+    Equal to eager's ``F.pad(cat([cache, y], 2), ...)`` and ``y[:, :, -keep:].clone()``, with a
+    cache holding NaN payloads and -0 (bit copies), and with a conv bias first."""
+    B, C, T, Hh, Ww = shape
+    x = _rand(shape, torch.bfloat16, 21).contiguous(memory_format=torch.channels_last_3d)
+    gam = _gamma(C, 3, torch.bfloat16, 22)
+    pb = _rand((C,), torch.bfloat16, 23, 0.5, 0.1)
+    cache = None
+    if tc:
+        cache = _rand((B, C, tc, Hh, Ww), torch.bfloat16, 24)
+        cache.view(-1)[:3] = torch.tensor([float("nan"), -0.0, float("-inf")], dtype=torch.bfloat16)
+        cache.view(torch.int16).view(-1)[3] = 0x7FC1  # a NaN with a payload
+        cache = cache.contiguous(memory_format=torch.channels_last_3d)
+    assert wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache, keep)
+    got, kept = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache, keep)
+    y = ws.rms_norm_silu(x.contiguous() + pb.reshape(1, -1, 1, 1, 1), gam)
+    front = list(pad)
+    front[4] -= tc
+    exp = torch.nn.functional.pad(y if cache is None else torch.cat([cache.contiguous(), y], 2), front)
+    for name, a, e in (("padded", got, exp), ("kept", kept, y[:, :, T - keep:])):
+        assert a.is_contiguous(memory_format=torch.channels_last_3d), name
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        assert torch.equal(a.view(torch.int16), e.contiguous(memory_format=torch.channels_last_3d).view(torch.int16)), \
+            str(compare_outputs(a, e, f"{name} {shape} tc={tc} keep={keep}"))
+    r_out, r_kept = ref.wan_rms_norm_silu_pad(x.contiguous(memory_format=torch.channels_last_3d), gam, 0.0, True,
+                                              False, pad, pb, cache, keep)
+    assert r_out.shape == got.shape and r_kept.shape == kept.shape
+    # refusals: the cache not dense channels-last, of another size or more frames than the front pad; keep > T
+    if cache is not None:
+        assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache.contiguous(), keep)
+        assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache[:, :, :, :1], keep)
+        assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache.float(), keep)
+        short = list(pad)
+        short[4] = tc - 1
+        assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, tuple(short), pb, cache, keep)
+    assert not wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache, T + 1)
+    with pytest.raises(UnsupportedInput, match="keep"):
+        wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache, -1)
 
 
 def test_channels_last_rejected_where_ncdhw_layouts_disagree():
@@ -221,8 +274,33 @@ def test_zero_border_zeroes_exactly_the_border(pad):
     Tp, Hp, Wp = out.shape[2:]
     from ditfuse.kernels.layout import pad_channels_last_triton as pc
 
-    pc._zero_border_kernel[(Tp * Hp, B)](out, Hp, Wp * C, front, ht, hb, wl * C, wr * C, out.stride(0), BLOCK=16)
+    pc._border_kernel[(Tp * Hp, B)](out, out, Hp, Wp * C, front, 0, ht, hb, wl * C, wr * C, out.stride(0), 0, 0, 0,
+                                    HAS_CACHE=False, BLOCK=16)
     inner = torch.zeros_like(out, dtype=torch.bool)
     inner[:, :, front:front + T, ht:ht + H, wl:wl + W] = True
     assert out[inner].isnan().all()
     assert (out[~inner] == 0).all() and not out[~inner].signbit().any()
+
+
+@pytest.mark.parametrize("B,tc,front", [(1, 2, 2), (2, 1, 2), (2, 2, 3)])
+def test_padded_buffer_takes_the_cache_frames(B, tc, front):
+    """padded_channels_last with a cache: the cached frames (bit copies, NaN payload and -0 kept) in
+    the last ``tc`` front frames, zero around them and in the other front frames, the interior
+    untouched (NaN); the refusals name the problem."""
+    from ditfuse.kernels.layout.pad_channels_last_triton import padded_channels_last
+
+    C, T, H, W = 3, 2, 3, 5
+    cache = _rand((B, C, tc, H, W), torch.bfloat16, 25)
+    cache.view(torch.int16).view(-1)[:2] = torch.tensor([0x7FA3, -32768], dtype=torch.int16)  # NaN payload, -0
+    cache = cache.contiguous(memory_format=torch.channels_last_3d)
+    pad = (1, 2, 1, 1, front, 0)
+    out = padded_channels_last((B, C, T, H, W), pad, torch.bfloat16, torch.device("cpu"), cache)
+    out[:, :, front:, 1:1 + H, 1:1 + W] = float("nan")  # the producer's part
+    exp = torch.nn.functional.pad(torch.cat([cache.contiguous(), torch.full((B, C, T, H, W), float("nan"),
+                                                                             dtype=torch.bfloat16)], 2),
+                                  [1, 2, 1, 1, front - tc, 0])
+    assert torch.equal(out.contiguous().view(torch.int16), exp.view(torch.int16))
+    with pytest.raises(ValueError, match="dense channels-last"):
+        padded_channels_last((B, C, T, H, W), pad, torch.bfloat16, torch.device("cpu"), cache.contiguous())
+    with pytest.raises(ValueError, match="frames"):
+        padded_channels_last((B, C, T, H, W), (1, 2, 1, 1, tc - 1, 0), torch.bfloat16, torch.device("cpu"), cache)

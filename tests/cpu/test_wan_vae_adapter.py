@@ -130,8 +130,20 @@ def test_channels_last_decode_equals_diffusers(batch, lat, monkeypatch):
     channels-last frame interleave, the views around the 2-D convolutions, contiguous output) on
     the reference chains: bitwise equal to diffusers, and every decoder convolution got a
     channels-last input."""
+    from ditfuse.contracts.ops import LOSSLESS
+    from ditfuse.kernels import reference as ref
+    from ditfuse.models import autoencoder_kl_wan as wa
+
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     calls = _channels_last_on_cpu(monkeypatch)
+    pads = []  # (norm, cache handed to the op, kept frames) per padded-output norm
+
+    def pad_op(x, gamma, bias, silu, ncdhw, pad, pre_bias=None, cache=None, keep=0):
+        out = ref.wan_rms_norm_silu_pad(x, gamma, bias, silu, ncdhw, pad, pre_bias, cache, keep)
+        pads.append((gamma, cache, keep))
+        return out
+
+    monkeypatch.setattr(LOSSLESS, "wan_rms_norm_silu_pad", pad_op)
     vae = _vae(torch.bfloat16)
     z = torch.randn(batch, 4, *lat, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -143,10 +155,16 @@ def test_channels_last_decode_equals_diffusers(batch, lat, monkeypatch):
                 "wan_vae.upsample"} <= sites
         with torch.no_grad():
             first = vae.decode(z, return_dict=False)[0]  # NCDHW, recording eager's layouts
-            assert calls == []
+            assert calls == [] and pads == []
             out = vae.decode(z, return_dict=False)[0]  # channels-last
     finally:
         h.unmount()
+    # the head (norm_out -> SiLU -> conv_out) writes its conv's padded input like the residual
+    # blocks do; later chunks hand their dense channels-last caches to the op and keep 2 frames
+    assert any(g is vae.decoder.norm_out.gamma for g, _, _ in pads)
+    if lat[0] > 1:
+        assert any(c is not None and ref.dense_channels_last(c) and k == wa.CACHE_T for _, c, k in pads), \
+            [(None if c is None else tuple(c.shape), k) for _, c, k in pads]
     assert_bitwise_equal(first, base, f"recording decode B={batch} {lat}")
     assert_bitwise_equal(out, base, f"channels-last decode B={batch} {lat}")
     assert out.is_contiguous()

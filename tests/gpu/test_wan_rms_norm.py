@@ -117,3 +117,32 @@ def test_close_variant_accuracy():
     assert float(e_c.pow(2).mean().sqrt()) <= 1.5 * float(e_e.pow(2).mean().sqrt())
     assert float(e_c.abs().max()) <= 1.5 * float(e_e.abs().max())
     assert abs(float(e_c.mean())) <= 0.25 * float(e_e.pow(2).mean().sqrt())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_padded_output_with_cache_frames_at_decoder_shapes(dtype):
+    """norm.wan_rms_norm_silu_pad as the channels-last decode calls it in a later chunk: channels-last
+    x, a conv bias first, the 2 cached frames copied into the padded buffer's front by the border
+    launch, the last frames kept; both outputs bitwise equal to eager's cat + F.pad and clone (on the
+    contiguous tensor the NCDHW decode holds), at the 480x832 decoder's 5-D shapes."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    failures = []
+    pad = (1, 1, 1, 1, 2, 0)
+    for shape in [s for s in WAN if len(s) == 5]:
+        B, C, T, Hh, Ww = shape
+        x = _rand(shape, dtype, gen).contiguous(memory_format=torch.channels_last_3d)
+        gam = _rand((C, 1, 1, 1), dtype, gen, 0.3, 1.0)
+        pb = _rand((C,), dtype, gen, 0.1, 0.0)
+        cache = _rand((B, C, 2, Hh, Ww), dtype, gen).contiguous(memory_format=torch.channels_last_3d)
+        keep = min(2, T)
+        assert wk.can_use_wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache, keep), shape
+        got, kept = wk.wan_rms_norm_silu_pad(x, gam, 0.0, True, True, pad, pb, cache, keep)
+        y = ref.wan_rms_norm_silu(x.contiguous() + pb.reshape(1, -1, 1, 1, 1), gam, 0.0, True)
+        exp = torch.nn.functional.pad(torch.cat([cache.contiguous(), y], 2), [1, 1, 1, 1, 0, 0])
+        for name, a, e in (("padded", got, exp), ("kept", kept, y[:, :, -keep:].clone())):
+            assert a.is_contiguous(memory_format=torch.channels_last_3d), name
+            mm = compare_outputs(a, e, f"{name} {list(shape)} {dtype}")
+            if mm:
+                failures.append(str(mm))
+        del x, got, kept, y, exp
+    assert not failures, "\n".join(failures)

@@ -106,14 +106,18 @@ WAN_RMS_NORM_SILU = OpDescriptor(
 WAN_RMS_NORM_SILU_PAD = OpDescriptor(
     op="norm.wan_rms_norm_silu_pad",
     contract=Contract.BIT_EXACT,
-    replaces="F.pad(r(silu(WanRMS_norm(r(conv + b)))), causal padding) -> one channels-last buffer",
+    replaces="y = r(silu(WanRMS_norm(r(conv + b)))); y[:, :, -2:].clone(); F.pad(cat([cache, y], 2), causal "
+             "padding) -> one channels-last buffer + the kept frames",
     summary="the WanRMS_norm + SiLU kernel writing into the interior of the next causal "
-            "convolution's zero-padded channels-last input (no pad copy)",
+            "convolution's zero-padded channels-last input, the border launch copying the cached "
+            "frames in front, the last frames stored a second time as the next cache (no clone, "
+            "cat or pad copy)",
     reference=f"{_REF}:wan_rms_norm_silu_pad",
     impls=(triton_impl(_WR, "wan_rms_norm_silu_pad"),),
     key=(K("x", dims=(0,), tail_shape=True), K("gamma"), K("bias", value=True), K("silu", value=True),
-         K("ncdhw", value=True), K("pad", value=True), K("pre_bias")),
-    key_note="as norm.wan_rms_norm_silu, plus the padding and whether a convolution bias comes first",
+         K("ncdhw", value=True), K("pad", value=True), K("pre_bias"), K("cache", dims=(2,)), K("keep", value=True)),
+    key_note="as norm.wan_rms_norm_silu, plus the padding, whether a convolution bias comes first, the "
+             "cached frames and how many are kept",
 )
 
 WAN_RMS_NORM_SILU_FP32 = OpDescriptor(

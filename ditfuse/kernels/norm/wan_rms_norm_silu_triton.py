@@ -42,7 +42,7 @@ from ditfuse.kernels.common.welford_ops import fma_exact
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.layout.pad_channels_last_triton import padded_channels_last
 from ditfuse.kernels.norm.group_norm_silu_triton import _silu
-from ditfuse.kernels.reference import channels_last_format
+from ditfuse.kernels.reference import channels_last_format, dense_channels_last
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 VT0 = 4  # gpu_reduce_kernel's accumulators per thread
@@ -152,11 +152,11 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
 def _wan_rms_kernel(
-    x_ptr, g_ptr, b_ptr, pb_ptr, out_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
-    oB, oT, oH, W, FHW, PT, PH, PW,
+    x_ptr, g_ptr, b_ptr, pb_ptr, out_ptr, k_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
+    oB, oT, oH, W, FHW, PT, PH, PW, KT0, kB, kT,
     DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, EXACT: tl.constexpr,
     HAS_B: tl.constexpr, SILU: tl.constexpr, TMAJOR: tl.constexpr, KSUB: tl.constexpr,
-    OUTPAD: tl.constexpr, HAS_PB: tl.constexpr,
+    OUTPAD: tl.constexpr, HAS_PB: tl.constexpr, KEEP: tl.constexpr,
 ):
     """Program (b, j): positions ``j*BP ..`` of sample b (over T x HW), all channels (two passes).
     Element (b, c, t, hw) is at ``b*sB + c*sC + t*sT + hw`` (TMAJOR) or position p = t*HW + hw at
@@ -169,6 +169,10 @@ def _wan_rms_kernel(
     OUTPAD (channels-last only): out is a larger channels-last buffer (strides oB, oT, oH, C) and
     position (t, h, w) goes to (t + PT, h + PH, w + PW): the interior of a causal convolution's
     zero-padded input; W and FHW are a frame's width and H*W.
+
+    KEEP (with OUTPAD): frames ``t >= KT0`` are also stored, a second time, into the dense
+    channels-last ``[B, C, T - KT0, H, W]`` buffer at k_ptr (sample stride kB, frame stride kT):
+    the frames a causal convolution caches for the next chunk (eager: ``x[:, :, -2:].clone()``).
 
     HAS_PB: x is a convolution's output before its bias (aten adds a cuDNN convolution's bias
     in a separate ``add_``): the kernel's input is ``r(x + pb[c])``, formed at each load."""
@@ -188,6 +192,10 @@ def _wan_rms_kernel(
         hh = hw // W
         ooff = (t + PT).to(tl.int64) * oT + (hh + PH).to(tl.int64) * oH + (hw - hh * W + PW).to(tl.int64) * sP
         obase = out_ptr + bi * oB
+        if KEEP:
+            kept = pmask & (t >= KT0)
+            koff = (t - KT0).to(tl.int64) * kT + hw.to(tl.int64) * sP
+            kbase = k_ptr + bi * kB
     else:
         ooff = poff
         obase = out_ptr + bi * sB
@@ -243,18 +251,25 @@ def _wan_rms_kernel(
             y = x * f[None, :] * gam + bet
         if SILU:
             y = _silu(y, 0, 0)
-        tl.store(obase + c.to(tl.int64)[:, None] * sC + ooff[None, :], round_to(y, DTYPE), mask=m)
+        yr = round_to(y, DTYPE)
+        tl.store(obase + c.to(tl.int64)[:, None] * sC + ooff[None, :], yr, mask=m)
+        if OUTPAD:
+            if KEEP:
+                tl.store(kbase + c.to(tl.int64)[:, None] + koff[None, :], yr, mask=m & kept[None, :])
         blk += 1
 
 
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
             block_positions: int | None = None, ncdhw: bool = False,
             pad: tuple[int, ...] | None = None, pre_bias: torch.Tensor | None = None,
-            ksub: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+            ksub: int | None = None, num_warps: int | None = None,
+            cache: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
     (x.float(), the division and every later op keep a dense input's layout); with ``pad``
-    (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(out, pad)``."""
-    out = torch.empty_like(x) if pad is None else padded_channels_last(x.shape, pad, x.dtype, x.device)
+    (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(cat([cache, out], 2),
+    pad less cache's frames in front)``, and ``kept`` (a dense channels-last ``[B, C, k, H, W]``
+    buffer, k <= T) receives out's last k frames."""
+    out = torch.empty_like(x) if pad is None else padded_channels_last(x.shape, pad, x.dtype, x.device, cache)
     if x.numel() == 0:
         return out
     geo = _geometry(x, ncdhw)
@@ -268,6 +283,8 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     else:
         oB = oT = oH = PT = PH = PW = 0
         Wd = FHW = 1
+    keep = 0 if kept is None else kept.shape[2]
+    assert keep == 0 or (pad is not None and keep <= x.shape[2])
     off = x.storage_offset() % 4 if x.dtype == torch.float32 else 0  # bf16/fp16: fresh x.float()
     H = reduce_layout(B, C, T * HW, off, vdiv)[0] if exact else 4
     assert H <= MAX_H, "rejected by can_use_wan_rms_norm_silu"
@@ -285,11 +302,13 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     b = bias.reshape(C).contiguous() if has_b else g
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
     pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
+    kT = FHW * C
     _wan_rms_kernel[(B, triton.cdiv(S, BP))](
-        x, g, b, pb, out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale, NORM_EPS,
-        oB, oT, oH, Wd, FHW, PT, PH, PW,
+        x, g, b, pb, out, kept if keep else out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale,
+        NORM_EPS, oB, oT, oH, Wd, FHW, PT, PH, PW, x.shape[2] - keep if keep else 0, keep * kT, kT,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
         TMAJOR=(T > 1 and sT != HW), KSUB=ksub, OUTPAD=pad is not None, HAS_PB=pre_bias is not None,
+        KEEP=keep > 0,
         num_warps=num_warps, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
     return out
@@ -393,7 +412,7 @@ def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor |
     return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
 
 
-def _pad_reason(x, pad, pre_bias=None) -> str | None:
+def _pad_reason(x, pad, pre_bias=None, cache=None, keep=0) -> str | None:
     if pre_bias is not None and not (isinstance(pre_bias, torch.Tensor) and pre_bias.numel() == x.shape[1]
                                      and pre_bias.dtype == x.dtype and pre_bias.device == x.device):
         return "pre_bias must be a [C] tensor of the input's dtype and device"
@@ -401,46 +420,80 @@ def _pad_reason(x, pad, pre_bias=None) -> str | None:
         return "pad must be F.pad's 6 non-negative ints (w_left, w_right, h_top, h_bottom, t_front, t_back)"
     if not channels_last(x) or x.dim() != 5:
         return "the padded output is written from a channels-last-3d input only"
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 0 <= keep <= x.shape[2]:
+        return f"keep must be an int in [0, T={x.shape[2]}], got {keep!r}"
+    if cache is not None:
+        if not isinstance(cache, torch.Tensor) or cache.dim() != 5:
+            return "cache must be a [B, C, tc, H, W] tensor"
+        if cache.shape[:2] != x.shape[:2] or cache.shape[3:] != x.shape[3:] or cache.shape[2] > pad[4]:
+            return (f"cache {tuple(cache.shape)} must match x {tuple(x.shape)} but in frames, and have at most "
+                    f"t_front={pad[4]} frames")
+        if cache.dtype != x.dtype or cache.device != x.device:
+            return "cache must have the input's dtype and device"
+        if not dense_channels_last(cache):
+            return f"cache strides {cache.stride()} are not dense channels-last (copied in by the border launch)"
     return None
 
 
 @torch.library.custom_op("ditfuse::wan_rms_norm_silu_pad", mutates_args=())
 def _wan_rms_norm_silu_pad_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool,
-                              ncdhw: bool, pad: list[int], pre_bias: torch.Tensor | None) -> torch.Tensor:
-    return _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad),
-                   pre_bias=pre_bias)
+                              ncdhw: bool, pad: list[int], pre_bias: torch.Tensor | None,
+                              cache: torch.Tensor | None, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    kept = _kept_buffer(x, keep)
+    out = _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad),
+                  pre_bias=pre_bias, cache=cache if cache is not None and cache.shape[2] else None,
+                  kept=kept if keep else None)
+    return out, kept
+
+
+def _kept_buffer(x: torch.Tensor, keep: int) -> torch.Tensor:
+    B, C, _, Hh, Ww = x.shape
+    return torch.empty((B, C, keep, Hh, Ww), dtype=x.dtype, device=x.device, memory_format=torch.channels_last_3d)
 
 
 @_wan_rms_norm_silu_pad_op.register_fake
-def _(x, gamma, bias, silu, ncdhw, pad, pre_bias):
+def _(x, gamma, bias, silu, ncdhw, pad, pre_bias, cache, keep):
     B, C, T, Hh, Ww = x.shape
-    return torch.empty((B, C, pad[4] + T + pad[5], pad[2] + Hh + pad[3], pad[0] + Ww + pad[1]), dtype=x.dtype,
-                       device=x.device, memory_format=torch.channels_last_3d)
+    out = torch.empty((B, C, pad[4] + T + pad[5], pad[2] + Hh + pad[3], pad[0] + Ww + pad[1]), dtype=x.dtype,
+                      device=x.device, memory_format=torch.channels_last_3d)
+    return out, _kept_buffer(x, keep)
 
 
 def can_use_wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float,
                                   silu: bool, ncdhw: bool, pad: tuple[int, ...],
-                                  pre_bias: torch.Tensor | None = None) -> bool:
+                                  pre_bias: torch.Tensor | None = None, cache: torch.Tensor | None = None,
+                                  keep: int = 0) -> bool:
     """True when :func:`wan_rms_norm_silu_pad` takes these arguments: those of
     :func:`can_use_wan_rms_norm_silu`, a channels-last-3d x, ``pad`` as F.pad's six
-    non-negative ints, ``pre_bias`` None or a [C] tensor like x."""
-    return _pad_reason(x, pad, pre_bias) is None and _unsupported_reason(x, gamma, bias, silu, ncdhw) is None
+    non-negative ints, ``pre_bias`` None or a [C] tensor like x, ``cache`` None or a dense
+    channels-last ``[B, C, tc <= t_front, H, W]`` tensor like x, ``0 <= keep <= T``."""
+    return (_pad_reason(x, pad, pre_bias, cache, keep) is None
+            and _unsupported_reason(x, gamma, bias, silu, ncdhw) is None)
 
 
 def wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float,
                           silu: bool, ncdhw: bool, pad: tuple[int, ...],
-                          pre_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.pad(wan_rms_norm_silu(r(x + pre_bias), gamma, bias, silu, ncdhw), pad)`` as one
-    channels-last-3d buffer: the zero border written by fills, the norm's output straight into its
-    interior (the causal convolution's padded input, without eager's pad copy); ``pre_bias``: the
-    bias of the convolution that produced x, which aten adds in a separate pass. Bit-exact as
-    :func:`wan_rms_norm_silu`. Raises UnsupportedInput where :func:`can_use_wan_rms_norm_silu_pad`
-    is False."""
-    reason = _pad_reason(x, pad, pre_bias) or _unsupported_reason(x, gamma, bias, silu, ncdhw)
+                          pre_bias: torch.Tensor | None = None, cache: torch.Tensor | None = None,
+                          keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal convolution's input and cache, made by the norm in front of it (WanResidualBlock:
+    ``y = silu(norm(x))``; ``cache_x = y[:, :, -2:].clone()``; the convolution's
+    ``F.pad(cat([cache, y], 2), padding)``)::
+
+        y    = wan_rms_norm_silu(r(x + pre_bias), gamma, bias, silu, ncdhw)
+        out  = F.pad(cat([cache, y], 2), pad with t_front reduced by cache's frames)
+        kept = y[:, :, T - keep:]
+
+    Both channels-last-3d. One border launch zeroes out's border and copies the cached frames in;
+    the norm kernel writes y straight into out's interior and its last ``keep`` frames a second
+    time into ``kept`` (eager: the norm's output, a ``clone`` of its last frames, ``cat`` and the
+    pad copy). ``pre_bias``: the bias of the convolution that produced x, which aten adds in a
+    separate pass. Bit-exact as :func:`wan_rms_norm_silu` (the rest is bit copies). Raises
+    UnsupportedInput where :func:`can_use_wan_rms_norm_silu_pad` is False."""
+    reason = _pad_reason(x, pad, pre_bias, cache, keep) or _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
     return torch.ops.ditfuse.wan_rms_norm_silu_pad(x, gamma, bias if isinstance(bias, torch.Tensor) else None,
-                                                   silu, ncdhw, list(pad), pre_bias)
+                                                   silu, ncdhw, list(pad), pre_bias, cache, keep)
 
 
 def can_use_wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
