@@ -326,6 +326,13 @@ def wan_rms_norm_silu_pad(
     return F.pad(y, pad).contiguous(memory_format=torch.channels_last_3d), kept
 
 
+def wan_upsample(x: torch.Tensor) -> torch.Tensor:
+    """``WanUpsample.forward`` (``nn.Upsample(scale_factor=(2.0, 2.0), mode="nearest-exact")`` on
+    ``x.float()``, then ``.type_as(x)``): each value repeated 2x2, through an fp32 round trip.
+    Keeps x's memory format (channels-last in, channels-last out)."""
+    return F.interpolate(x.float(), None, (2.0, 2.0), "nearest-exact", None, recompute_scale_factor=None).type_as(x)
+
+
 def bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """A cuDNN convolution's bias as aten adds it (``output.add_(bias.reshape(1, C, 1, ...))``),
     then the residual block's ``x + h``: ``r(r(x + bias) + h)``."""
@@ -340,7 +347,7 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
 
 
-__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "bias_residual", "conv_channels_last"]
+__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last"]
 
 
 # ----------------------------------------------------------------------------- image families

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels import reference as ref
-from ..kernels.layout import CONV_CHANNELS_LAST
+from ..kernels.layout import CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X
 from ..kernels.modulate import BIAS_RESIDUAL
 from ..kernels.norm import WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD
 from .base import Adapter, Site
@@ -455,16 +455,16 @@ def resample_forward(rs, original, x: torch.Tensor, feat_cache: list | None = No
 
 
 def upsample_forward(up, original, x: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
-    """WanUpsample.forward (nearest-exact, x2) on a channels-last input: ``x.float()``, the 2x2
-    replication as one broadcast copy (nearest-exact at scale 2 maps output i to input i // 2:
-    aten's channels-last upsample kernel is slower than the copy), ``.type_as(x)``. Pure data
-    movement between the same two casts as eager: the same bits, NaN payloads included."""
+    """WanUpsample.forward (nearest-exact x2 between ``x.float()`` and ``.type_as(x)``) on a
+    channels-last input: one pass (``layout.upsample_nearest2x``; eager's fp32 upsample writes
+    four times the input at twice its width, and aten's channels-last upsample kernel is slow)."""
     if not _is_cl(x) or x.dim() != 4:
         return original(x)
     n, c, h, w = x.shape
-    xf = x.float().permute(0, 2, 3, 1)  # [n, h, w, c], contiguous
-    y = xf[:, :, None, :, None, :].expand(n, h, 2, w, 2, c).reshape(n, 2 * h, 2 * w, c)
-    return y.permute(0, 3, 1, 2).type_as(x)
+    # the same elements under canonical channels-last strides (WanResample's reshape of a
+    # one-frame chunk leaves a size-1 batch dim with stride c, for which eager's upsample would
+    # write NCHW and end the channels-last run; the values do not depend on it)
+    return _ops.upsample_nearest2x(x.as_strided(x.shape, (h * w * c, 1, w * c, c)))
 
 
 def _upsample_applies(up: Any) -> str | None:
@@ -532,10 +532,10 @@ SITES = (
         cls=f"{_VAE}:WanUpsample",
         params=("self", "x"),
         forward=upsample_forward,
-        ops=(),
+        ops=(UPSAMPLE_NEAREST2X,),
         applies=_upsample_applies,
         high=False,
-        description="WanUpsample (nearest-exact x2) on channels-last input: one broadcast copy",
+        description="WanUpsample (nearest-exact x2) on channels-last input: the repeat and the fp32 round trip in one pass",
     ),
     Site(
         name="wan_vae.resample",

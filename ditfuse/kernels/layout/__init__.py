@@ -3,11 +3,12 @@
 joint_buffers_torch.py: torch-only helpers (views, one preallocated buffer) with no op of their
 own; pad_channels_last_triton.py: a zero-bordered channels-last buffer for a producer to fill (no
 op either: exact by construction). conv_channels_last_torch.py: cuDNN's convolution on
-channels-last memory (no transposes), an op under the gate — the descriptor is here; importing
-this imports neither torch nor triton.
+channels-last memory (no transposes); upsample_nearest_triton.py: WanUpsample's 2x repeat and
+fp32 round trip in one channels-last pass; both ops under the gate — the descriptors are here;
+importing this imports neither torch nor triton.
 """
 
-from ..spec import Backend, Capability, Contract, Impl, KeyArg as K, OpDescriptor
+from ..spec import Backend, Capability, Contract, Impl, KeyArg as K, OpDescriptor, triton_impl
 
 _CL = "ditfuse.kernels.layout.conv_channels_last_torch"
 
@@ -25,4 +26,17 @@ CONV_CHANNELS_LAST = OpDescriptor(
     key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
 )
 
-DESCRIPTORS = (CONV_CHANNELS_LAST,)
+UPSAMPLE_NEAREST2X = OpDescriptor(
+    op="layout.upsample_nearest2x",
+    contract=Contract.BIT_EXACT,
+    replaces="r(upsample_nearest_exact2d(float(x), 2x)) -> one channels-last pass",
+    summary="WanUpsample on channels-last memory: the 2x2 repeat and the fp32 round trip in one "
+            "pass (eager: upcast, fp32 upsample at 4x the size, cast back), the cast back by c10's "
+            "own cvt.rn instruction",
+    reference="ditfuse.kernels.reference:wan_upsample",
+    impls=(triton_impl("layout.upsample_nearest_triton", "upsample_nearest2x"),),
+    key=(K("x", dims=(0,), tail_shape=True),),
+    key_note="every shape (a copy: the shape fixes the launch)",
+)
+
+DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X)
