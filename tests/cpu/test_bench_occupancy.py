@@ -31,3 +31,16 @@ def test_top_kernels_sums_per_name():
     iv = [(0.0, 1000.0, "a"), (2000.0, 2500.0, "b"), (3000.0, 4000.0, "a"), (5000.0, 5100.0, "c")]
     top = bench_step.top_kernels(iv, n=2)
     assert top == [("a", 2.0, 2), ("b", 0.5, 1)]
+
+
+@pytest.mark.parametrize("name,cat", [
+    ("_swiglu_kernel", "elementwise"), ("_bias_residual_kernel", "elementwise"), ("_border_kernel", "copies"),
+    ("_zero_border_kernel", "copies"), ("_up2_cl_kernel", "copies"), ("_wan_rms_kernel", "norms"),
+    ("_ln_warp_kernel", "norms"), ("_gelu_tanh_cat_kernel", "elementwise"), ("_gn_chain_kernel", "norms"),
+    ("_gn_apply_kernel", "norms"), ("fmha_cutlassF_bf16_aligned_32x128_gmem_sm80", "attention"),
+    ("sm90_xmma_fprop_implicit_gemm_bf16bf16", "gemm"),
+    ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>", "other"),
+])
+def test_breakdown_categories(name, cat):
+    """Each of our kernels lands in the category of what it does (none in "other")."""
+    assert bench_step.categorize(name) == cat

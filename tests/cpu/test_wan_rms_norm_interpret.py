@@ -304,3 +304,23 @@ def test_padded_buffer_takes_the_cache_frames(B, tc, front):
         padded_channels_last((B, C, T, H, W), pad, torch.bfloat16, torch.device("cpu"), cache.contiguous())
     with pytest.raises(ValueError, match="frames"):
         padded_channels_last((B, C, T, H, W), (1, 2, 1, 1, tc - 1, 0), torch.bfloat16, torch.device("cpu"), cache)
+
+
+def test_padded_op_schema_and_fake_impl():
+    """ditfuse::wan_rms_norm_silu_pad (two outputs, an optional cache) and ditfuse::upsample_nearest2x:
+    schema and FakeTensor implementations agree with the kernels (shapes, strides, dtypes)."""
+    from ditfuse.kernels.layout import upsample_nearest_triton  # noqa: F401 (registers the op)
+
+    cl = torch.channels_last_3d
+    x = _rand((1, 16, 2, 2, 4), torch.bfloat16, 30).contiguous(memory_format=cl)
+    gam = _gamma(16, 3, torch.bfloat16, 31)
+    cache = _rand((1, 16, 2, 2, 4), torch.bfloat16, 32).contiguous(memory_format=cl)
+    torch.library.opcheck(torch.ops.ditfuse.wan_rms_norm_silu_pad.default,
+                          (x, gam, None, True, True, [1, 1, 1, 1, 2, 0], None, cache, 2),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.ditfuse.wan_rms_norm_silu_pad.default,
+                          (x, gam, None, True, True, [1, 1, 1, 1, 2, 0], None, None, 0),
+                          test_utils=("test_schema", "test_faketensor"))
+    u = _rand((2, 8, 3, 5), torch.bfloat16, 33).contiguous(memory_format=torch.channels_last)
+    torch.library.opcheck(torch.ops.ditfuse.upsample_nearest2x.default, (u,),
+                          test_utils=("test_schema", "test_faketensor"))
