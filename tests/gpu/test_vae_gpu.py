@@ -13,7 +13,7 @@ from tests.support.engaged import assert_engaged
 
 DEV = "cuda"
 CONV_CL = "layout.conv_channels_last"
-CL_OPS = (CONV_CL, "norm.wan_rms_norm_silu_pad", "modulate.bias_residual")  # the channels-last decode's (bf16/fp16 only)
+CL_OPS = (CONV_CL, "norm.wan_rms_norm_silu_pad", "modulate.bias_residual", "layout.upsample_nearest2x")  # the channels-last decode's (bf16/fp16 only)
 FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                 up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
                 layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,

@@ -197,4 +197,10 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, for `import tests...`
-    sys.exit(main())
+    code = main()
+    # The rank's result is on disk and its process group destroyed. Skip the interpreter's teardown:
+    # once in ~13 CPU CI runs a rank aborted (SIGABRT) there, in a C++ destructor after everything
+    # this harness checks had finished, and torchrun then reports the run as failed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

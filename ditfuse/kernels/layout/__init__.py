@@ -29,7 +29,7 @@ CONV_CHANNELS_LAST = OpDescriptor(
 UPSAMPLE_NEAREST2X = OpDescriptor(
     op="layout.upsample_nearest2x",
     contract=Contract.BIT_EXACT,
-    replaces="r(upsample_nearest_exact2d(float(x), 2x)) -> one channels-last pass",
+    replaces="r(up2(float(x))): upcast, fp32 nearest-exact x2, cast back -> one channels-last pass",
     summary="WanUpsample on channels-last memory: the 2x2 repeat and the fp32 round trip in one "
             "pass (eager: upcast, fp32 upsample at 4x the size, cast back), the cast back by c10's "
             "own cvt.rn instruction",
