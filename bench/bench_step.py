@@ -39,9 +39,9 @@ CATEGORIES = (
 )
 
 
-# Our kernels whose names would match an earlier category's key ("cat_" in the GELU + concat kernel)
+# Our kernels whose names would match an earlier category's key ("cat_" in the activation + concat kernel)
 # or none ("_gn_": the GroupNorm kernels; filed under "other" before round 8).
-OWN = (("_gelu_tanh_cat_kernel", "elementwise"), ("_gn_", "norms"))
+OWN = (("act_cat_kernel", "elementwise"), ("_gelu_tanh_cat_kernel", "elementwise"), ("_gn_", "norms"))
 
 
 def categorize(name: str) -> str:

@@ -489,6 +489,13 @@ def swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = N
     return out
 
 
+def single_block_swiglu_cat(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Flux2ParallelSelfAttnProcessor: ``cat([attn, mlp_act_fn(mlp)], dim=-1)`` with Flux2SwiGLU's
+    ``silu(x1) * x2`` on the halves of ``mlp`` (gate_in, up). The cat copies bits, so only the
+    SwiGLU rounds."""
+    return torch.cat([attn, swiglu(gate_in, up)], dim=-1)
+
+
 def swiglu_halves(x: torch.Tensor) -> torch.Tensor:
     """``Flux2SwiGLU``: ``swiglu(x[..., :I], x[..., I:])`` with ``I = x.shape[-1] // 2``."""
     half = x.shape[-1] // 2
@@ -674,6 +681,7 @@ __all__ += [
     "layernorm_dual_modulate",
     "swiglu",
     "swiglu_halves",
+    "single_block_swiglu_cat",
     "rope_complex",
     "fma32",
     "rope_complex_fma_model",

@@ -14,8 +14,8 @@ chain-by-chain reading of this model):
   fp32 RoPE -> ``qk_rmsnorm_rope`` (FLUX.1's op: the same chain).
 - Flux2ParallelSelfAttention (single blocks): QK RMSNorm + RoPE on the strided q/k column views of
   the fused ``to_qkv_mlp_proj`` output (eager makes them contiguous first) -> ``qk_rmsnorm_rope``;
-  ``cat([attn, swiglu(mlp)], -1)`` -> one preallocated buffer, the attention copied in and the
-  SwiGLU written straight into its MLP columns.
+  ``cat([attn, swiglu(mlp)], -1)`` -> ``swiglu_cat``, one kernel (the attention half copied bit
+  for bit, the SwiGLU computed into the other).
 - single block (Flux2SingleTransformerBlock): LN + modulate, the gated residual.
 - norm_out (AdaLayerNormContinuous): as FLUX.1's.
 
@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
-from ..kernels.activation import SWIGLU
-from ..kernels.layout.joint_buffers_torch import SingleBlockBuffer
+from ..kernels.activation import SWIGLU, SWIGLU_CAT
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
@@ -277,8 +276,8 @@ def parallel_attention_forward(
     **kwargs: Any,
 ) -> torch.Tensor:
     """Flux2ParallelSelfAttention + Flux2ParallelSelfAttnProcessor: QK RMSNorm + RoPE on the
-    strided q/k views in one op; ``cat([attn, swiglu(mlp)], -1)`` replaced by one buffer that the
-    attention output is copied into and the SwiGLU written into."""
+    strided q/k views in one op; ``cat([attn, swiglu(mlp)], -1)`` by one kernel (the attention
+    half copied, the SwiGLU computed into the other)."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
 
     processor = attn.processor
@@ -307,12 +306,7 @@ def parallel_attention_forward(
     attn_output = attn_output.to(query.dtype)
 
     half = mlp_hidden_states.shape[-1] // 2
-    buf = SingleBlockBuffer.allocate(
-        attn_output.shape[0], attn_output.shape[1], attn_output.shape[-1], half, attn_output.dtype, attn_output.device
-    )
-    buf.write_attention(attn_output)
-    _ops.swiglu(mlp_hidden_states[..., :half], mlp_hidden_states[..., half:], out=buf.mlp)
-    return attn.to_out(buf.buf)
+    return attn.to_out(_ops.swiglu_cat(attn_output, mlp_hidden_states[..., :half], mlp_hidden_states[..., half:]))
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -367,7 +361,7 @@ SITES = (
         cls=f"{_TF}:Flux2ParallelSelfAttention",
         params=("self", "hidden_states", "attention_mask", "image_rotary_emb", "kwargs"),
         forward=parallel_attention_forward,
-        ops=(QK_RMSNORM_ROPE, SWIGLU),
+        ops=(QK_RMSNORM_ROPE, SWIGLU_CAT),
         applies=_parallel_applies,
         high=False,
         description="single-block attention + MLP: QK RMSNorm + RoPE on the fused projection's views, "

@@ -36,7 +36,7 @@ def test_top_kernels_sums_per_name():
 @pytest.mark.parametrize("name,cat", [
     ("_swiglu_kernel", "elementwise"), ("_bias_residual_kernel", "elementwise"), ("_border_kernel", "copies"),
     ("_zero_border_kernel", "copies"), ("_up2_cl_kernel", "copies"), ("_wan_rms_kernel", "norms"),
-    ("_ln_warp_kernel", "norms"), ("_gelu_tanh_cat_kernel", "elementwise"), ("_gn_chain_kernel", "norms"),
+    ("_ln_warp_kernel", "norms"), ("_gelu_tanh_cat_kernel", "elementwise"), ("act_cat_kernel", "elementwise"), ("_gn_chain_kernel", "norms"),
     ("_gn_apply_kernel", "norms"), ("fmha_cutlassF_bf16_aligned_32x128_gmem_sm80", "attention"),
     ("sm90_xmma_fprop_implicit_gemm_bf16bf16", "gemm"),
     ("void cudnn::engines_precompiled::nchwToNhwcKernel<__nv_bfloat16>", "other"),

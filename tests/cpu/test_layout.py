@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ditfuse.kernels import reference as ref
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.layout.joint_buffers_torch import (
     JointSequence,
-    SingleBlockBuffer,
     cat_or_view,
     is_back_to_back,
     linear_copies_input,
@@ -59,14 +57,3 @@ def test_linear_copies_input():
     assert not linear_copies_input(torch.randn(2, 9, 16))
 
 
-def test_single_block_buffer_equals_cat():
-    torch.manual_seed(0)
-    B, S, D = 2, 6, 8
-    attn4 = torch.randn(B, H := 2, S, D // 2).to(torch.bfloat16).permute(0, 2, 1, 3)  # [B, S, H, Dh] strided
-    mlp = torch.randn(B, S, 4 * D).to(torch.bfloat16)
-    sb = SingleBlockBuffer.allocate(B, S, D, 4 * D, torch.bfloat16, "cpu")
-    sb.write_attention(attn4)
-    sb.mlp.copy_(ref.gelu_tanh(mlp))
-    assert sb.buf.is_contiguous()
-    assert_bitwise_equal(sb.buf, ref.single_block_mlp_cat(attn4.flatten(2, 3), mlp))
-    assert H == 2

@@ -157,3 +157,44 @@ def test_registry_and_gate_table():
     spec = select("activation.swiglu")
     assert callable(spec.load()) and callable(spec.load_predicate())
     assert LOSSLESS.swiglu.descriptor.op == "activation.swiglu"
+
+
+@pytest.mark.parametrize("DA,DM", [(32, 96), (64, 192), (40, 200), (1000, 24), (0, 64)],
+                         ids=["aligned", "flux2-ratio", "straddle", "wide-attn", "no-attn"])
+def test_swiglu_cat_is_copy_plus_swiglu(k, DA, DM):
+    """swiglu_cat == cat([attn, swiglu(gate_in, up)], -1) bitwise (the same SwiGLU code under the
+    interpreter; its closeness to eager is checked above): the halves of one fused projection as
+    strided inputs, a strided attention view with a NaN payload copied as it is, column blocks
+    straddling the boundary or not, tail rows; the refusals."""
+    torch.manual_seed(DA + DM)
+    B, S = 2, 5
+    attn = _rand((B, S, 2 * DA), torch.bfloat16, specials=False)[:, :, ::2]
+    if DA:
+        attn.view(torch.int16)[0, 0, 0] = 0x7F81  # NaN with a payload
+    proj = _rand((B, S, 2 * DM), torch.bfloat16)
+    gate_in, up = proj[..., :DM], proj[..., DM:]
+    assert k.can_use_swiglu_cat(attn, gate_in, up)
+    got = k.swiglu_cat(attn, gate_in, up)
+    assert got.shape == (B, S, DA + DM) and got.is_contiguous()
+    exp = torch.cat([attn, k.swiglu(gate_in, up)], dim=-1)
+    assert torch.equal(got.view(torch.int16), exp.view(torch.int16))
+    _close(got[..., DA:], gate_in, up)
+    with pytest.raises(UnsupportedInput, match="dtype"):
+        k.swiglu_cat(attn.float(), gate_in, up)
+    assert not k.can_use_swiglu_cat(attn[:, :3], gate_in, up)
+    assert not k.can_use_swiglu_cat(attn, gate_in, up[..., :-1])
+
+
+def test_swiglu_cat_op_schema_and_reference():
+    """ditfuse::swiglu_cat's FakeTensor implementation, and the reference against diffusers'
+    Flux2SwiGLU + cat."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2SwiGLU
+
+    from ditfuse.kernels.activation import swiglu_triton  # noqa: F401 (registers the op)
+
+    a = torch.randn(1, 3, 16).to(torch.bfloat16)
+    x = torch.randn(1, 3, 64).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.ditfuse.swiglu_cat.default, (a, x[..., :32], x[..., 32:]),
+                          test_utils=("test_schema", "test_faketensor"))
+    assert_bitwise_equal(ref.single_block_swiglu_cat(a, x[..., :32], x[..., 32:]),
+                         torch.cat([a, Flux2SwiGLU()(x)], dim=-1))

@@ -85,3 +85,20 @@ def test_under_torch_compile(k):
 
     got = torch.compile(fused, fullgraph=True)(p)
     assert_bitwise_equal(got, torch.cat([p[..., :128], ref.swiglu_halves(p)], dim=-1), "compiled swiglu")
+
+
+@pytest.mark.parametrize("B", [1, 2])
+def test_swiglu_cat(k, B):
+    """activation.swiglu_cat: FLUX.2's to_out input in one kernel (the attention copied, the SwiGLU
+    of the MLP columns of to_qkv_mlp_proj's output), bitwise equal to eager's SwiGLU + cat, at the
+    FLUX.2-dev width and an odd token count, with NaN payloads in the attention half."""
+    S, D, I = 1031, 6144, 18432
+    proj = _rand((B, S, 3 * D + 2 * I), torch.bfloat16)
+    mlp = proj[..., 3 * D:]
+    attn = _rand((B, S, D), torch.bfloat16)
+    attn.view(torch.int16).view(-1)[:2] = torch.tensor([0x7F81, -0x0081], dtype=torch.int16, device=DEV)
+    assert k.can_use_swiglu_cat(attn, mlp[..., :I], mlp[..., I:])
+    got = k.swiglu_cat(attn, mlp[..., :I], mlp[..., I:])
+    exp = torch.cat([attn, ref.swiglu_halves(mlp)], dim=-1)
+    assert_bitwise_equal(got, exp, "swiglu + cat")
+    assert torch.equal(got.view(torch.int16), exp.view(torch.int16)), "NaN payloads of the attention half"

@@ -38,4 +38,16 @@ SWIGLU = OpDescriptor(
     key_note="elementwise: no shape dim changes the arithmetic",
 )
 
-DESCRIPTORS = (GELU_TANH, GELU_TANH_CAT, SWIGLU)
+SWIGLU_CAT = OpDescriptor(
+    op="activation.swiglu_cat",
+    contract=Contract.BIT_EXACT,
+    replaces="cat([attn, r(r(silu(gate_in)) * up)], dim=-1)",
+    summary="the FLUX.2 parallel block's to_out input in one pass: the attention half copied bit for "
+            "bit, the MLP half through the SwiGLU (the same kernel body as activation.gelu_tanh_cat)",
+    reference="ditfuse.kernels.reference:single_block_swiglu_cat",
+    impls=(triton_impl("activation.swiglu_triton", "swiglu_cat"),),
+    key=(K("attn", dims=(-1,)), K("gate_in", dims=(-1,)), K("up")),
+    key_note="elementwise, but the widths place the copy/SwiGLU boundary among the column blocks",
+)
+
+DESCRIPTORS = (GELU_TANH, GELU_TANH_CAT, SWIGLU, SWIGLU_CAT)

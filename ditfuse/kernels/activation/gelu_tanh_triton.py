@@ -28,14 +28,12 @@ only to a couple of ulps before the final rounding.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..common.elementwise import as_3d, fits_int32, load_f32, overlap_reason, tile, tile_rows_cols
+from ..common.elementwise import as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, tile, tile_rows_cols
 from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
@@ -140,37 +138,11 @@ def _gelu_f32(x, FMA_INNER: tl.constexpr, TANH_IMPL: tl.constexpr):
     return 0.5 * x * (1.0 + _tanh(inner, TANH_IMPL))
 
 
-# ``cat([attn, gelu(mlp)], dim=2)`` in one pass over the [R, DA + DM] output: column blocks inside
-# the attention half copy its bits (a load and a store in the storage dtype: NaN payloads too),
-# blocks inside the MLP half compute the GELU above, and a block straddling the boundary does both
-# under complementary masks. The host picks BLOCK_D dividing DA when it can, so no block straddles.
 @triton.jit
-def _gelu_tanh_cat_kernel(
-    a_ptr, x_ptr, out_ptr,
-    R, S, DA, DM,
-    sab, sas, sad,
-    sxb, sxs, sxd,
-    sob, sos,
-    DTYPE: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    TANH_IMPL: tl.constexpr,
-    I64: tl.constexpr,
-):
-    b, s, c, mask = tile_rows_cols(R, S, DA + DM, BLOCK_R, BLOCK_D, I64)
-    dst = out_ptr + (b * sob + s * sos) + c
-    col0 = tl.program_id(1) * BLOCK_D
-    if col0 + BLOCK_D <= DA:
-        tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=mask), mask=mask)
-    elif col0 >= DA:
-        x = load_f32(x_ptr + (b * sxb + s * sxs) + (c - DA) * sxd, mask)
-        tl.store(dst, round_to(_gelu_f32(x, True, TANH_IMPL), DTYPE), mask=mask)
-    else:
-        in_a = mask & (c < DA)
-        in_m = mask & (c >= DA)
-        tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=in_a), mask=in_a)
-        x = load_f32(x_ptr + (b * sxb + s * sxs) + (c - DA) * sxd, in_m)
-        tl.store(dst, round_to(_gelu_f32(x, True, TANH_IMPL), DTYPE), mask=in_m)
+def _gelu_cat_act(xs, us, mask, DTYPE: tl.constexpr, TANH_IMPL: tl.constexpr):
+    """The activation half of ``cat([attn, gelu(mlp)], dim=2)`` (common/elementwise.py
+    act_cat_kernel): the GELU above on x; ``us`` unused."""
+    return round_to(_gelu_f32(load_f32(xs, mask), True, TANH_IMPL), DTYPE)
 
 
 def _launch(
@@ -293,31 +265,7 @@ def _cat_reason(attn: torch.Tensor, mlp_pre: torch.Tensor) -> str | None:
 
 
 def _launch_cat(attn: torch.Tensor, mlp_pre: torch.Tensor, tanh_impl: int = TANH_PTX) -> torch.Tensor:
-    B, S, DA = attn.shape
-    DM = mlp_pre.shape[2]
-    out = torch.empty((B, S, DA + DM), dtype=mlp_pre.dtype, device=mlp_pre.device)
-    if out.numel() == 0:
-        return out
-    if DA == 0:
-        gelu_tanh(mlp_pre, out=out)
-        return out
-    # Column blocks that divide the attention width where possible (FLUX: gcd(3072, 12288) ->
-    # 1024), so every block is all copy or all GELU; 4096 elements per program as for the GELU.
-    block_r, block_d, warps = tile(math.gcd(DA, DM) if DM else DA, per_program=4096)
-    R = B * S
-    grid = (triton.cdiv(R, block_r), triton.cdiv(DA + DM, block_d))
-    sa, sx = attn.stride(), mlp_pre.stride()
-    _gelu_tanh_cat_kernel[grid](
-        attn, mlp_pre, out,
-        R, S, DA, DM,
-        sa[0], sa[1], sa[2],
-        sx[0], sx[1], sx[2],
-        out.stride(0), out.stride(1),
-        DTYPE=tl_dtype(out.dtype), BLOCK_R=block_r, BLOCK_D=block_d, TANH_IMPL=tanh_impl,
-        I64=not fits_int32(attn, mlp_pre, out, rows_pad=block_r * (DA + DM)),
-        num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
-    )
-    return out
+    return launch_act_cat(_gelu_cat_act, tanh_impl, attn, mlp_pre, None, tl_dtype(mlp_pre.dtype))
 
 
 @torch.library.custom_op("ditfuse::gelu_tanh_cat", mutates_args=())

@@ -25,10 +25,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.elementwise import as_3d, fits_int32, load_f32, overlap_reason, silu_f32, tile, tile_rows_cols
+from ..common.elementwise import (
+    as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, silu_f32, tile, tile_rows_cols,
+)
 from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
+
+
+@triton.jit
+def _swiglu_tile(a_ptrs, u_ptrs, mask, DTYPE: tl.constexpr, P: tl.constexpr):
+    """``r(r(silu(a)) * u)`` of one tile, loaded from ``a_ptrs`` / ``u_ptrs``, in the stored dtype
+    (also the activation half of common/elementwise.py act_cat_kernel; ``P`` unused)."""
+    a = load_f32(a_ptrs, mask)
+    u = load_f32(u_ptrs, mask)
+    g = rround(silu_f32(a), DTYPE)  # eager stores silu's result before the multiply reads it
+    return round_to(g * u, DTYPE)
 
 
 @triton.jit
@@ -44,10 +56,8 @@ def _swiglu_kernel(
     I64: tl.constexpr = True,
 ):
     b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
-    a = load_f32(a_ptr + (b * sab + s * sas) + c * sad, mask)
-    u = load_f32(b_ptr + (b * sbb + s * sbs) + c * sbd, mask)
-    g = rround(silu_f32(a), DTYPE)  # eager stores silu's result before the multiply reads it
-    tl.store(out_ptr + (b * sob + s * sos) + c * sod, round_to(g * u, DTYPE), mask=mask)
+    y = _swiglu_tile(a_ptr + (b * sab + s * sas) + c * sad, b_ptr + (b * sbb + s * sbs) + c * sbd, mask, DTYPE, 0)
+    tl.store(out_ptr + (b * sob + s * sos) + c * sod, y, mask=mask)
 
 
 def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
@@ -143,4 +153,59 @@ def swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = N
     return out
 
 
-__all__ = ["swiglu", "can_use_swiglu"]
+
+
+def _cat_reason(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> str | None:
+    if not all(isinstance(t, torch.Tensor) for t in (attn, gate_in, up)):
+        return "attn, gate_in and up must be tensors"
+    if attn.dim() != 3 or gate_in.dim() != 3:
+        return f"attn {tuple(attn.shape)} and gate_in {tuple(gate_in.shape)} must be [B, S, D]"
+    if tuple(up.shape) != tuple(gate_in.shape):
+        return f"up shape {tuple(up.shape)} differs from gate_in shape {tuple(gate_in.shape)} (no broadcasting)"
+    if attn.shape[:2] != gate_in.shape[:2]:
+        return f"attn {tuple(attn.shape)} and gate_in {tuple(gate_in.shape)} differ in [B, S]"
+    if gate_in.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {gate_in.dtype} is not bf16, fp16 or fp32"
+    if up.dtype != gate_in.dtype or attn.dtype != gate_in.dtype:
+        return (f"dtypes attn {attn.dtype}, gate_in {gate_in.dtype}, up {up.dtype} differ "
+                "(eager would promote)")
+    return device_reason(attn, gate_in, up) or grad_reason(attn, gate_in, up)
+
+
+@torch.library.custom_op("ditfuse::swiglu_cat", mutates_args=())
+def _swiglu_cat_op(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return launch_act_cat(_swiglu_tile, 0, attn, gate_in, up, tl_dtype(gate_in.dtype))
+
+
+@_swiglu_cat_op.register_fake
+def _(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    B, S, DA = attn.shape
+    return gate_in.new_empty((B, S, DA + gate_in.shape[2]))
+
+
+def can_use_swiglu_cat(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> bool:
+    """True when :func:`swiglu_cat` reproduces eager for these inputs. Rejected (False):
+    non-tensors; attn and gate_in not both [B, S, *] with the same B and S; up of another shape
+    than gate_in; dtypes other than bf16/fp16/fp32 or not all one dtype (eager would promote);
+    different devices, or the CPU without TRITON_INTERPRET=1; an input that requires grad with grad
+    mode on. Any strides."""
+    return _cat_reason(attn, gate_in, up) is None
+
+
+def swiglu_cat(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``cat([attn, r(r(silu(gate_in)) * up)], dim=-1)`` in one kernel, bitwise equal to torch 2.11
+    CUDA eager (``ditfuse.kernels.reference.single_block_swiglu_cat``): the attention half copied
+    bit for bit, the other half :func:`swiglu`'s arithmetic. Returns a new contiguous
+    ``[B, S, DA + DM]`` tensor (FLUX.2's parallel block: the ``to_out`` input). attn ``[B, S, DA]``,
+    gate_in / up ``[B, S, DM]`` (the two column halves of the fused projection's MLP part), any
+    strides, one dtype. Raises :class:`UnsupportedInput` exactly where :func:`can_use_swiglu_cat`
+    is False. Runs as the custom op ``ditfuse::swiglu_cat``."""
+    reason = _cat_reason(attn, gate_in, up)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.swiglu_cat(attn, gate_in, up)
+    return launch_act_cat(_swiglu_tile, 0, attn, gate_in, up, tl_dtype(gate_in.dtype))
+
+
+__all__ = ["swiglu", "can_use_swiglu", "swiglu_cat", "can_use_swiglu_cat"]

@@ -9,6 +9,8 @@ specialises strides equal to 1, so the contiguous case still gets 16-byte vector
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -192,3 +194,73 @@ def silu_f32(y):
     else:
         e = libdevice.exp(ny)
     return tl.math.div_rn(y, 1.0 + e)
+
+
+# ``cat([a, act(x[, u])], -1)`` in one pass over the [R, DA + DM] output, for the activation ops
+# whose output a concatenation consumes (FLUX.1's single block: tanh-GELU; FLUX.2's: SwiGLU).
+# Column blocks inside the ``a`` half copy its bits (a load and a store in the storage dtype: NaN
+# payloads too); blocks inside the activation half call ``ACT(x_ptrs, u_ptrs, mask, DTYPE, P)``,
+# which loads its operand(s) and returns the stored value; a block straddling the boundary does
+# both under complementary masks. The hosts pick BLOCK_D dividing DA when they can, so no block
+# straddles. ACT is a @triton.jit function passed as a constexpr (inlined: the same code as a
+# kernel written for that activation alone); P is its one constexpr parameter.
+@triton.jit
+def act_cat_kernel(
+    a_ptr, x_ptr, u_ptr, out_ptr,
+    R, S, DA, DM,
+    sab, sas, sad,
+    sxb, sxs, sxd,
+    sub, sus, sud,
+    sob, sos,
+    ACT: tl.constexpr,
+    P: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    I64: tl.constexpr,
+):
+    b, s, c, mask = tile_rows_cols(R, S, DA + DM, BLOCK_R, BLOCK_D, I64)
+    dst = out_ptr + (b * sob + s * sos) + c
+    col0 = tl.program_id(1) * BLOCK_D
+    if col0 + BLOCK_D <= DA:
+        tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=mask), mask=mask)
+    elif col0 >= DA:
+        xs = x_ptr + (b * sxb + s * sxs) + (c - DA) * sxd
+        us = u_ptr + (b * sub + s * sus) + (c - DA) * sud
+        tl.store(dst, ACT(xs, us, mask, DTYPE, P), mask=mask)
+    else:
+        in_a = mask & (c < DA)
+        in_m = mask & (c >= DA)
+        tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=in_a), mask=in_a)
+        xs = x_ptr + (b * sxb + s * sxs) + (c - DA) * sxd
+        us = u_ptr + (b * sub + s * sus) + (c - DA) * sud
+        tl.store(dst, ACT(xs, us, in_m, DTYPE, P), mask=in_m)
+
+
+def launch_act_cat(act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None, dtype_tl) -> torch.Tensor:
+    """``cat([attn, act(x[, u])], -1)`` as a new contiguous ``[B, S, DA + DM]`` tensor (attn
+    ``[B, S, DA]``, x and u ``[B, S, DM]``, any strides; u None: the activation reads x only).
+    Column blocks divide gcd(DA, DM) where possible (FLUX: 1024), 4096 elements per program as
+    for the activations alone (H200 sweeps: notes/elementwise.md)."""
+    B, S, DA = attn.shape
+    DM = x.shape[2]
+    out = torch.empty((B, S, DA + DM), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    block_r, block_d, warps = tile(math.gcd(DA, DM), per_program=4096)
+    uu = x if u is None else u
+    sa, sx, su = attn.stride(), x.stride(), uu.stride()
+    R = B * S
+    grid = (triton.cdiv(R, block_r), triton.cdiv(DA + DM, block_d))
+    act_cat_kernel[grid](
+        attn, x, uu, out,
+        R, S, DA, DM,
+        sa[0], sa[1], sa[2],
+        sx[0], sx[1], sx[2],
+        su[0], su[1], su[2],
+        out.stride(0), out.stride(1),
+        ACT=act, P=p, DTYPE=dtype_tl, BLOCK_R=block_r, BLOCK_D=block_d,
+        I64=not fits_int32(attn, x, uu, out, rows_pad=block_r * (DA + DM)),
+        num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return out

@@ -98,46 +98,6 @@ def linear_copies_input(x: torch.Tensor) -> bool:
 
 
 @dataclass
-class SingleBlockBuffer:
-    """The FLUX single block's ``proj_out`` input, ``cat([attn, gelu(proj_mlp(n))], dim=2)``, as one
-    preallocated ``[B, S, D + mlp_dim]`` buffer so the cat is never materialised.
-
-    ``attn`` (``buf[:, :, :D]``) receives the attention output (:meth:`write_attention`, or an
-    attention kernel that writes there); ``mlp`` (``buf[:, :, D:]``) is the ``out=`` of
-    ``ditfuse.kernels.gelu_tanh``. ``buf`` itself is contiguous, so ``proj_out(buf)`` runs the same
-    addmm as on the eager cat's result: same bits.
-    """
-
-    buf: torch.Tensor
-    dim: int
-
-    @classmethod
-    def allocate(
-        cls, batch: int, seq: int, dim: int, mlp_dim: int, dtype: torch.dtype, device: torch.device | str
-    ) -> "SingleBlockBuffer":
-        return cls(torch.empty(batch, seq, dim + mlp_dim, dtype=dtype, device=device), dim)
-
-    @property
-    def attn(self) -> torch.Tensor:
-        return self.buf[:, :, : self.dim]
-
-    @property
-    def mlp(self) -> torch.Tensor:
-        return self.buf[:, :, self.dim :]
-
-    def write_attention(self, attn_out: torch.Tensor) -> torch.Tensor:
-        """Copy an attention output (``[B, S, H, Dh]`` or ``[B, S, H*Dh]``, any strides) into ``attn``.
-
-        This copy replaces the attention half of the cat (the cat copied both halves; the MLP half
-        is now written in place by the GELU kernel), so it moves 1/5 of the cat's bytes at FLUX's
-        4x MLP ratio."""
-        src = attn_out.flatten(2, 3) if attn_out.dim() == 4 else attn_out
-        if src.shape != self.attn.shape:
-            raise ValueError(f"attention output {tuple(src.shape)} does not fit {tuple(self.attn.shape)}")
-        self.attn.copy_(src)
-        return self.buf
-
-
 class JointSequence:
     """A joint ``[B, S_txt + S_img, D]`` hidden state carried across FLUX single blocks.
 
@@ -172,6 +132,5 @@ __all__ = [
     "cat_or_view",
     "split_seq",
     "linear_copies_input",
-    "SingleBlockBuffer",
     "JointSequence",
 ]
