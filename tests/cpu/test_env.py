@@ -32,3 +32,16 @@ def test_verify_mode_cache_follows_env(monkeypatch):
         assert "sometimes" in str(e)
     else:
         raise AssertionError("a bad DITFUSE_VERIFY must raise")
+
+
+def test_host_launch_arithmetic_matches_triton():
+    """common/host.py cdiv / next_pow2 (plain ints: triton's are ~2 us constexpr_function calls)
+    give triton.cdiv / triton.next_power_of_2's values."""
+    import triton
+
+    from ditfuse.kernels.common.host import cdiv, next_pow2
+
+    for n in [*range(0, 2100), 2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1, 2**40 + 3]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for b in (1, 2, 3, 7, 128, 1000, 1024):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)

@@ -34,7 +34,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..common.elementwise import as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, tile, tile_rows_cols
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
 
@@ -165,7 +165,7 @@ def _launch(
     # 8 % at the single block's [1, 4608, 12288] (H200 sweep, bench/results/probe_held_rows_h200.csv)
     block_r, block_d, warps = tile(D, per_program=4096)
     R = B * S
-    grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
+    grid = (cdiv(R, block_r), cdiv(D, block_d))
     _gelu_tanh_kernel[grid](
         x, out,
         R, S, D,

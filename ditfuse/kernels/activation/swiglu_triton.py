@@ -28,7 +28,7 @@ import triton.language as tl
 from ..common.elementwise import (
     as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, silu_f32, tile, tile_rows_cols,
 )
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
@@ -68,7 +68,7 @@ def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
     (B, S, D), (sa, sb, so) = view
     block_r, block_d, warps = tile(D, per_program=4096)
     R = B * S
-    grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
+    grid = (cdiv(R, block_r), cdiv(D, block_d))
     _swiglu_kernel[grid](
         gate_in, up, out,
         R, S, D,

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .host import cdiv, next_pow2
 from .rounding import INTERPRET
 
 
@@ -78,7 +79,7 @@ def tile(d: int, per_program: int = 8192) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): about ``per_program`` elements per program (8 warps), whole
     16-byte vectors. Callers pick ``per_program``: gate_residual 2K and GELU 4K from H200 sweeps
     (see their call sites), SwiGLU 4K."""
-    block_d = min(triton.next_power_of_2(max(d, 1)), 1024)
+    block_d = min(next_pow2(max(d, 1)), 1024)
     if d % block_d:
         # A partial last column block idles lanes on every row (D = 1536 with 1024: a quarter
         # of all lanes; 768 with 1024 the same): a power-of-two divisor of D >= 256 tiles it
@@ -251,7 +252,7 @@ def launch_act_cat(act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor 
     uu = x if u is None else u
     sa, sx, su = attn.stride(), x.stride(), uu.stride()
     R = B * S
-    grid = (triton.cdiv(R, block_r), triton.cdiv(DA + DM, block_d))
+    grid = (cdiv(R, block_r), cdiv(DA + DM, block_d))
     act_cat_kernel[grid](
         attn, x, uu, out,
         R, S, DA, DM,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ditfuse.kernels.common.host import interpreter_on
+from ditfuse.kernels.common.host import cdiv, next_pow2, interpreter_on
 from ditfuse.kernels.common.rounding import INTERPRET
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.reference import channels_last_format
@@ -93,10 +93,10 @@ def _upsample_nearest2x_op(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((N, C, 2 * H, 2 * W), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     if out.numel() == 0:
         return out
-    CB = min(triton.next_power_of_2(C), 128)
+    CB = min(next_pow2(C), 128)
     BW = max(1, 2048 // CB)
-    BW = min(BW, triton.next_power_of_2(W))
-    _up2_cl_kernel[(N * H, triton.cdiv(W, BW), triton.cdiv(C, CB))](
+    BW = min(BW, next_pow2(W))
+    _up2_cl_kernel[(N * H, cdiv(W, BW), cdiv(C, CB))](
         x, out, W, C, CAST=x.dtype != torch.float32, BW=BW, CB=CB, num_warps=4)
     return out
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import load_f32
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
@@ -73,7 +73,7 @@ def _launch(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tenso
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _bias_residual_kernel[(triton.cdiv(n, BLOCK),)](x, bias.contiguous(), h, out, n, x.shape[1],
+        _bias_residual_kernel[(cdiv(n, BLOCK),)](x, bias.contiguous(), h, out, n, x.shape[1],
                                                         DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, num_warps=8,
                                                         enable_fp_fusion=False)
     return out

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import broadcast_3d, fits_int32, load_f32, tile, tile_rows_cols
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
+from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
@@ -90,7 +90,7 @@ def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
     # bench/results/probe_gate_residual_tile_h200.csv)
     block_r, block_d, warps = tile(D, per_program=2048)
     R = B * S
-    grid = (triton.cdiv(R, block_r), triton.cdiv(D, block_d))
+    grid = (cdiv(R, block_r), cdiv(D, block_d))
     i64 = not fits_int32(residual, gate, update, out)
     _gate_residual_kernel[grid](
         residual, gate, update, out,

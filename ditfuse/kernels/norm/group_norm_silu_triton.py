@@ -59,7 +59,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ditfuse.kernels.common.elementwise import load_f32
-from ditfuse.kernels.common.host import interpreter_on
+from ditfuse.kernels.common.host import cdiv, next_pow2, interpreter_on
 from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
 from ditfuse.kernels.common.welford import rsqrt_approx
 from ditfuse.kernels.common.welford_ops import (
@@ -473,10 +473,10 @@ def _apply_tiling(NG: int, L: int, HxW: int, block: int | None = None,
     """(BLOCK, ITERS, programs per group, CH_UNIFORM, num_warps) for the apply kernel: BLOCK
     elements per step, ITERS steps per program (enough programs to fill the GPU, few enough that
     the per-program fold of the group's states is amortised). Tiling never changes the bits."""
-    block = block or min(4096, triton.next_power_of_2(L))
-    nblk = triton.cdiv(L, block)
+    block = block or min(4096, next_pow2(L))
+    nblk = cdiv(L, block)
     iters = iters or max(1, min(nblk, (NG * nblk) // TARGET_PROGRAMS))
-    per_group = triton.cdiv(nblk, iters)
+    per_group = cdiv(nblk, iters)
     uniform = HxW > 1 and HxW % block == 0
     warps = 8 if block >= 4096 else 4
     return block, iters, per_group, uniform, warps
@@ -522,23 +522,23 @@ def _launch(
     if exact:
         threads = _threads(L)
         W = threads // LANES
-        J = triton.cdiv(L, threads)
-        K = min(chain_steps or CHAIN_STEPS, triton.next_power_of_2(J))
+        J = cdiv(L, threads)
+        K = min(chain_steps or CHAIN_STEPS, next_pow2(J))
         ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
         _gn_chain_kernel[(NG, W)](
-            x, ws, L, triton.cdiv(J, K), NG * W,
+            x, ws, L, cdiv(J, K), NG * W,
             THREADS=threads, K=K, **{k: v[k] for k in CHAIN_VARIANTS},
             num_warps=1, enable_fp_fusion=False,
         )
         eps_k = _eps_for_kernel(x.dtype, eps) if eps_override is None else float(eps_override)
         nw = W
     else:
-        block1 = min(4096, triton.next_power_of_2(L))
-        ntiles = triton.cdiv(L, block1)
+        block1 = min(4096, next_pow2(L))
+        ntiles = cdiv(L, block1)
         p1 = min(ntiles, 64, max(1, TARGET_PROGRAMS // NG))
-        tpp = triton.cdiv(ntiles, p1)
-        p1 = triton.cdiv(ntiles, tpp)
-        W = triton.next_power_of_2(p1)
+        tpp = cdiv(ntiles, p1)
+        p1 = cdiv(ntiles, tpp)
+        W = next_pow2(p1)
         ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
         _gn_stats_fp32_kernel[(NG, p1)](
             x, ws, L, tpp, NG * W, W=W, BLOCK=block1, num_warps=8 if block1 >= 4096 else 4,
@@ -576,11 +576,11 @@ def group_stats(
     v = dict(DEFAULT_VARIANT, **(variant or {}))
     threads = _threads(L)
     W = threads // LANES
-    J = triton.cdiv(L, threads)
-    K = min(chain_steps or CHAIN_STEPS, triton.next_power_of_2(J))
+    J = cdiv(L, threads)
+    K = min(chain_steps or CHAIN_STEPS, next_pow2(J))
     ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
     _gn_chain_kernel[(NG, W)](
-        x, ws, L, triton.cdiv(J, K), NG * W,
+        x, ws, L, cdiv(J, K), NG * W,
         THREADS=threads, K=K, **{k: v[k] for k in CHAIN_VARIANTS},
         num_warps=1, enable_fp_fusion=False,
     )

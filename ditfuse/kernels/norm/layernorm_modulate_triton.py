@@ -47,6 +47,7 @@ import triton.language as tl
 
 from ditfuse.kernels.common.elementwise import load_f32, load_row_tile
 from ditfuse.kernels.common.host import (
+    cdiv,
     SUPPORTED_DTYPES,
     device_reason,
     grad_reason,
@@ -550,7 +551,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     if M == 0:
         return h, out
     nvec = D // 4
-    J = triton.cdiv(nvec, 128)
+    J = cdiv(nvec, 128)
     u = update if update is not None else x
     g = gate if gate is not None else u
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
@@ -558,7 +559,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
                *_mod_strides(scale), *_mod_strides(shift))
     R = warp_plan(D, M, warp, unroll, rows_per_program)
     if R is not None:
-        compiled = _ln_warp_kernel[(triton.cdiv(M, R),)](
+        compiled = _ln_warp_kernel[(cdiv(M, R),)](
             x, g, u, weight if weight is not None else x, bias if bias is not None else x,
             scale if scale is not None else x, shift if shift is not None else x, h, out,
             M, S, D, float(eps), *strides,
@@ -571,7 +572,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
         # refused: the 128-thread kernel below rewrites h and out completely
     JS = held_steps(J, unroll)
     R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
-    _ln_kernel[(triton.cdiv(M, R),)](
+    _ln_kernel[(cdiv(M, R),)](
         x, g, u, weight if weight is not None else x, bias if bias is not None else x,
         scale if scale is not None else x, shift if shift is not None else x, h, out,
         M, S, D, nvec, J, float(eps), *strides,

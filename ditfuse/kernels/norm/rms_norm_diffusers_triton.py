@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import as_3d, load_f32
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.host import cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..common.welford import rsqrt_approx
 from ..errors import UnsupportedInput
@@ -392,9 +392,9 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
     (B, S, _), strides = as_3d(*views)
     (sxb, sxs, _), (srb, srs, srd), (sgb, sgs, sgd), (ssb, sss, ssd) = strides
     CW = VEC * W
-    NCH = triton.cdiv(D, CW)
+    NCH = cdiv(D, CW)
     if block_rows is None:
-        block_rows = 1 if mode == 2 else max(1, min(8, triton.next_power_of_2(rows), _TILE * 8 // CW))
+        block_rows = 1 if mode == 2 else max(1, min(8, next_pow2(rows), _TILE * 8 // CW))
     if num_warps is None:
         num_warps = max(1, min(8, block_rows * CW // 128))
     if readback is None:
@@ -404,7 +404,7 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
         raise ValueError(f"block_rows must be a power of two, got {BR}")
     wt = w.contiguous() if w is not None else x
     wt2 = w2.contiguous() if w2 is not None else x
-    _rms_d_kernel[(triton.cdiv(rows, BR),)](
+    _rms_d_kernel[(cdiv(rows, BR),)](
         x, views[1], views[2], views[3], wt, wt2, h, out,
         rows, S, D,
         sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd,

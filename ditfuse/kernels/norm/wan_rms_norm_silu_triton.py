@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ditfuse.kernels.common.elementwise import load_f32
-from ditfuse.kernels.common.host import interpreter_on
+from ditfuse.kernels.common.host import cdiv, next_pow2, interpreter_on
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford_ops import fma_exact
 from ditfuse.kernels.errors import UnsupportedInput
@@ -295,16 +295,16 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
         ksub = CL_LAUNCH[0] if cl else 1  # channels-last: several chain blocks (cache lines) per step
     if num_warps is None:
         num_warps = CL_LAUNCH[2] if cl else 4
-    BP = block_positions or (max(16, min(triton.next_power_of_2(S), CL_LAUNCH[1])) if cl
-                             else max(16, min(triton.next_power_of_2(S), 2048 // R)))
+    BP = block_positions or (max(16, min(next_pow2(S), CL_LAUNCH[1])) if cl
+                             else max(16, min(next_pow2(S), 2048 // R)))
     has_b = isinstance(bias, torch.Tensor)
     g = gamma.reshape(C).contiguous()
     b = bias.reshape(C).contiguous() if has_b else g
     scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
     pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
     kT = FHW * C
-    _wan_rms_kernel[(B, triton.cdiv(S, BP))](
-        x, g, b, pb, out, kept if keep else out, C, T, HW, sB, sC, sT, sP, triton.cdiv(C, ksub * R), scale,
+    _wan_rms_kernel[(B, cdiv(S, BP))](
+        x, g, b, pb, out, kept if keep else out, C, T, HW, sB, sC, sT, sP, cdiv(C, ksub * R), scale,
         NORM_EPS, oB, oT, oH, Wd, FHW, PT, PH, PW, x.shape[2] - keep if keep else 0, keep * kT, kT,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),
         TMAJOR=(T > 1 and sT != HW), KSUB=ksub, OUTPAD=pad is not None, HAS_PB=pre_bias is not None,

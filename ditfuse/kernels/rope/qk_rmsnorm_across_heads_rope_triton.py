@@ -35,6 +35,7 @@ import triton.language as tl
 
 from ..common.elementwise import load_f32, load_row_tile
 from ..common.host import (
+    cdiv,
     SUPPORTED_DTYPES,
     device_reason,
     grad_reason,
@@ -305,12 +306,12 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     if M == 0:
         return out
     nvec = D // 4
-    J = triton.cdiv(nvec, 128)
+    J = cdiv(nvec, 128)
     has_rope = cos is not None
     R = warp_plan(D, M, warp, unroll, rows_per_program)
     if R is not None:
         p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
-        compiled = _rms_rope_warp_kernel[(triton.cdiv(M, R),)](
+        compiled = _rms_rope_warp_kernel[(cdiv(M, R),)](
             x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
             M, S, D, float(eps),
             *x.stride(), w.stride(0) if w is not None else 0,
@@ -327,7 +328,7 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     # bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)
     R = rows_per_program or common_rows_per_program(M, JS, 6)
     p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
-    _rms_rope_kernel[(triton.cdiv(M, R),)](
+    _rms_rope_kernel[(cdiv(M, R),)](
         x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
         M, S, D, nvec, J, float(eps),
         *x.stride(), w.stride(0) if w is not None else 0,

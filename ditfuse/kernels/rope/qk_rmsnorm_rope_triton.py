@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.host import cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_rstd, rms_sumsq_reduce_order, rms_sumsq_torch_order
 from ..common.rounding import INTERPRET, round_to, rround
 from ..common.welford import rsqrt_approx
@@ -438,7 +438,7 @@ def can_use_qk_rmsnorm_rope(
 def _block_rows(D: int) -> int:
     # About 1K elements per tensor per program (8 rows of 128) with 2 warps: the fastest tiling
     # the H200 probe measured (bench/probe_qk_rmsnorm_rope.py, notes/rope.md).
-    return max(1, 1024 // triton.next_power_of_2(D))
+    return max(1, 1024 // next_pow2(D))
 
 
 def _table_strides(t: torch.Tensor) -> tuple[int, int]:
@@ -478,7 +478,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     kt = k_txt if has_txt else k
     dummy = q
     R = rows_per_program or _block_rows(D)
-    grid = (triton.cdiv(n_rows, R),)
+    grid = (cdiv(n_rows, R),)
     _qk_rmsnorm_rope_kernel[grid](
         q, k, qt, kt,
         q_weight if q_weight is not None else dummy,
@@ -491,7 +491,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         *(_table_strides(cos) if has_rope else (0, 0)), *(_table_strides(sin) if has_rope else (0, 0)),
         _batch_stride(cos) if has_rope else 0, _batch_stride(sin) if has_rope else 0,
         n_rows, S_txt, S_tot, H, float(eps), fac_img, fac_txt,
-        D=D, DP=triton.next_power_of_2(D), R=R,
+        D=D, DP=next_pow2(D), R=R,
         HAS_TXT=has_txt, ROPE=rope,
         HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
         HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
