@@ -59,7 +59,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ditfuse.kernels.common.elementwise import load_f32
-from ditfuse.kernels.common.host import cdiv, next_pow2, interpreter_on
+from ditfuse.kernels.common.host import cdiv, interpreter_on, next_pow2, use_custom_op
 from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
 from ditfuse.kernels.common.welford import rsqrt_approx
 from ditfuse.kernels.common.welford_ops import (
@@ -730,7 +730,9 @@ def group_norm_silu(
     reason = _unsupported_reason(x, num_groups, weight, bias, eps, silu)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.group_norm_silu(x, num_groups, weight, bias, float(eps), silu)
+    if use_custom_op():
+        return torch.ops.ditfuse.group_norm_silu(x, num_groups, weight, bias, float(eps), silu)
+    return _launch(x, num_groups, weight, bias, float(eps), silu, exact=True)
 
 
 def can_use_group_norm_silu_fp32(
@@ -760,7 +762,9 @@ def group_norm_silu_fp32(
     reason = _unsupported_reason(x, num_groups, weight, bias, eps, silu)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.group_norm_silu_fp32(x, num_groups, weight, bias, float(eps), silu)
+    if use_custom_op():
+        return torch.ops.ditfuse.group_norm_silu_fp32(x, num_groups, weight, bias, float(eps), silu)
+    return _launch(x, num_groups, weight, bias, float(eps), silu, exact=False)
 
 
 __all__ = [

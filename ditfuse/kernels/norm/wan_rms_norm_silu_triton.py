@@ -31,12 +31,14 @@ See :func:`can_use_wan_rms_norm_silu` for every rejection.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from ditfuse.kernels.common.elementwise import load_f32
-from ditfuse.kernels.common.host import cdiv, next_pow2, interpreter_on
+from ditfuse.kernels.common.host import cdiv, interpreter_on, next_pow2, use_custom_op
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford_ops import fma_exact
 from ditfuse.kernels.errors import UnsupportedInput
@@ -51,6 +53,12 @@ NORM_EPS = 1e-12  # F.normalize's default
 # (chain blocks per step, positions per program, warps) for channels-last inputs: the launch
 # bench/probes/probe_wan_rms_cl_tiling.py picked on the H200 (notes/wan_vae.md)
 CL_LAUNCH = (2, 32, 8)
+
+
+@functools.lru_cache(maxsize=64)
+def _sqrt_c_f32(C: int) -> float:
+    """``float(C ** 0.5)`` rounded to fp32 (the CPU scalar eager multiplies by, in fp32 opmath)."""
+    return float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
 
 
 def _last_pow2(n: int) -> int:
@@ -300,7 +308,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     has_b = isinstance(bias, torch.Tensor)
     g = gamma.reshape(C).contiguous()
     b = bias.reshape(C).contiguous() if has_b else g
-    scale = float(torch.tensor(C ** 0.5, dtype=torch.float64).float())
+    scale = _sqrt_c_f32(C)
     pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
     kT = FHW * C
     _wan_rms_kernel[(B, cdiv(S, BP))](
@@ -409,7 +417,10 @@ def wan_rms_norm_silu(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor |
     reason = _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
+    if use_custom_op():
+        return torch.ops.ditfuse.wan_rms_norm_silu(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu,
+                                                   ncdhw)
+    return _launch(x, gamma, bias, silu, exact=True, ncdhw=ncdhw)
 
 
 def _pad_reason(x, pad, pre_bias=None, cache=None, keep=0) -> str | None:
@@ -439,10 +450,13 @@ def _pad_reason(x, pad, pre_bias=None, cache=None, keep=0) -> str | None:
 def _wan_rms_norm_silu_pad_op(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | None, silu: bool,
                               ncdhw: bool, pad: list[int], pre_bias: torch.Tensor | None,
                               cache: torch.Tensor | None, keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _pad_launch(x, gamma, 0.0 if bias is None else bias, silu, ncdhw, pad, pre_bias, cache, keep)
+
+
+def _pad_launch(x, gamma, bias, silu, ncdhw, pad, pre_bias, cache, keep) -> tuple[torch.Tensor, torch.Tensor]:
     kept = _kept_buffer(x, keep)
-    out = _launch(x, gamma, 0.0 if bias is None else bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad),
-                  pre_bias=pre_bias, cache=cache if cache is not None and cache.shape[2] else None,
-                  kept=kept if keep else None)
+    out = _launch(x, gamma, bias, silu, exact=True, ncdhw=ncdhw, pad=tuple(pad), pre_bias=pre_bias,
+                  cache=cache if cache is not None and cache.shape[2] else None, kept=kept if keep else None)
     return out, kept
 
 
@@ -492,8 +506,10 @@ def wan_rms_norm_silu_pad(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tens
     reason = _pad_reason(x, pad, pre_bias, cache, keep) or _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.wan_rms_norm_silu_pad(x, gamma, bias if isinstance(bias, torch.Tensor) else None,
-                                                   silu, ncdhw, list(pad), pre_bias, cache, keep)
+    if use_custom_op():
+        return torch.ops.ditfuse.wan_rms_norm_silu_pad(x, gamma, bias if isinstance(bias, torch.Tensor) else None,
+                                                       silu, ncdhw, list(pad), pre_bias, cache, keep)
+    return _pad_launch(x, gamma, bias, silu, ncdhw, pad, pre_bias, cache, keep)
 
 
 def can_use_wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float = 0.0,
@@ -509,7 +525,10 @@ def wan_rms_norm_silu_fp32(x: torch.Tensor, gamma: torch.Tensor, bias: torch.Ten
     reason = _unsupported_reason(x, gamma, bias, silu, ncdhw)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return torch.ops.ditfuse.wan_rms_norm_silu_fp32(x, gamma, bias if isinstance(bias, torch.Tensor) else None, silu, ncdhw)
+    if use_custom_op():
+        return torch.ops.ditfuse.wan_rms_norm_silu_fp32(x, gamma, bias if isinstance(bias, torch.Tensor) else None,
+                                                        silu, ncdhw)
+    return _launch(x, gamma, bias, silu, exact=False, ncdhw=ncdhw)
 
 
 __all__ = ["wan_rms_norm_silu", "can_use_wan_rms_norm_silu", "wan_rms_norm_silu_fp32", "can_use_wan_rms_norm_silu_fp32",
