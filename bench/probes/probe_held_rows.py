@@ -87,6 +87,17 @@ def ln_cases(B, S, D, wan):
     ]
 
 
+def wan_qk_case(B: int, S: int = 32760, D: int = 1536, H: int = 12):
+    """Wan-1.3B's q RMSNorm (all heads) + RoPE at 480x832x81: (case name, (q, w, cos, sin, heads),
+    eager's q, bytes moved)."""
+    q, w = _r((B, S, D)), _r((D,), 0.2) + 1
+    ang = torch.rand(S, 64, device="cuda") * 6.28
+    cos = ang.cos().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
+    sin = ang.sin().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
+    expected = ref.qk_rmsnorm_across_heads_rope(q, q, w, w, cos, sin, H, 1e-6)[0]
+    return f"wan rmsnorm+rope (q) {B}x{S}x{D}", (q, w, cos, sin, H), expected, 2 * _nb(q)
+
+
 def main() -> None:
     n = 1 << 29
     src = torch.empty(n, device="cuda", dtype=BF).normal_()
@@ -113,14 +124,8 @@ def main() -> None:
                     row(case, f"held R={R}", lambda R=R: launch(True, R), expected, nbytes, copy_gbs)
             torch.cuda.empty_cache()
     for B in (1, 2):
-        S, D, H = 32760, 1536, 12
-        q, w = _r((B, S, D)), _r((D,), 0.2) + 1
-        ang = torch.rand(S, 64, device="cuda") * 6.28
-        cos = ang.cos().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
-        sin = ang.sin().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
-        expected = ref.qk_rmsnorm_across_heads_rope(q, q, w, w, cos, sin, H, 1e-6)[0]
-        case = f"wan rmsnorm+rope (q) {B}x{S}x{D}"
-        nbytes = 2 * _nb(q)
+        S, D = 32760, 1536
+        case, (q, w, cos, sin, H), expected, nbytes = wan_qk_case(B)
         row(case, "loop R=default", lambda: wr._launch_one(q, w, cos, sin, H, 1e-6, True, unroll=False), expected,
             nbytes, copy_gbs)
         for R in (1, 2, 4):

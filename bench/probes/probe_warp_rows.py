@@ -25,7 +25,7 @@ import triton
 import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_held_rows import ROWS, _nb, _r, ln_cases, row, write_rows  # noqa: E402  (the round-6 probe's cases and timing)
+from probe_held_rows import ROWS, _nb, _r, ln_cases, row, wan_qk_case, write_rows  # noqa: E402  (the round-6 probe's cases and timing)
 
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.common import warp as cw
@@ -62,17 +62,11 @@ def main() -> None:
                 row(case, "warp per row", lambda: launch(warp=True), expected, nbytes, copy_gbs)
             torch.cuda.empty_cache()
     for B in (1, 2):
-        S, D, H = 32760, 1536, 12
-        q, w = _r((B, S, D)), _r((D,), 0.2) + 1
-        ang = torch.rand(S, 64, device="cuda") * 6.28
-        cos = ang.cos().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
-        sin = ang.sin().repeat_interleave(2, dim=1)[None, :, None, :].contiguous()
-        expected = ref.qk_rmsnorm_across_heads_rope(q, q, w, w, cos, sin, H, 1e-6)[0]
-        case = f"wan rmsnorm+rope (q) {B}x{S}x{D}"
+        case, (q, w, cos, sin, H), expected, nbytes = wan_qk_case(B)
         row(case, "128-thread held", lambda: wr._launch_one(q, w, cos, sin, H, 1e-6, True, warp=False), expected,
-            2 * _nb(q), copy_gbs)
+            nbytes, copy_gbs)
         row(case, "warp per row", lambda: wr._launch_one(q, w, cos, sin, H, 1e-6, True, warp=True), expected,
-            2 * _nb(q), copy_gbs)
+            nbytes, copy_gbs)
         torch.cuda.empty_cache()
     print("layout guard verdicts:", {k[:12]: v for k, v in cw._VERDICTS.items()}, flush=True)
     for k, v in cw._VERDICTS.items():
