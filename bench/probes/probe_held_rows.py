@@ -98,14 +98,19 @@ def wan_qk_case(B: int, S: int = 32760, D: int = 1536, H: int = 12):
     return f"wan rmsnorm+rope (q) {B}x{S}x{D}", (q, w, cos, sin, H), expected, 2 * _nb(q)
 
 
-def main() -> None:
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device copy (read + write), the % of copy baseline; printed with the setup."""
     n = 1 << 29
     src = torch.empty(n, device="cuda", dtype=BF).normal_()
     dst = torch.empty_like(src)
     copy_gbs = 4 * n / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
-    src = dst = None
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"copy {copy_gbs:.0f} GB/s")
+    return copy_gbs
+
+
+def main() -> None:
+    copy_gbs = copy_bandwidth()
     shapes = [((1, 32760, 1536), True), ((2, 32760, 1536), True), ((2, 32760, 5120), False),
               ((1, 4608, 3072), False)]
     for (B, S, D), wan in shapes:

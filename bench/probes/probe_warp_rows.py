@@ -21,11 +21,9 @@ import os
 import sys
 
 import torch
-import triton
-import triton.testing
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from probe_held_rows import ROWS, _nb, _r, ln_cases, row, wan_qk_case, write_rows  # noqa: E402  (the round-6 probe's cases and timing)
+from probe_held_rows import ROWS, _nb, _r, copy_bandwidth, ln_cases, row, wan_qk_case, write_rows  # noqa: E402  (the round-6 probe's cases and timing)
 
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.common import warp as cw
@@ -37,13 +35,7 @@ F32, BF = torch.float32, torch.bfloat16
 
 
 def main() -> None:
-    n = 1 << 29
-    src = torch.empty(n, device="cuda", dtype=BF).normal_()
-    dst = torch.empty_like(src)
-    copy_gbs = 4 * n / (triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3) / 1e9
-    src = dst = None
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
-          f"copy {copy_gbs:.0f} GB/s")
+    copy_gbs = copy_bandwidth()
     for (B, S, D), wan in [((1, 32760, 1536), True), ((2, 32760, 1536), True), ((1, 4608, 3072), False),
                            ((2, 32760, 5120), False)]:
         label = f"{B}x{S}x{D}"
