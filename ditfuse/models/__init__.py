@@ -17,7 +17,7 @@ import torch
 
 from ..contracts.bitexact import gate
 from ..contracts.quality import MountResult, Quality
-from .base import Adapter, AdapterMount, AdapterVersionError, capture_admission_batches, mounted_high
+from .base import Adapter, AdapterMount, AdapterVersionError, capture_admission_batches, handoff_counts, mounted_high
 
 logger = logging.getLogger("ditfuse.models")
 
@@ -75,6 +75,8 @@ class ComponentReport:
     skipped_sites: list[tuple[str, str]] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     high: MountResult | None = None
+    # cross-block hand-offs (models/handoff.py): {"links", "used", "discarded"}, live counts
+    handoffs: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -94,9 +96,14 @@ class AccelerationReport:
                 hi = ""
                 if c.high is not None and c.high.failed is not None:
                     hi = f"; quality=high not mounted: {c.high.failed}"
+                ho = ""
+                if c.handoffs.get("links"):
+                    n = c.handoffs["links"]
+                    ho = (f"; cross-block hand-offs: {n} link{'s' if n != 1 else ''}, {c.handoffs['used']} used, "
+                          f"{c.handoffs['discarded']} discarded")
                 lines.append(
                     f"{c.component} ({c.cls}): {c.adapter} adapter, {len(c.sites)} fast forwards "
-                    f"[{', '.join(c.ops)}]{extra}{hi}"
+                    f"[{', '.join(c.ops)}]{extra}{hi}{ho}"
                 )
             else:
                 lines.append(f"{c.component} ({c.cls}): {c.status} — {c.reason}")
@@ -117,6 +124,7 @@ class AccelerationReport:
                     "sites": [{"path": p, "site": s} for p, s in c.sites],
                     "skipped_sites": [{"path": p, "reason": r} for p, r in c.skipped_sites],
                     "ops": list(c.ops),
+                    "handoffs": dict(c.handoffs),
                     "high_failure": None if c.high is None or c.high.failed is None else str(c.high.failed),
                 }
                 for c in self.components
@@ -194,6 +202,8 @@ class Acceleration:
         return results
 
     def report(self) -> AccelerationReport:
+        for name, (_, model) in self._mounted.items():
+            self._reports[name].handoffs = handoff_counts(model)
         return AccelerationReport(self._quality, list(self._reports.values()), list(self._notes), gate.report())
 
     def enable_cuda_graphs(self, max_graphs: int = 8) -> None:

@@ -10,6 +10,7 @@ import torch
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.norm import LAYERNORM_MODULATE
 from .base import Site
+from .handoff import Opening
 
 
 def plain_layernorm(norm: torch.nn.Module) -> str | None:
@@ -30,13 +31,19 @@ def ada_zero_applies(norm: torch.nn.Module) -> str | None:
     return plain_layernorm(norm.norm)
 
 
-def ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
-    """AdaLayerNormZero(x, emb=emb): ``emb = linear(silu(emb))``, ``chunk(6)`` = shift, scale,
-    gate (msa), shift, scale, gate (mlp); ``x = r(r(r(LN(x)) * r(1 + scale_msa)) + shift_msa)``."""
+def ada_zero_opening(norm, emb: torch.Tensor) -> Opening:
+    """AdaLayerNormZero's modulation: ``emb = linear(silu(emb))``, ``chunk(6)`` = shift, scale,
+    gate (msa), shift, scale, gate (mlp); the norm is ``r(r(r(LN(x)) * r(1 + scale_msa)) +
+    shift_msa)``, the other four chunks ride along."""
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
-    x = _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps)
-    return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
+    return Opening(scale_msa, shift_msa, norm.norm.eps, (gate_msa, shift_mlp, scale_mlp, gate_mlp))
+
+
+def ada_zero(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
+    """AdaLayerNormZero(x, emb=emb) -> (x normed + modulated, gate_msa, shift_mlp, scale_mlp,
+    gate_mlp) (:func:`ada_zero_opening`)."""
+    return ada_zero_opening(norm, emb).run(x, _ops)
 
 
 def norm_out_forward(

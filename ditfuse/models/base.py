@@ -39,10 +39,10 @@ from ..contracts import admission
 from ..contracts.ops import HIGH, LOSSLESS, TIERS, OpSet, close_variant
 from ..contracts.quality import Guard, MountResult, Quality, check_all
 from ..kernels.spec import OpDescriptor
+from .handoff import HOOK_PREFIX, NO_LINK, Link, counts, link_chains
 
 logger = logging.getLogger("ditfuse.models")
 
-HOOK_PREFIX = "ditfuse."
 _tier_lock = threading.Lock()
 
 
@@ -66,6 +66,9 @@ class Site:
     calls. ``applies(module)``: None when the fast forward reproduces this instance's
     configuration, else why not (the module then keeps its own forward; the report says why).
     ``high=False``: no quality="high" tier for this site even if its ops have close variants.
+    ``chained=True``: the site's modules are the blocks of an ``nn.ModuleList`` that hand off
+    across block boundaries (:mod:`ditfuse.models.handoff`); the fast forward also gets
+    ``_link``, its :class:`~ditfuse.models.handoff.Link`.
     """
 
     name: str
@@ -76,6 +79,7 @@ class Site:
     applies: Callable[[torch.nn.Module], "str | None"] = _always
     high: bool = True
     description: str = ""
+    chained: bool = False
 
     @property
     def cls_name(self) -> str:
@@ -196,6 +200,7 @@ class SiteHook:
         self.site = site
         self.ops = ops
         self.fn_ref = None
+        self.link: Link = NO_LINK
 
     def initialize_hook(self, module):
         return module
@@ -210,6 +215,9 @@ class SiteHook:
         return output
 
     def new_forward(self, module, *args, **kwargs):
+        if self.site.chained:
+            return self.site.forward(module, self.fn_ref.original_forward, *args, _ops=self.ops, _link=self.link,
+                                     **kwargs)
         return self.site.forward(module, self.fn_ref.original_forward, *args, _ops=self.ops, **kwargs)
 
     def reset_state(self, module):
@@ -237,6 +245,11 @@ def site_hooks(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, S
         for name, hook in list(reg.hooks.items()):
             if name.startswith(HOOK_PREFIX) and isinstance(hook, SiteHook):
                 yield path or "<root>", mod, hook
+
+
+def handoff_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Cross-block hand-offs of ``model``'s chained sites: ``{"links", "used", "discarded"}``."""
+    return counts(h.link for _, _, h in site_hooks(model))
 
 
 def mounted_high(model: torch.nn.Module) -> list[str]:
@@ -399,6 +412,7 @@ class Adapter:
                 register_innermost(reg, _make_hook(site), site.hook_name)
             result.mounted.append(MountedSite(path, site.name, tuple(d.op for d in site.ops)))
         HookRegistry.check_if_exists_or_initialize(model).invalidate_child_registries_cache()
+        link_chains(model, {id(m): h for _, m, h in site_hooks(model) if h.site.chained})
         return result
 
     def set_quality(self, model: torch.nn.Module, quality: "str | Quality") -> MountResult:
@@ -510,5 +524,5 @@ def capture_admission_batches(
 
 __all__ = [
     "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
-    "capture_admission_batches", "half_precision", "mounted_high", "no_foreign_hooks", "site_hooks", "TIERS",
+    "capture_admission_batches", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "site_hooks", "TIERS",
 ]

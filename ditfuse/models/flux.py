@@ -23,8 +23,10 @@ from ..kernels.layout.joint_buffers_torch import cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
-from .adaln import ada_zero, ada_zero_applies, norm_out_forward, norm_out_site, plain_layernorm  # noqa: F401 (re-exported)
+from .adaln import (ada_zero, ada_zero_applies, ada_zero_opening, norm_out_forward,  # noqa: F401 (re-exported)
+                    norm_out_site, plain_layernorm)
 from .base import Adapter, Site
+from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_flux"
@@ -42,10 +44,10 @@ def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpS
 # -- AdaLayerNormZeroSingle (AdaLayerNormZero and AdaLayerNormContinuous: models/adaln.py) -------
 
 
-def _ada_zero_single(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
+def _ada_zero_single(norm, emb: torch.Tensor) -> Opening:
     emb = norm.linear(norm.silu(emb))
     shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
-    return _ops.layernorm_modulate(x, scale_msa, shift_msa, norm.norm.eps), gate_msa
+    return Opening(scale_msa, shift_msa, norm.norm.eps, (gate_msa,))
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -142,13 +144,18 @@ def dual_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ):
     """FluxTransformerBlock: adaLN-Zero (fused LN+modulate), attention, then the fused
-    gate-residual + norm2 + modulate, FeedForward, gated residual — for both streams."""
-    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_zero(block.norm1, hidden_states, temb, _ops)
-    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = ada_zero(
-        block.norm1_context, encoder_hidden_states, temb, _ops
-    )
+    gate-residual + norm2 + modulate, FeedForward, gated residual — for both streams. The FF
+    gated residuals also compute the next dual block's adaLN-Zero norms when it follows directly
+    (:mod:`ditfuse.models.handoff`); this block takes its own from its predecessor likewise."""
+    opened = _link.take(block, (hidden_states, encoder_hidden_states, temb), _ops)
+    if opened is None:
+        opened = (ada_zero(block.norm1, hidden_states, temb, _ops),
+                  ada_zero(block.norm1_context, encoder_hidden_states, temb, _ops))
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = opened[0]
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = opened[1]
     joint_attention_kwargs = joint_attention_kwargs or {}
     attention_outputs = block.attn(
         hidden_states=norm_hidden_states,
@@ -166,7 +173,10 @@ def dual_block_forward(
         hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
     )
     ff_output = block.ff(norm_hidden_states)
-    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, ff_output)
+    # fp16 clips the text stream after its residual; an IP-adapter adds after the image one.
+    nxt = _link.next_block() if ip_attn_output is None and hidden_states.dtype != torch.float16 else None
+    hidden_states, img_next = close_block(_ops, hidden_states, gate_mlp, ff_output,
+                                          None if nxt is None else ada_zero_opening(nxt.norm1, temb))
     if ip_attn_output is not None:
         hidden_states = hidden_states + ip_attn_output
 
@@ -174,9 +184,11 @@ def dual_block_forward(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
     context_ff_output = block.ff_context(norm_encoder_hidden_states)
-    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, c_gate_mlp, context_ff_output,
+                                                  None if nxt is None else ada_zero_opening(nxt.norm1_context, temb))
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    _link.give((hidden_states, encoder_hidden_states, temb), None if nxt is None else (img_next, txt_next), _ops)
     return encoder_hidden_states, hidden_states
 
 
@@ -202,14 +214,20 @@ def single_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ):
     """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` is one kernel
-    (lossless): the attention output is copied and the GELU written into proj_out's input."""
+    (lossless): the attention output is copied and the GELU written into proj_out's input. The
+    closing gated residual also computes the next single block's adaLN-Zero-Single norm when it
+    follows directly (:mod:`ditfuse.models.handoff`)."""
     text_seq_len = encoder_hidden_states.shape[1]
+    opened = _link.take(block, (hidden_states, encoder_hidden_states, temb), _ops)
     # The previous single block returned two views of one tensor: re-joining them needs no copy.
     hidden_states = cat_or_view((encoder_hidden_states, hidden_states), dim=1)
     residual = hidden_states
-    norm_hidden_states, gate = _ada_zero_single(block.norm, hidden_states, temb, _ops)
+    if opened is None:
+        opened = _ada_zero_single(block.norm, temb).run(hidden_states, _ops)
+    norm_hidden_states, gate = opened
     mlp = block.proj_mlp(norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = block.attn(
@@ -218,10 +236,13 @@ def single_block_forward(
         **joint_attention_kwargs,
     )
     cat = _single_attn_mlp_cat(attn_output, mlp, _ops)
-    hidden_states = _ops.gate_residual(residual, gate, block.proj_out(cat))
+    nxt = _link.next_block() if residual.dtype != torch.float16 else None  # fp16 clips after the residual
+    hidden_states, opened_next = close_block(_ops, residual, gate, block.proj_out(cat),
+                                             None if nxt is None else _ada_zero_single(nxt.norm, temb))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     encoder_hidden_states, hidden_states = hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    _link.give((hidden_states, encoder_hidden_states, temb), opened_next, _ops)
     return encoder_hidden_states, hidden_states
 
 
@@ -245,16 +266,20 @@ SITES = (
         forward=dual_block_forward,
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_dual_applies,
-        description="dual block: adaLN-Zero, gate+residual+norm2+modulate, FF gate residual",
+        description="dual block: adaLN-Zero, gate+residual+norm2+modulate, FF gate residual "
+                    "(+ the next block's adaLN-Zero across the boundary)",
+        chained=True,
     ),
     Site(
         name="flux.single_block",
         cls=f"{_TF}:FluxSingleTransformerBlock",
         params=_BLOCK_PARAMS,
         forward=single_block_forward,
-        ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL),
+        ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=_single_applies,
-        description="single block: adaLN-Zero-Single, attention copy + GELU into proj_out's input in one kernel, gate residual",
+        description="single block: adaLN-Zero-Single, attention copy + GELU into proj_out's input in one kernel, "
+                    "gate residual (+ the next block's adaLN-Zero-Single across the boundary)",
+        chained=True,
     ),
     Site(
         name="flux.attention",

@@ -39,6 +39,7 @@ from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import norm_out_site, plain_layernorm
 from .base import Adapter, Site
+from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_flux2"
@@ -64,18 +65,19 @@ def double_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ):
     """Flux2TransformerBlock: fused LN + modulate for both streams, attention, then per stream the
-    fused gate-residual + norm2 + modulate, the FF and its gated residual."""
-    split = _tf().Flux2Modulation.split
+    fused gate-residual + norm2 + modulate, the FF and its gated residual. The modulation is the
+    model's, shared by every double block: the FF gated residuals also compute the next double
+    block's LN + modulate when it follows directly (:mod:`ditfuse.models.handoff`)."""
     joint_attention_kwargs = joint_attention_kwargs or {}
-    (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(temb_mod_img, 2)
-    (c_shift_msa, c_scale_msa, c_gate_msa), (c_shift_mlp, c_scale_mlp, c_gate_mlp) = split(temb_mod_txt, 2)
-
-    norm_hidden_states = _ops.layernorm_modulate(hidden_states, scale_msa, shift_msa, block.norm1.eps)
-    norm_encoder_hidden_states = _ops.layernorm_modulate(
-        encoder_hidden_states, c_scale_msa, c_shift_msa, block.norm1_context.eps
-    )
+    opened = _link.take(block, (hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt), _ops)
+    if opened is None:
+        img, txt = _double_openings(block, temb_mod_img, temb_mod_txt)
+        opened = (img.run(hidden_states, _ops), txt.run(encoder_hidden_states, _ops))
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = opened[0]
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = opened[1]
     attn_output, context_attn_output = block.attn(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=norm_encoder_hidden_states,
@@ -86,17 +88,33 @@ def double_block_forward(
     hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
         hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
     )
-    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, block.ff(norm_hidden_states))
+    # fp16 clips the text stream after its residual.
+    nxt = _link.next_block() if encoder_hidden_states.dtype != torch.float16 else None
+    nxt_img, nxt_txt = (None, None) if nxt is None else _double_openings(nxt, temb_mod_img, temb_mod_txt)
+    hidden_states, img_next = close_block(_ops, hidden_states, gate_mlp, block.ff(norm_hidden_states), nxt_img)
 
     encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
-    encoder_hidden_states = _ops.gate_residual(
-        encoder_hidden_states, c_gate_mlp, block.ff_context(norm_encoder_hidden_states)
+    encoder_hidden_states, txt_next = close_block(
+        _ops, encoder_hidden_states, c_gate_mlp, block.ff_context(norm_encoder_hidden_states), nxt_txt
     )
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    _link.give((hidden_states, encoder_hidden_states, temb_mod_img, temb_mod_txt),
+               None if nxt is None else (img_next, txt_next), _ops)
     return encoder_hidden_states, hidden_states
+
+
+def _double_openings(block, temb_mod_img: torch.Tensor, temb_mod_txt: torch.Tensor) -> tuple[Opening, Opening]:
+    """``Flux2Modulation.split(mod, 2)`` = (shift, scale, gate) of msa, then of mlp, per stream;
+    the openings are norm1 / norm1_context + the msa modulation, the other four chunks ride along."""
+    split = _tf().Flux2Modulation.split
+    out = []
+    for mod, norm in ((temb_mod_img, block.norm1), (temb_mod_txt, block.norm1_context)):
+        (shift_msa, scale_msa, gate_msa), (shift_mlp, scale_mlp, gate_mlp) = split(mod, 2)
+        out.append(Opening(scale_msa, shift_msa, norm.eps, (gate_msa, shift_mlp, scale_mlp, gate_mlp)))
+    return out[0], out[1]
 
 
 def _double_applies(block) -> str | None:
@@ -119,26 +137,39 @@ def single_block_forward(
     text_seq_len: int | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ):
     """Flux2SingleTransformerBlock: fused LN + modulate, the parallel attention+MLP, fused gated
-    residual."""
+    residual (+ the next single block's LN + modulate when it follows directly and the stream stays
+    joint, :mod:`ditfuse.models.handoff`)."""
+    opened = _link.take(block, (hidden_states, temb_mod), _ops)
     if encoder_hidden_states is not None:
+        opened = None  # the payload was for the joint stream, this call joins a new one
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    mod_shift, mod_scale, mod_gate = _tf().Flux2Modulation.split(temb_mod, 1)[0]
-    norm_hidden_states = _ops.layernorm_modulate(hidden_states, mod_scale, mod_shift, block.norm.eps)
+    if opened is None:
+        opened = _single_opening(block, temb_mod).run(hidden_states, _ops)
+    norm_hidden_states, mod_gate = opened
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = block.attn(
         hidden_states=norm_hidden_states,
         image_rotary_emb=image_rotary_emb,
         **joint_attention_kwargs,
     )
-    hidden_states = _ops.gate_residual(hidden_states, mod_gate, attn_output)
+    nxt = _link.next_block() if hidden_states.dtype != torch.float16 and not split_hidden_states else None
+    hidden_states, opened_next = close_block(_ops, hidden_states, mod_gate, attn_output,
+                                             None if nxt is None else _single_opening(nxt, temb_mod))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     if split_hidden_states:
         return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+    _link.give((hidden_states, temb_mod), opened_next, _ops)
     return hidden_states
+
+
+def _single_opening(block, temb_mod: torch.Tensor) -> Opening:
+    mod_shift, mod_scale, mod_gate = _tf().Flux2Modulation.split(temb_mod, 1)[0]
+    return Opening(mod_scale, mod_shift, block.norm.eps, (mod_gate,))
 
 
 def _single_applies(block) -> str | None:
@@ -323,7 +354,9 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_double_applies,
         high=False,
-        description="double block: LN + modulate, gate+residual+norm2+modulate, FF gate residual",
+        description="double block: LN + modulate, gate+residual+norm2+modulate, FF gate residual "
+                    "(+ the next block's LN + modulate)",
+        chained=True,
     ),
     Site(
         name="flux2.single_block",
@@ -331,10 +364,11 @@ SITES = (
         params=("self", "hidden_states", "encoder_hidden_states", "temb_mod", "image_rotary_emb",
                 "joint_attention_kwargs", "split_hidden_states", "text_seq_len"),
         forward=single_block_forward,
-        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL),
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=_single_applies,
         high=False,
-        description="single block: LN + modulate, gate residual",
+        description="single block: LN + modulate, gate residual (+ the next block's LN + modulate)",
+        chained=True,
     ),
     Site(
         name="flux2.feed_forward",

@@ -29,6 +29,7 @@ from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
 from .base import Adapter, Site, attention_site, diffusers_rmsnorms
+from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_qwenimage"
@@ -134,6 +135,15 @@ def attention_forward(
 # -- blocks -----------------------------------------------------------------------------------
 
 
+def _opening(block, stream: str, temb: torch.Tensor) -> Opening:
+    """``{stream}_mod(temb)`` -> ``chunk(2)`` -> each ``chunk(3)`` = shift, scale, gate; the
+    opening is ``{stream}_norm1`` + the first modulation, the other four chunks ride along."""
+    mod1, mod2 = getattr(block, f"{stream}_mod")(temb).chunk(2, dim=-1)
+    shift1, scale1, gate1 = mod1.chunk(3, dim=-1)
+    shift2, scale2, gate2 = mod2.chunk(3, dim=-1)
+    return Opening(scale1, shift1, getattr(block, f"{stream}_norm1").eps, (gate1, shift2, scale2, gate2))
+
+
 def block_forward(
     block,
     original,
@@ -146,23 +156,22 @@ def block_forward(
     modulate_index: list[int] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ):
     """QwenImageTransformerBlock: LN + modulate, joint attention, gate + residual + norm2 +
-    modulate, FeedForward, FF gate residual — image and text stream."""
+    modulate, FeedForward, FF gate residual — image and text stream. The FF gated residuals also
+    compute the next block's LN + modulate when it follows directly (:mod:`ditfuse.models.handoff`)."""
     if modulate_index is not None:  # per-token modulation (Edit models): diffusers' own forward
         return original(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                         encoder_hidden_states_mask=encoder_hidden_states_mask, temb=temb,
                         image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs,
                         modulate_index=modulate_index)
-    img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
-    txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
-    img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
-    img_shift2, img_scale2, img_gate2 = img_mod2.chunk(3, dim=-1)
-    txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
-    txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
-
-    img_modulated = _ops.layernorm_modulate(hidden_states, img_scale1, img_shift1, block.img_norm1.eps)
-    txt_modulated = _ops.layernorm_modulate(encoder_hidden_states, txt_scale1, txt_shift1, block.txt_norm1.eps)
+    opened = _link.take(block, (hidden_states, encoder_hidden_states, temb), _ops)
+    if opened is None:
+        opened = (_opening(block, "img", temb).run(hidden_states, _ops),
+                  _opening(block, "txt", temb).run(encoder_hidden_states, _ops))
+    img_modulated, img_gate1, img_shift2, img_scale2, img_gate2 = opened[0]
+    txt_modulated, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = opened[1]
 
     joint_attention_kwargs = joint_attention_kwargs or {}
     img_attn_output, txt_attn_output = block.attn(
@@ -179,13 +188,18 @@ def block_forward(
     encoder_hidden_states, txt_modulated2 = _ops.gate_residual_layernorm_modulate(
         encoder_hidden_states, txt_gate1, txt_attn_output, txt_scale2, txt_shift2, block.txt_norm2.eps
     )
-    hidden_states = _ops.gate_residual(hidden_states, img_gate2, block.img_mlp(img_modulated2))
-    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, txt_gate2, block.txt_mlp(txt_modulated2))
+    nxt = _link.next_block() if hidden_states.dtype != torch.float16 else None  # fp16 clips after the residuals
+    hidden_states, img_next = close_block(_ops, hidden_states, img_gate2, block.img_mlp(img_modulated2),
+                                          None if nxt is None else _opening(nxt, "img", temb))
+    encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, txt_gate2,
+                                                  block.txt_mlp(txt_modulated2),
+                                                  None if nxt is None else _opening(nxt, "txt", temb))
 
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
+    _link.give((hidden_states, encoder_hidden_states, temb), None if nxt is None else (img_next, txt_next), _ops)
     return encoder_hidden_states, hidden_states
 
 
@@ -214,7 +228,9 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_block_applies,
         high=False,
-        description="dual-stream block: LN + modulate, gate+residual+norm2+modulate, FF gate residual",
+        description="dual-stream block: LN + modulate, gate+residual+norm2+modulate, FF gate residual "
+                    "(+ the next block's LN + modulate)",
+        chained=True,
     ),
     attention_site(
         "qwenimage.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,), _attn_applies,

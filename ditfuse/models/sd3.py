@@ -26,8 +26,9 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
-from .adaln import ada_zero, ada_zero_applies, norm_out_site, plain_layernorm
+from .adaln import ada_zero, ada_zero_applies, ada_zero_opening, norm_out_site, plain_layernorm
 from .base import Adapter, Site, attention_site, diffusers_rmsnorms
+from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 
@@ -113,17 +114,20 @@ def attention_forward(
     return hidden_states
 
 
-def _ada_zero_x(norm, x: torch.Tensor, emb: torch.Tensor, _ops: OpSet):
+def _ada_zero_x_opening(norm, emb: torch.Tensor) -> Opening:
     """SD35AdaLayerNormZeroX: ``chunk(9)`` = the six of AdaLayerNormZero, then shift/scale/gate of
-    attn2. Both modulations normalise the same ``r(LN(x))``: two ``layernorm_modulate`` calls give
-    exactly its bits (LayerNorm is deterministic)."""
+    attn2. The opening is the first modulation; the block applies the second to its own input
+    (both normalise the same ``r(LN(x))``: a second ``layernorm_modulate`` gives exactly its bits,
+    LayerNorm is deterministic)."""
     emb = norm.linear(norm.silu(emb))
     (shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp,
      shift_msa2, scale_msa2, gate_msa2) = emb.chunk(9, dim=1)
-    eps = norm.norm.eps
-    n1 = _ops.layernorm_modulate(x, scale_msa, shift_msa, eps)
-    n2 = _ops.layernorm_modulate(x, scale_msa2, shift_msa2, eps)
-    return n1, gate_msa, shift_mlp, scale_mlp, gate_mlp, n2, gate_msa2
+    return Opening(scale_msa, shift_msa, norm.norm.eps,
+                   (gate_msa, shift_mlp, scale_mlp, gate_mlp, scale_msa2, shift_msa2, gate_msa2))
+
+
+def _image_opening(block, temb: torch.Tensor) -> Opening:
+    return (_ada_zero_x_opening if block.use_dual_attention else ada_zero_opening)(block.norm1, temb)
 
 
 def joint_block_forward(
@@ -135,26 +139,32 @@ def joint_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ):
     """JointTransformerBlock: adaLN-Zero (LN + modulate), joint attention, gate + residual + norm2
-    + modulate, FeedForward, FF gate residual, for both streams (text: not in the last block)."""
+    + modulate, FeedForward, FF gate residual, for both streams (text: not in the last block). The
+    FF gated residuals also compute the next block's adaLN-Zero norms when it follows directly
+    (:mod:`ditfuse.models.handoff`; the text stream's when the next block is not the last, whose
+    text norm is an AdaLayerNormContinuous of its own); skip_layers and ControlNet residuals make
+    the next block compute its own."""
     if block._chunk_size is not None:  # chunked feed-forward: diffusers' own forward
         return original(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                         temb=temb, joint_attention_kwargs=joint_attention_kwargs)
     joint_attention_kwargs = joint_attention_kwargs or {}
+    opened = _link.take(block, (hidden_states, encoder_hidden_states, temb), _ops)
+    if opened is None:
+        opened = (_image_opening(block, temb).run(hidden_states, _ops),
+                  None if block.context_pre_only else ada_zero(block.norm1_context, encoder_hidden_states, temb, _ops))
     if block.use_dual_attention:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, norm_hidden_states2, gate_msa2 = _ada_zero_x(
-            block.norm1, hidden_states, temb, _ops
-        )
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp, scale_msa2, shift_msa2, gate_msa2 = opened[0]
+        norm_hidden_states2 = _ops.layernorm_modulate(hidden_states, scale_msa2, shift_msa2, block.norm1.norm.eps)
     else:
-        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_zero(block.norm1, hidden_states, temb, _ops)
+        norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = opened[0]
 
     if block.context_pre_only:
         norm_encoder_hidden_states = block.norm1_context(encoder_hidden_states, temb)
     else:
-        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = ada_zero(
-            block.norm1_context, encoder_hidden_states, temb, _ops
-        )
+        norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = opened[1]
 
     attn_output, context_attn_output = block.attn(
         hidden_states=norm_hidden_states,
@@ -173,7 +183,11 @@ def joint_block_forward(
             hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
         )
     ff_output = block.ff(norm_hidden_states)
-    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, ff_output)
+    nxt = _link.next_block() if hidden_states.dtype != torch.float16 else None
+    if nxt is not None and (nxt._chunk_size is not None or block.context_pre_only):
+        nxt = None  # the next block runs diffusers' forward / there is none
+    hidden_states, img_next = close_block(_ops, hidden_states, gate_mlp, ff_output,
+                                          None if nxt is None else _image_opening(nxt, temb))
 
     if block.context_pre_only:
         return None, hidden_states
@@ -181,7 +195,10 @@ def joint_block_forward(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
     context_ff_output = block.ff_context(norm_encoder_hidden_states)
-    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, c_gate_mlp, context_ff_output)
+    txt_opening = None if nxt is None or nxt.context_pre_only else ada_zero_opening(nxt.norm1_context, temb)
+    encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, c_gate_mlp, context_ff_output,
+                                                  txt_opening)
+    _link.give((hidden_states, encoder_hidden_states, temb), None if nxt is None else (img_next, txt_next), _ops)
     return encoder_hidden_states, hidden_states
 
 
@@ -219,7 +236,8 @@ SITES = (
         applies=_joint_applies,
         high=False,
         description="joint block: adaLN-Zero (SD3.5 dual: one LN, two modulations), "
-                    "gate+residual+norm2+modulate, FF gate residual",
+                    "gate+residual+norm2+modulate, FF gate residual (+ the next block's adaLN-Zero)",
+        chained=True,
     ),
     attention_site(
         "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT,), _attn_applies,

@@ -27,6 +27,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
 from .base import Adapter, Site
+from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TW = "diffusers.models.transformers.transformer_wan"
@@ -58,6 +59,12 @@ def _modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
 
 
+def _opening(block, temb: torch.Tensor) -> Opening:
+    """norm1 + modulate in fp32 on the block's modulation; all six chunks ride along."""
+    mod = _modulation(block, temb)
+    return Opening(mod[1], mod[0], block.norm1.eps, (mod,), norm_dtype=_F32)
+
+
 def block_forward(
     block,
     original,
@@ -67,13 +74,17 @@ def block_forward(
     rotary_emb: torch.Tensor,
     *,
     _ops: OpSet = LOSSLESS,
+    _link: Link = NO_LINK,
 ) -> torch.Tensor:
-    """WanTransformerBlock with its five elementwise chains fused (module docstring)."""
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(block, temb)
+    """WanTransformerBlock with its five elementwise chains fused (module docstring). The FF
+    gated residual also computes the next block's norm1 + modulate when it follows directly
+    (:mod:`ditfuse.models.handoff`); this block takes its own from its predecessor likewise."""
+    opened = _link.take(block, (hidden_states, temb), _ops)
+    if opened is None:
+        opened = _opening(block, temb).run(hidden_states, _ops)
+    norm_hidden_states, (shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa) = opened
 
     # 1. Self-attention
-    norm_hidden_states = _ops.layernorm_modulate(hidden_states, scale_msa, shift_msa, block.norm1.eps,
-                                                 norm_dtype=_F32)
     attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
     if isinstance(block.norm2, torch.nn.Identity):
         # norm2(h.float()).type_as(h) is h itself: an fp32 round trip of bf16 values.
@@ -93,7 +104,11 @@ def block_forward(
 
     # 3. Feed-forward
     ff_output = block.ffn(norm_hidden_states)
-    return _ops.gate_residual(hidden_states, c_gate_msa, ff_output)
+    nxt = _link.next_block()
+    hidden_states, opened_next = close_block(_ops, hidden_states, c_gate_msa, ff_output,
+                                             None if nxt is None else _opening(nxt, temb))
+    _link.give((hidden_states, temb), opened_next, _ops)
+    return hidden_states
 
 
 def _block_applies(block) -> str | None:
@@ -271,7 +286,8 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_block_applies,
         description="block: norm1 + modulate, gated residual + affine norm2, residual + norm3 + modulate, "
-                    "FF gated residual (fp32 modulation, as diffusers upcasts)",
+                    "FF gated residual + the next block's norm1 + modulate (fp32 modulation, as diffusers upcasts)",
+        chained=True,
     ),
     Site(
         name="wan.attention",
