@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import subprocess
 import time
@@ -226,7 +227,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             handle = None
             fn = step
-            if prov in ("lossless", "lossless_graph", "high"):
+            saved_handoff = os.environ.get("DITFUSE_HANDOFF")
+            if prov == "lossless_nohandoff":  # A/B of cross-block fusion (models/handoff.py)
+                os.environ["DITFUSE_HANDOFF"] = "0"
+            if prov in ("lossless", "lossless_nohandoff", "lossless_graph", "high"):
                 ditfuse.gate.reset()
                 handle = ditfuse.accelerate(
                     model, quality="high" if prov == "high" else "lossless", cuda_graph=(prov == "lossless_graph")
@@ -253,11 +257,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 extra = ""
                 if handle is not None:
                     rep = ditfuse.gate.report()
-                    extra = f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)}"
+                    ho = handle.report().components[0].handoffs
+                    extra = (f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)} "
+                             f"handoffs={ho.get('used', 0)}/{ho.get('links', 0)}x{len(times) + args.warmup}")
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
                       f"(host enqueue {statistics.median(host):.1f} ms) bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
             finally:
+                if saved_handoff is None:
+                    os.environ.pop("DITFUSE_HANDOFF", None)
+                else:
+                    os.environ["DITFUSE_HANDOFF"] = saved_handoff
                 if handle is not None:
                     handle.unmount()
                 if prov == "compile":
@@ -333,7 +343,9 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-PROVIDERS = ["eager", "lossless", "lossless_graph", "compile", "high"]
+PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_graph", "compile", "high"]
+# lossless_nohandoff (DITFUSE_HANDOFF=0: cross-block fusion off) is the A/B of models/handoff.py: asked for by name.
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p != "lossless_nohandoff"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -349,7 +361,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="text tokens (default: the family's: 512 for FLUX/FLUX.2, 333 for SD3, Wan's 512)")
     p.add_argument("--layers", type=int, nargs="+", default=None,
                    help="override block counts (flux: DUAL SINGLE; wan: BLOCKS)")
-    p.add_argument("--providers", nargs="+", default=PROVIDERS, choices=PROVIDERS)
+    p.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS, choices=PROVIDERS)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--tag", default="h200", help="file name suffix")
