@@ -17,6 +17,9 @@ The hook goes to the bottom of the module's hook chain (:func:`register_innermos
 the module's own forward, and hooks the user applied before or after ``accelerate`` (diffusers'
 context parallelism, group offloading, caches) keep running around it.
 
+Chained sites (``Site.chained``: the blocks of one ``nn.ModuleList``) are linked to their
+successors at mount and fuse the block boundary between them: :mod:`ditfuse.models.handoff`.
+
 Admission capture (:func:`capture_admission_batches`): one forward with a recording table, which
 clones the arguments of every op that has a close variant and runs the lossless op. The inputs are
 whatever the fast forwards pass, so no per-family code re-derives them.
