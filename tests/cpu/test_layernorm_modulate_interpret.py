@@ -87,18 +87,24 @@ def test_rows_per_program_and_tail_rows(R, B, S, D, path):
 
 
 def test_row_kernel_switch(monkeypatch):
-    """DITFUSE_ROW_KERNEL picks the kernel family for whole-step rows (default: the 128-thread
-    kernels, until the warp kernels have been GPU-verified); both give the simulation's bits, and
-    an unknown value is an error, not a silent default."""
-    from ditfuse.kernels.common.host import warp_rows_enabled
+    """DITFUSE_ROW_KERNEL picks the kernel family for whole-step rows (default ``auto``: the
+    warp-per-row kernels where they measured faster on the H200 — every row without a residual,
+    rows with one up to width 2048); every choice gives the simulation's bits, and an unknown
+    value is an error, not a silent default."""
+    from ditfuse.kernels.common.host import warp_plan, warp_rows_enabled
 
     x = _x((1, 3, 512), torch.bfloat16, 1)
     sc, sh = _x((1, 512), torch.bfloat16, 2, 0.5, 0.0), _x((1, 512), torch.bfloat16, 3, 0.5, 0.0)
     monkeypatch.delenv("DITFUSE_ROW_KERNEL", raising=False)
-    assert not warp_rows_enabled()
-    for v in ("block", "warp", "WARP"):
+    assert warp_rows_enabled() and warp_rows_enabled(3072) and warp_rows_enabled(1536, residual=True)
+    assert not warp_rows_enabled(3072, residual=True)  # FLUX's gated LayerNorm: 80.6 % vs 69.3 %
+    assert warp_plan(3072, 4, None) is not None and warp_plan(3072, 4, None, residual=True) is None
+    assert warp_plan(1536, 4, None, residual=True) is not None
+    _eq(layernorm_modulate(x, sc, sh, EPS), sim.layernorm_modulate(x, sc, sh, EPS))
+    for v in ("block", "warp", "WARP", "auto"):
         monkeypatch.setenv("DITFUSE_ROW_KERNEL", v)
-        assert warp_rows_enabled() == (v.lower() == "warp")
+        assert warp_rows_enabled(3072, residual=True) == (v.lower() == "warp")
+        assert warp_rows_enabled(1536) == (v.lower() != "block")
         _eq(layernorm_modulate(x, sc, sh, EPS), sim.layernorm_modulate(x, sc, sh, EPS))
     monkeypatch.setenv("DITFUSE_ROW_KERNEL", "fast")
     with pytest.raises(ValueError, match="DITFUSE_ROW_KERNEL"):

@@ -78,18 +78,34 @@ def warp_path(nvec: int, max_steps: int = WARP_MAX_STEPS) -> bool:
     return nvec > 0 and nvec % 128 == 0 and nvec // 128 <= max_steps
 
 
-ROW_KERNELS = ("block", "warp")
+ROW_KERNELS = ("auto", "block", "warp")
+
+# "auto": where the warp-per-row kernels won on the H200 (round 9, commit 8edb7a4,
+# bench/results/probe_warp_rows_round9_h200.csv; % of copy bandwidth, 128-thread -> warp):
+# D = 1536 (Wan-1.3B): norm1 + modulate 51.8 -> 85.2, gated residual + norm2 85.2 -> 92.4,
+# residual + norm3 + modulate 86.8 -> 93.3, RMSNorm + RoPE (q) 65.9 -> 76.1; D = 3072 (FLUX):
+# LayerNorm + modulate 52.9 -> 53.2 (a tie) but gated residual + LayerNorm 80.6 -> 69.3 (a loss).
+# So: every qualifying row without a residual, and rows with one up to this width.
+WARP_AUTO_MAX_RESIDUAL_D = 2048
 
 
-def warp_rows_enabled() -> bool:
-    """``DITFUSE_ROW_KERNEL=warp``: rows that qualify (:func:`warp_path`) take the warp-per-row
-    kernels; ``block`` (the default) keeps the 128-thread kernels. The warp kernels pass the CPU
-    interpreter and codegen tests but have not yet been run on a GPU (notes/layernorm.md, round 7),
-    so they are opt-in until a GPU run has measured and verified them."""
-    v = env("DITFUSE_ROW_KERNEL", "block").strip().lower() or "block"
+def row_kernel_mode() -> str:
+    """``DITFUSE_ROW_KERNEL``: ``auto`` (default: the measured winner, :data:`WARP_AUTO_MAX_RESIDUAL_D`),
+    ``warp`` (every row that qualifies, :func:`warp_path`) or ``block`` (the 128-thread kernels
+    always). All three give the same bits; an unknown value is an error."""
+    v = env("DITFUSE_ROW_KERNEL", "auto").strip().lower() or "auto"
     if v not in ROW_KERNELS:
         raise ValueError(f"DITFUSE_ROW_KERNEL={v!r}: expected one of {', '.join(ROW_KERNELS)}")
-    return v == "warp"
+    return v
+
+
+def warp_rows_enabled(D: int | None = None, residual: bool = False) -> bool:
+    """Whether a qualifying row of width ``D`` (with a residual add before the norm or not) takes
+    the warp-per-row kernel under :func:`row_kernel_mode` (``D=None``: whether any row can)."""
+    mode = row_kernel_mode()
+    if mode != "auto":
+        return mode == "warp"
+    return D is None or not residual or D <= WARP_AUTO_MAX_RESIDUAL_D
 
 
 def warp_rows_per_program(M: int) -> int:
@@ -102,15 +118,16 @@ def warp_rows_per_program(M: int) -> int:
 
 
 def warp_plan(D: int, M: int, warp: bool | None, unroll: bool = True,
-              rows_per_program: int | None = None) -> int | None:
+              rows_per_program: int | None = None, residual: bool = False) -> int | None:
     """Whether a row-norm launch over ``M`` rows of width ``D`` takes the warp-per-row kernel, and
     with how many rows per program (None: the 128-thread kernel). ``warp``: True forces it (an
     error unless D % 512 == 0), False refuses it, None decides (:func:`warp_path`, the
-    ``DITFUSE_ROW_KERNEL`` switch, ``unroll``). ``rows_per_program`` only tiles the interpreter's
-    programs: on the GPU a program is one row in one warp, the layout its shuffles need."""
+    ``DITFUSE_ROW_KERNEL`` switch with ``residual``: whether a residual add precedes the norm,
+    ``unroll``). ``rows_per_program`` only tiles the interpreter's programs: on the GPU a program
+    is one row in one warp, the layout its shuffles need."""
     nvec = D // 4
     if warp is None:
-        warp = unroll and warp_path(nvec) and warp_rows_enabled()
+        warp = unroll and warp_path(nvec) and warp_rows_enabled(D, residual)
     if not warp:
         return None
     if nvec == 0 or nvec % 128:

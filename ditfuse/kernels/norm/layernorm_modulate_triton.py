@@ -536,8 +536,9 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). ``unroll=False`` keeps
     the runtime loop over a row's steps even for narrow rows; ``warp`` forces (True) or refuses
-    (False) the warp-per-row kernel, by default taken for whole-step rows under
-    ``DITFUSE_ROW_KERNEL=warp`` (tests and benchmarks compare the ways; same bits). The launch never
+    (False) the warp-per-row kernel, by default taken where it measured faster (common/host.py
+    ``warp_rows_enabled``; ``DITFUSE_ROW_KERNEL`` overrides; tests and benchmarks compare the ways;
+    same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     B, S, D = x.shape
@@ -557,7 +558,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
                weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
                *_mod_strides(scale), *_mod_strides(shift))
-    R = warp_plan(D, M, warp, unroll, rows_per_program)
+    R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES)
     if R is not None:
         compiled = _ln_warp_kernel[(cdiv(M, R),)](
             x, g, u, weight if weight is not None else x, bias if bias is not None else x,

@@ -297,8 +297,8 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
                 unroll: bool = True, warp: bool | None = None) -> torch.Tensor:
     """One tensor (q or k). ``rows_per_program``, ``unroll`` (False: the runtime loop) and
-    ``warp`` (the warp-per-row kernel; default: DITFUSE_ROW_KERNEL=warp and common/host.py
-    ``warp_path``) only choose how
+    ``warp`` (the warp-per-row kernel; default: common/host.py ``warp_plan``, i.e. whole-step
+    rows unless DITFUSE_ROW_KERNEL=block) only choose how
     the work is laid out: same bits (tests and the probes compare them)."""
     B, S, D = x.shape
     out = torch.empty((B, S, heads, D // heads), dtype=x.dtype, device=x.device)
