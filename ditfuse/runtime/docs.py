@@ -129,7 +129,7 @@ def render() -> str:
         "DITFUSE_DISABLE=rope.qk_rmsnorm_rope,modulate.*   # disable ops (globs) or 'all'",
         "DITFUSE_BACKEND=norm.layernorm_modulate=triton    # pin a backend per op",
         "DITFUSE_VERIFY=first|always|off|strict            # bit-exact gate mode (default first)",
-        "DITFUSE_ROW_KERNEL=block|warp                     # row-norm kernels for D % 512 == 0 (default block)",
+        "DITFUSE_ROW_KERNEL=auto|block|warp                # row-norm kernels for D % 512 == 0 (default auto)",
         "DITFUSE_HANDOFF=1|0                               # cross-block fusion (default 1; models/handoff.py)",
         "```",
         "",
