@@ -573,13 +573,15 @@ def build_engine(
     worker_options: dict[str, Any] | None = None,
     parallel: str = "data",
     parallel_mode: str = "ulysses",
-    cuda_graph: bool = False,
+    cuda_graph: "bool | str" = False,
     max_cuda_graphs: int = 4,
     **engine_kwargs: Any,
 ) -> tuple[Engine, str]:
     """Load ``model``, mount ditfuse (unless ``accelerate=False``), wrap it in an Engine.
     ``cuda_graph``: lossless CUDA graphs for each transformer's step (``accelerate(cuda_graph=)``),
-    at most ``max_cuda_graphs`` input shapes each; ``ditfuse serve`` turns them on.
+    at most ``max_cuda_graphs`` input shapes each: True / "on", False / "off", or "auto" (what
+    ``ditfuse serve`` uses: on for image models, off for video models,
+    :func:`~ditfuse.runtime.presets.cuda_graphs_for`).
 
     With two or more ``devices`` the model is loaded by one worker process per device instead
     (:class:`~ditfuse.runtime.workers.WorkerPool`, ``worker_options`` passed to it; data
@@ -589,7 +591,7 @@ def build_engine(
     every batch runs on all of them. Raises WorkerStartupError (a RuntimeError) if a worker cannot start.
 
     Returns the engine and the acceleration summary (for logging)."""
-    from .presets import load_model
+    from .presets import cuda_graphs_for, load_model
 
     if devices is not None and len(devices) > 1:
         from .workers import ContextPool, WorkerPool
@@ -619,8 +621,11 @@ def build_engine(
     if accelerate:
         from ..models import accelerate as _accelerate
 
-        handle = _accelerate(loaded.pipe, quality=default_quality, cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs)
+        graphs = cuda_graphs_for(cuda_graph, loaded)
+        handle = _accelerate(loaded.pipe, quality=default_quality, cuda_graph=graphs, max_cuda_graphs=max_cuda_graphs)
         summary = handle.report().summary()
+        if cuda_graph == "auto" and not graphs:
+            summary += "\nCUDA graphs: off for a video model (--cuda-graph auto; --cuda-graph on captures them)"
     engine = Engine(loaded, handle, default_quality=default_quality, **engine_kwargs)
     return engine, summary
 
@@ -696,7 +701,7 @@ def run(args: Any) -> int:
             dtype=args.dtype,
             accelerate=not args.no_accelerate,
             default_quality=args.default_quality,
-            cuda_graph=not getattr(args, "no_cuda_graph", False),
+            cuda_graph="off" if getattr(args, "no_cuda_graph", False) else getattr(args, "cuda_graph", "auto"),
             max_cuda_graphs=getattr(args, "max_cuda_graphs", 4),
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,

@@ -209,8 +209,9 @@ class WorkerSpec:
     # A member of a context-parallel group (ContextPool): (rank, world size, the process group's
     # init_method, the attention mode "ulysses" | "ring"); None for a data-parallel worker.
     group: tuple[int, int, str, str] | None = None
-    # accelerate(cuda_graph=, max_cuda_graphs=) in the worker
-    cuda_graph: bool = False
+    # accelerate(cuda_graph=, max_cuda_graphs=) in the worker (a bool, or "auto"/"on"/"off":
+    # presets.cuda_graphs_for, resolved once the worker has loaded the model)
+    cuda_graph: "bool | str" = False
     max_cuda_graphs: int = 4
 
 
@@ -265,7 +266,10 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
         if spec.accelerate:
             from ..models import accelerate
 
-            handle = accelerate(loaded.pipe, quality=spec.default_quality, cuda_graph=spec.cuda_graph,
+            from .presets import cuda_graphs_for
+
+            handle = accelerate(loaded.pipe, quality=spec.default_quality,
+                                cuda_graph=cuda_graphs_for(spec.cuda_graph, loaded),
                                 max_cuda_graphs=spec.max_cuda_graphs)
             summary = handle.report().summary()
     except BaseException as e:  # noqa: BLE001 - every startup failure is reported, then we exit
@@ -572,7 +576,7 @@ class WorkerPool:
         env: Mapping[str, str | None] | None = None,
         start_timeout_s: float = 1800.0,
         stop_timeout_s: float = 30.0,
-        cuda_graph: bool = False,
+        cuda_graph: "bool | str" = False,
         max_cuda_graphs: int = 4,
     ) -> None:
         if not devices:

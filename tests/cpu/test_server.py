@@ -693,23 +693,42 @@ def test_observed_app_logs_prompts_when_asked_and_reports_shutdown(caplog):
 
 
 def test_cuda_graph_options_reach_accelerate_and_workers(monkeypatch):
-    """serve's --no-cuda-graph / --max-cuda-graphs: build_engine hands them to accelerate() in
-    process and to every worker's spec; graphs are on unless --no-cuda-graph; on a machine
-    without CUDA accelerate says it ignored them."""
+    """serve's --cuda-graph / --no-cuda-graph / --max-cuda-graphs: build_engine hands them to
+    accelerate() in process and to every worker's spec; the default ``auto`` is on for image
+    models and off for video models; on a machine without CUDA accelerate says it ignored them."""
     import argparse
 
     from ditfuse.runtime import commands
+    from ditfuse.runtime.presets import LoadedModel, cuda_graphs_for
     from ditfuse.runtime.server import build_engine
     from ditfuse.runtime.workers import WorkerPool
 
     p = argparse.ArgumentParser()
     commands._serve_arguments(p)
-    on, off = p.parse_args([]), p.parse_args(["--no-cuda-graph", "--max-cuda-graphs", "2"])
-    assert (on.no_cuda_graph, on.max_cuda_graphs) == (False, 4)
+    default, off = p.parse_args([]), p.parse_args(["--no-cuda-graph", "--max-cuda-graphs", "2"])
+    assert (default.cuda_graph, default.no_cuda_graph, default.max_cuda_graphs) == ("auto", False, 4)
     assert (off.no_cuda_graph, off.max_cuda_graphs) == (True, 2)
+    assert p.parse_args(["--cuda-graph", "on"]).cuda_graph == "on"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--cuda-graph", "sometimes"])
+
+    image = LoadedModel("m", None, "cpu", None, True)
+    video = LoadedModel("m", None, "cpu", None, True, kind="video")
+    assert cuda_graphs_for("auto", image) and not cuda_graphs_for("auto", video)
+    assert cuda_graphs_for("on", video) and not cuda_graphs_for("off", image)
+    assert cuda_graphs_for(True, video) and not cuda_graphs_for(False, image)
+    with pytest.raises(ValueError, match="cuda_graph must be one of"):
+        cuda_graphs_for("yes", image)
+
     _engine, summary = build_engine("tiny-flux", device="cpu", accelerate=True, cuda_graph=True, max_cuda_graphs=2)
     assert "cuda_graph=True ignored: no CUDA device" in summary
+    _engine, summary = build_engine("tiny-flux", device="cpu", accelerate=True, cuda_graph="auto")
+    assert "cuda_graph=True ignored: no CUDA device" in summary  # auto: on for an image model
+    _engine, summary = build_engine("tiny-wan", device="cpu", accelerate=True, cuda_graph="auto")
+    assert "CUDA graphs: off for a video model" in summary and "ignored" not in summary, summary
     pool = WorkerPool("tiny-flux", ["cpu"], cuda_graph=True, max_cuda_graphs=3)
     assert (pool.specs[0].cuda_graph, pool.specs[0].max_cuda_graphs) == (True, 3)
+    pool = WorkerPool("tiny-flux", ["cpu"], cuda_graph="auto")
+    assert pool.specs[0].cuda_graph == "auto"  # resolved by the worker once it has loaded the model
     with pytest.raises(ValueError, match="max_cuda_graphs"):
         WorkerPool("tiny-flux", ["cpu"], max_cuda_graphs=0)
