@@ -42,7 +42,7 @@ from ..contracts import admission
 from ..contracts.ops import HIGH, LOSSLESS, TIERS, OpSet, close_variant
 from ..contracts.quality import Guard, MountResult, Quality, check_all
 from ..kernels.spec import OpDescriptor
-from .handoff import HOOK_PREFIX, NO_LINK, Link, counts, link_chains
+from .handoff import HOOK_PREFIX, NO_LINK, Link, counts, foreign_hook_names, link_chains
 
 logger = logging.getLogger("ditfuse.models")
 
@@ -178,12 +178,10 @@ def no_foreign_hooks(module: torch.nn.Module) -> str | None:
     for name, sub in module.named_modules():
         if hasattr(sub, "_hf_hook"):
             return f"{name or 'module'} has an accelerate hook (offloaded or dispatched weights)"
-        reg = getattr(sub, "_diffusers_hook", None)
-        if reg is not None:
-            foreign = [h for h in reg.hooks if not h.startswith(HOOK_PREFIX)]
-            if foreign:
-                return (f"{name or 'module'} has diffusers hook(s) {foreign} "
-                        "(offloading/casting/caching is not composed with quality=high)")
+        foreign = foreign_hook_names(sub)
+        if foreign:
+            return (f"{name or 'module'} has diffusers hook(s) {foreign} "
+                    "(offloading/casting/caching is not composed with quality=high)")
     for name, p in module.named_parameters():
         if p.device.type == "meta":
             return f"parameter {name} is on the meta device (offloaded)"

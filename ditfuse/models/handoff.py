@@ -37,7 +37,7 @@ from ..kernels.env import env
 
 logger = logging.getLogger("ditfuse.models")
 
-HOOK_PREFIX = "ditfuse."
+HOOK_PREFIX = "ditfuse."  # every ditfuse site hook's name (models/base.py); here, below base, for both
 
 
 def enabled() -> bool:
@@ -166,15 +166,14 @@ def close_block(ops: Any, x: torch.Tensor, gate: torch.Tensor | None, update: to
     return h, (n, *o.extras)
 
 
+def foreign_hook_names(module: torch.nn.Module) -> list[str]:
+    """The diffusers hooks registered on ``module`` itself that are not ditfuse's."""
+    reg = getattr(module, "_diffusers_hook", None)
+    return [] if reg is None else [n for n in reg.hooks if not n.startswith(HOOK_PREFIX)]
+
+
 def _foreign(block: torch.nn.Module) -> bool:
-    if block._forward_pre_hooks or hasattr(block, "_hf_hook"):
-        return True
-    reg = getattr(block, "_diffusers_hook", None)
-    if reg is not None:
-        for name in reg.hooks:
-            if not name.startswith(HOOK_PREFIX):
-                return True
-    return False
+    return bool(block._forward_pre_hooks or hasattr(block, "_hf_hook") or foreign_hook_names(block))
 
 
 def link_chains(model: torch.nn.Module, hooks: dict[int, Any]) -> int:

@@ -184,8 +184,8 @@ def joint_block_forward(
         )
     ff_output = block.ff(norm_hidden_states)
     nxt = _link.next_block() if hidden_states.dtype != torch.float16 else None
-    if nxt is not None and (nxt._chunk_size is not None or block.context_pre_only):
-        nxt = None  # the next block runs diffusers' forward / there is none
+    if nxt is not None and nxt._chunk_size is not None:
+        nxt = None  # the next block runs diffusers' forward
     hidden_states, img_next = close_block(_ops, hidden_states, gate_mlp, ff_output,
                                           None if nxt is None else _image_opening(nxt, temb))
 
