@@ -1,4 +1,5 @@
-"""Tiling probe for rope.qk_rmsnorm_rope on the GPU: rows per program x num_warps.
+"""Tiling probe for rope.qk_rmsnorm_rope on the GPU: the tile kernel's former default against
+the vector-per-lane kernel's rows per program x num_warps.
 
 Tiling does not change any row's arithmetic, so every configuration must stay bitwise equal to
 the eager chain (checked here for each one); the table picks the default. Shapes as in
@@ -6,7 +7,7 @@ bench/bench_kernels.py: image [1, 4608 (512 text), 24 heads] and large [2, 32760
 heads], bf16, head_dim 128. ms = median of do_bench (L2 flushed); GB/s from the logical bytes
 (inputs read once, outputs written once).
 
-    PYTHONPATH=. python3 bench/probe_qk_rmsnorm_rope.py
+    PYTHONPATH=. python3 bench/probes/probe_qk_rmsnorm_rope.py
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import triton
 import triton.testing
 
 from ditfuse.kernels import reference as ref
+from ditfuse.kernels.common import warp
 from ditfuse.kernels.compare import compare_outputs
 from ditfuse.kernels.rope.qk_rmsnorm_rope_triton import _launch, qk_rmsnorm_rope
 
@@ -60,10 +62,13 @@ def main() -> None:
 
         row("eager", lambda: ref.qk_rmsnorm_rope(*args), check=False)
         row("ours (custom op)", lambda: qk_rmsnorm_rope(*args))
-        for R in (8, 16, 32, 64):
-            for warps in (2, 4, 8):
-                row(f"R={R} warps={warps}", lambda R=R, warps=warps: _launch(
-                    *args, rows_per_program=R, num_warps=warps))
+        row("tile R=8 warps=2", lambda: _launch(*args, kernel="tile", rows_per_program=8, num_warps=2))
+        for R, warps in ((2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8), (32, 8)):
+            row(f"lanes R={R} warps={warps}", lambda R=R, warps=warps: _launch(
+                *args, kernel="lanes", lanes_tiling=(R, warps)))
+        refused = {k: v for k, v in warp._LANE_VERDICTS.items() if v}
+        print(f"{name:<6} lane binaries judged: {len(warp._LANE_VERDICTS)}, refused by the layout guard "
+              f"(those rows ran the tile kernel): {sorted(set(refused.values())) or 'none'}", flush=True)
         del args, expected
         torch.cuda.empty_cache()
 

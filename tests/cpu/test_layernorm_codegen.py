@@ -88,7 +88,8 @@ def warp_facts():
     # steps) and FLUX's 3072 (6), and with four rows (warps) per program, which the guard refuses.
     out = subprocess.run([sys.executable, "-m", "tests.support.layernorm_codegen", "lnwarp-R1-plain-held3",
                           "lnwarp-R1-gated-held3", "lnwarp-R1-plain-held6", "lnwarp-R1-gated-held6",
-                          "wanropewarp-R1-plain-held3", "lnwarp-R4-plain-held3", "wanropewarp-R4-plain-held3"],
+                          "wanropewarp-R1-plain-held3", "lnwarp-R4-plain-held3", "wanropewarp-R4-plain-held3",
+                          "wanropepair-R1-plain-held3"],
                          cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
@@ -101,16 +102,17 @@ def test_warp_kernel_has_no_shared_memory_and_constant_fold(warp_facts):
     m2 only: the counts are constants), the cross-warp tree stays in registers (no shared memory,
     no barrier), lane 0's result is broadcast, and the only IEEE division left is ``m2 / N``
     (every reciprocal of the Welford updates and of the fold is folded at compile time)."""
-    assert len(warp_facts) == 7
+    assert len(warp_facts) == 8
     for f in warp_facts:
         if f["R"] != 1:
             continue
         n = 2 if f["kind"] == "lnwarp" else 1  # Welford: mean and m2 (no count); RMS: the sum
+        rows = 2 if f["kind"] == "wanropepair" else 1  # q and k in one program
         assert f["shfl_kinds"] == ["bfly", "idx"], f
-        assert sorted(f["shfl_offsets"]) == sorted([16, 8, 4, 2, 1] * n * 4 + [0] * n), f["shfl_offsets"]
+        assert sorted(f["shfl_offsets"]) == sorted(([16, 8, 4, 2, 1] * n * 4 + [0] * n) * rows), f["shfl_offsets"]
         assert f["bar_sync"] == 0 and f["st_shared"] == 0 and f["ld_shared"] == 0 and f["shared_bytes"] == 0, f
-        assert f["div_rn_f32"] == 1, f
-        assert f["rsqrt_approx"] == 1, f
+        assert f["div_rn_f32"] == rows, f
+        assert f["rsqrt_approx"] == rows, f
         assert f["local_bytes"] == 0, f
         if f["kind"] == "lnwarp":  # the RoPE kernel also reads weights, cos and sin (fp32)
             assert set(f["ld_global"]) == {"ld.global.v2.b32"}, f["ld_global"]
@@ -160,3 +162,16 @@ def test_warp_layout_ok_judges_each_binary_once(monkeypatch):
     assert not warp.warp_layout_ok(bad, "test") and not warp.warp_layout_ok(bad, "test")
     assert reads == ["ttgir"] and warp._VERDICTS["h-bad"] == "no shuffles found in the TTGIR"
     assert warp.warp_layout_ok(None, "test")
+
+
+def test_pair_kernel_reads_the_tables_once(warp_facts):
+    """q and k in one launch: twice the row loads and stores of the single kernel, the same
+    number of cos/sin loads (fp32 vectors), every row load issued before the first FMA."""
+    by = {f["kind"]: f for f in warp_facts if f["R"] == 1 and f["kind"].startswith("wanrope")}
+    one, pair = by["wanropewarp"], by["wanropepair"]
+    def count(f, op):
+        return sum(1 for x in f["ld_global"] if x == op)
+    assert count(pair, "ld.global.v2.b32") == 2 * count(one, "ld.global.v2.b32")
+    assert count(pair, "ld.global.v4.b32") == count(one, "ld.global.v4.b32") > 0
+    assert len(pair["st_global"]) == 2 * len(one["st_global"])
+    assert pair["ldg_before_first_ffma"] >= 2 * 12

@@ -178,3 +178,48 @@ def test_close_variant_same_bits_every_way(path):
     assert_bitwise_equal(got, held)
     assert first_mismatch(held, wr._launch_one(a["q"], a["q_weight"], a["cos"], a["sin"], 4, 1e-6, True,
                                                 warp=False)) is not None  # close differs from exact
+
+
+@pytest.mark.parametrize("weights", ["both", "q_only", "none"])
+@pytest.mark.parametrize("exact_", [True, False], ids=["exact", "close"])
+@pytest.mark.parametrize("H,Dh,fdtype", [(12, 128, torch.float32), (4, 128, torch.bfloat16), (8, 64, torch.float32)],
+                         ids=["D1536_fp32_freqs", "D512_bf16_freqs", "D512_Dh64"])
+def test_q_and_k_in_one_launch(monkeypatch, weights, exact_, H, Dh, fdtype):
+    """The public op launches q and k together where the warp-per-row kernel takes the rows:
+    one launch (counted), the two single launches' bits, tail rows (7 rows at R = 4), strided k
+    (a chunk of a fused projection), each of q and k with or without its own weight."""
+    from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
+
+    a = _make(1, 7, H, Dh, seed=H + Dh, fdtype=fdtype)
+    kv = torch.randn(1, 7, 2 * H * Dh).to(torch.bfloat16)
+    a["k"] = kv[..., : H * Dh]
+    if weights != "both":
+        a["k_weight"] = None
+    if weights == "none":
+        a["q_weight"] = None
+    calls = []
+    real = wr._rms_rope_warp_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append(kw.get("PAIR", False))
+                return real[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(wr, "_rms_rope_warp_kernel", Spy())
+    fn = qk_rmsnorm_across_heads_rope if exact_ else qk_rmsnorm_across_heads_rope_fp32
+    got = fn(**a)
+    assert calls == [True], calls
+    single = [wr._launch_one(a[x], a[f"{x}_weight"], a["cos"], a["sin"], H, 1e-6, exact_, warp=True) for x in "qk"]
+    held = [wr._launch_one(a[x], a[f"{x}_weight"], a["cos"], a["sin"], H, 1e-6, exact_, warp=False) for x in "qk"]
+    assert_bitwise_equal(got, tuple(single), "pair vs single warp launches")
+    assert_bitwise_equal(got, tuple(held), "pair vs 128-thread kernel")
+    if exact_:
+        assert_bitwise_equal(got, _sim(a), "pair vs simulation")
+    b = dict(a, cos=None, sin=None)
+    calls.clear()
+    got = fn(**b)
+    assert calls == [True]
+    if exact_:
+        assert_bitwise_equal(got, _sim(b), "pair without RoPE vs simulation")

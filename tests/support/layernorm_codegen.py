@@ -80,12 +80,16 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
               "AFFINE_FMA": True, "JS": js, "FULL": js > 0, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1, "scss": 0, "shss": 0,
               "gss": 0, "wsd": 0, "bsd": 0}
         k = _compile(lnm._ln_kernel, scalars, ce, _LN_PTRS, _LN_STRIDES)
-    elif kind == "wanropewarp":
+    elif kind in ("wanropewarp", "wanropepair"):
         from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
 
         ce = {"DH": 128, "HAS_W": True, "HAS_ROPE": True, "EXACT": True, "DTYPE": tl.bfloat16,
               "P_DT": tl.float32, "R": R, "JS": js, "xsd": 1, "wsd": 1, "csd": 1, "ssd": 1}
-        k = _compile(wr._rms_rope_warp_kernel, ["M", "S", "N"], ce, _RMS_PTRS, _RMS_STRIDES,
+        ptrs, strides = _RMS_PTRS, _RMS_STRIDES
+        if kind == "wanropepair":  # q and k in one launch
+            ce.update({"PAIR": True, "HAS_W2": True, "x2sd": 1, "w2sd": 1})
+            ptrs, strides = ptrs + ["x2_ptr", "w2_ptr", "out2_ptr"], strides + ["x2sb", "x2ss"]
+        k = _compile(wr._rms_rope_warp_kernel, ["M", "S", "N"], ce, ptrs, strides,
                      fp32_ptrs=("cos_ptr", "sin_ptr"), num_warps=R)
     else:
         from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
@@ -95,7 +99,7 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
         k = _compile(wr._rms_rope_kernel, scalars, ce, _RMS_PTRS, _RMS_STRIDES, fp32_ptrs=("cos_ptr", "sin_ptr"))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     out = dict(kind=kind, R=R, gated=gated, js=js)
-    if kind.endswith("warp"):
+    if kind.endswith("warp") or kind == "wanropepair":
         from ditfuse.kernels.common.warp import warp_layout_reason
 
         out["warp_layout_reason"] = warp_layout_reason(ttgir)
@@ -146,7 +150,8 @@ def main() -> None:
                 + [("ln", R, g, js) for js in (3, 6) for R in (1, 2) for g in (False, True)]
                 + [("wanrope", R, False, js) for R in (1, 2, 4) for js in (0, 3)]
                 + [("lnwarp", R, g, js) for js in (3, 6) for R in (1, 4) for g in (False, True)]
-                + [("wanropewarp", R, False, 3) for R in (1, 4)])
+                + [("wanropewarp", R, False, 3) for R in (1, 4)]
+                + [("wanropepair", 1, False, 3)])
     # (lnwarp / wanropewarp with R > 1 are what the launchers refuse: kept for the guard's test)
 
     def name(v):

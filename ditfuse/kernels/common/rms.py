@@ -96,6 +96,30 @@ def rms_sumsq_torch_order(x, R: tl.constexpr, DP: tl.constexpr):
 
 
 @triton.jit
+def rms_fold_lanes(acc, T: tl.constexpr, R: tl.constexpr):
+    """[T, R] per-lane sums (lane l of row r holding thread l's sum, the T <= 32 lanes of one warp
+    along axis 0) -> [R]: torch's shfl-down tree at offsets T/2 .. 1. On the GPU one ``tl.sum``
+    over the lane axis, which Triton lowers to butterfly shuffles at the same offsets when axis 0
+    is T lanes with one element each (the callers check the compiled layout); under the
+    interpreter the tree is spelled out."""
+    if INTERPRET:
+        s = tl.permute(acc, (1, 0))
+        if T >= 32:
+            s = _fold_half(s, R, 32)
+        if T >= 16:
+            s = _fold_half(s, R, 16)
+        if T >= 8:
+            s = _fold_half(s, R, 8)
+        if T >= 4:
+            s = _fold_half(s, R, 4)
+        if T >= 2:
+            s = _fold_half(s, R, 2)
+        return tl.reshape(s, [R])
+    else:
+        return tl.sum(acc, axis=0)
+
+
+@triton.jit
 def rms_rstd(sumsq, N: tl.constexpr, eps):
     """``rsqrtf(sum / float(N) + eps)`` with torch's IEEE division."""
     return rsqrt_approx(tl.math.div_rn(sumsq, tl.full(sumsq.shape, N, tl.float32)) + eps)

@@ -169,3 +169,63 @@ def warp_layout_ok(compiled: object, what: str) -> bool:
         if verdict:
             log.warning("%s: warp-per-row kernel refused (%s); the 128-thread kernel runs instead", what, verdict)
     return verdict is None
+
+
+# ----------------------------------------------------------------- the vector-per-lane kernels
+#
+# rope.qk_rmsnorm_rope's lane kernel folds a row's per-lane sums with ``tl.sum`` over the lane
+# axis of a [T, R] operand (common/rms.py ``rms_fold_lanes``). That is torch's tree only if the
+# operand has T lanes along that axis, one element per lane, no warp split and no replication.
+
+
+def _reduce_operands(ttgir: str) -> list[tuple[str, int, str]]:
+    """(shape, axis, layout) of every ``tt.reduce`` in a TTGIR dump, layout aliases resolved."""
+    aliases = dict(re.findall(r"^#(\w+) = (#ttg\.\w+<\{.*\}>)\s*$", ttgir, re.M))
+    out = []
+    for axis, shape, lay in re.findall(
+            r'"tt\.reduce"\(.*?\) <\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<([0-9x]+)x\w+, #?([^>]*?)>', ttgir, re.S):
+        while lay in aliases:
+            lay = aliases[lay]
+        out.append((shape, int(axis), lay))
+    return out
+
+
+def lane_layout_reason(ttgir: str, T: int) -> str | None:
+    """Why a lane kernel's fold would not be torch's lane tree (None when it is): every
+    ``tt.reduce`` must reduce axis 0 of a 2-D [T, R] blocked operand with ``T`` lanes along that
+    axis, one element per thread there, and no warp along it."""
+    ops = _reduce_operands(ttgir)
+    if not ops:
+        return "no tt.reduce found in the TTGIR"
+    for shape, axis, lay in ops:
+        dims = [int(d) for d in shape.split("x")]
+        if len(dims) != 2 or axis != 0 or dims[0] != T:
+            return f"unexpected reduction: tensor<{shape}> over axis {axis}"
+        if not lay.startswith("#ttg.blocked"):
+            return f"the fold's operand is not a blocked layout: {lay}"
+        spt, tpw, wpc = (_parse_list(lay, k) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+        if spt is None or tpw is None or wpc is None:
+            return f"unparsed blocked layout {lay}"
+        if tpw[0] != T or spt[0] != 1 or wpc[0] != 1:
+            return f"the lane axis is not {T} lanes, one element each, in one warp: {lay}"
+    return None
+
+
+_LANE_VERDICTS: dict[str, str | None] = {}
+
+
+def lane_layout_ok(compiled: object, T: int, what: str = "rope.qk_rmsnorm_rope") -> bool:
+    """Whether the compiled lane kernel ``compiled`` (what a launch returns) may be used; judged
+    once per binary, a refusal logged once. No binary (the interpreter): True."""
+    if compiled is None:
+        return True
+    key = getattr(compiled, "hash", None) or str(id(compiled))
+    verdict = _LANE_VERDICTS.get(key, False)
+    if verdict is False:
+        asm = getattr(compiled, "asm", None)
+        if not asm or "ttgir" not in asm:
+            return True
+        verdict = _LANE_VERDICTS[key] = lane_layout_reason(asm["ttgir"], T)
+        if verdict:
+            log.warning("%s: vector-per-lane kernel refused (%s); the tile kernel runs instead", what, verdict)
+    return verdict is None

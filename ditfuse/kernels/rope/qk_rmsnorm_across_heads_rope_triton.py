@@ -24,7 +24,9 @@ row (sum, then normalise + RoPE + store). Launched with ``enable_fp_fusion=False
 before RoPE and the RoPE's products and sums stay fp32; one rounding per output element.
 
 q, k: [B, S, H * Dh] (any strides); weights [H * Dh] or None; cos, sin: [1, S, 1, Dh]. Returns
-contiguous [B, S, H, Dh] each. Rows are independent: q and k are two launches of one kernel.
+contiguous [B, S, H, Dh] each. Rows are independent: where the warp-per-row kernel takes the rows,
+q and k are one launch (a program normalises row m of each and reads the token's cos/sin once);
+otherwise two launches of one kernel.
 """
 
 from __future__ import annotations
@@ -179,24 +181,23 @@ def _rms_rope_kernel(
 # t = lane + 32 * w is register set w of lane ``lane`` (tile ``held[4 * j + w]`` at step j), the
 # four warps' shfl-down trees are butterflies and the cross-warp tree stays in registers
 # (common/rms.py ``rms_fold_4warps_in_registers``). Same sums in the same order, same bits.
-@triton.jit(do_not_specialize=["M", "S", "N", "eps"])
-def _rms_rope_warp_kernel(
-    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
-    M, S, N, eps,
-    xsb, xss, xsd, wsd, css, csd, sss, ssd,
-    DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, EXACT: tl.constexpr,
-    DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr, JS: tl.constexpr,
-):
-    row_ok, b, s, out_row = warp_rows(M, S, N, R)
-    lane = tl.arange(0, 32)
-    k4 = tl.arange(0, _VEC)
-    base = b * xsb + s * xss
+# PAIR: the program also takes the same row of a second tensor (k beside q: one launch for both),
+# so the cos/sin of the row's token are loaded once for the two.
+@triton.jit
+def _warp_hold(x_ptr, base, xsd, lane, k4, DTYPE: tl.constexpr, JS: tl.constexpr):
+    """A row's JS steps x 4 register sets of [R, 32, 4] tiles, held in the input dtype (exact)."""
     held = ()
     for j in tl.static_range(JS):
         for w in tl.static_range(4):
             vec = j * _THREADS + w * 32 + lane
             offs = base[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :]).to(tl.int64) * xsd
-            held = held + (load_f32(x_ptr + offs, None).to(DTYPE),)  # exact: a value of the input dtype
+            held = held + (load_f32(x_ptr + offs, None).to(DTYPE),)
+    return held
+
+
+@triton.jit
+def _warp_rstd(held, N, eps, R: tl.constexpr, JS: tl.constexpr):
+    """[R, 32, 1] rstd of held rows: torch's per-thread FMA chains and fold trees."""
     z = tl.zeros([R, 32], dtype=tl.float32)
     a0, a1, a2, a3 = z, z, z, z
     for j in tl.static_range(JS):
@@ -205,23 +206,56 @@ def _rms_rope_warp_kernel(
         a2 = _sumsq4(a2, held[4 * j + 2].to(tl.float32), R, 32)
         a3 = _sumsq4(a3, held[4 * j + 3].to(tl.float32), R, 32)
     total = rms_fold_4warps_in_registers(a0, a1, a2, a3, R)
-    rstd = rsqrt_approx(tl.math.div_rn(total, N.to(tl.float32)) + eps)[:, :, None]
+    return rsqrt_approx(tl.math.div_rn(total, N.to(tl.float32)) + eps)[:, :, None]
+
+
+@triton.jit
+def _warp_norm(h, rstd, w_ptr, wsd, col, HAS_W: tl.constexpr, EXACT: tl.constexpr, DTYPE: tl.constexpr):
+    n = rstd * h.to(tl.float32)
+    if HAS_W:
+        n = load_f32(w_ptr + col.to(tl.int64) * wsd, None) * n
+    if EXACT:
+        n = rround(n, DTYPE)
+    return n
+
+
+@triton.jit(do_not_specialize=["M", "S", "N", "eps"])
+def _rms_rope_warp_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr,
+    M, S, N, eps,
+    xsb, xss, xsd, wsd, css, csd, sss, ssd,
+    DH: tl.constexpr, HAS_W: tl.constexpr, HAS_ROPE: tl.constexpr, EXACT: tl.constexpr,
+    DTYPE: tl.constexpr, P_DT: tl.constexpr, R: tl.constexpr, JS: tl.constexpr,
+    x2_ptr=None, w2_ptr=None, out2_ptr=None, x2sb=0, x2ss=0, x2sd=0, w2sd=0,
+    PAIR: tl.constexpr = False, HAS_W2: tl.constexpr = False,
+):
+    row_ok, b, s, out_row = warp_rows(M, S, N, R)
+    lane = tl.arange(0, 32)
+    k4 = tl.arange(0, _VEC)
+    held = _warp_hold(x_ptr, b * xsb + s * xss, xsd, lane, k4, DTYPE, JS)
+    if PAIR:
+        held2 = _warp_hold(x2_ptr, b * x2sb + s * x2ss, x2sd, lane, k4, DTYPE, JS)
+    rstd = _warp_rstd(held, N, eps, R, JS)
+    if PAIR:
+        rstd2 = _warp_rstd(held2, N, eps, R, JS)
     keep = row_ok[:, None, None]
     for j in tl.static_range(JS):
         for w in tl.static_range(4):
             vec = j * _THREADS + w * 32 + lane
             col = vec[None, :, None] * 4 + k4[None, None, :]
-            n = rstd * held[4 * j + w].to(tl.float32)
-            if HAS_W:
-                n = load_f32(w_ptr + col.to(tl.int64) * wsd, None) * n
-            if EXACT:
-                n = rround(n, DTYPE)
+            n = _warp_norm(held[4 * j + w], rstd, w_ptr, wsd, col, HAS_W, EXACT, DTYPE)
+            if PAIR:
+                n2 = _warp_norm(held2[4 * j + w], rstd2, w2_ptr, w2sd, col, HAS_W2, EXACT, DTYPE)
             if HAS_ROPE:
                 pos = (col % DH).to(tl.int64)
                 c = load_f32(cos_ptr + (s[:, None, None] * css + pos * csd), None)
                 sn = load_f32(sin_ptr + (s[:, None, None] * sss + pos * ssd), None)
                 n = _rope_pairs(n, c, sn, R, 32, EXACT, P_DT)
+                if PAIR:
+                    n2 = _rope_pairs(n2, c, sn, R, 32, EXACT, P_DT)
             tl.store(out_ptr + (out_row[:, None, None] + col), round_to(n, DTYPE), mask=keep)
+            if PAIR:
+                tl.store(out2_ptr + (out_row[:, None, None] + col), round_to(n2, DTYPE), mask=keep)
 
 
 # ----------------------------------------------------------------------------- predicate
@@ -341,7 +375,43 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     return out
 
 
+def _launch_pair(q, k, q_weight, k_weight, cos, sin, heads, eps, exact: bool,
+                 rows_per_program: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """q and k in one warp-per-row launch (each program: row m of q and row m of k, one read of
+    the token's cos/sin); None where the warp kernel does not take these rows (or its binary is
+    refused), and the caller launches q and k separately. Same bits as two launches."""
+    B, S, D = q.shape
+    M = B * S
+    R = warp_plan(D, M, None, True, rows_per_program)
+    if R is None or M == 0:
+        return None
+    qo = torch.empty((B, S, heads, D // heads), dtype=q.dtype, device=q.device)
+    ko = torch.empty_like(qo)
+    has_rope = cos is not None
+    p_dt = promote(q.dtype, cos.dtype) if has_rope else q.dtype
+    compiled = _rms_rope_warp_kernel[(cdiv(M, R),)](
+        q, q_weight if q_weight is not None else q, cos if has_rope else q, sin if has_rope else q, qo,
+        M, S, D, float(eps),
+        *q.stride(), q_weight.stride(0) if q_weight is not None else 0,
+        cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
+        sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
+        DH=D // heads, HAS_W=q_weight is not None, HAS_ROPE=has_rope, EXACT=exact,
+        DTYPE=tl_dtype(q.dtype), P_DT=tl_dtype(p_dt), R=R, JS=cdiv(D // 4, 128),
+        x2_ptr=k, w2_ptr=k_weight if k_weight is not None else k, out2_ptr=ko,
+        x2sb=k.stride(0), x2ss=k.stride(1), x2sd=k.stride(2),
+        w2sd=k_weight.stride(0) if k_weight is not None else 0,
+        PAIR=True, HAS_W2=k_weight is not None, num_warps=R, enable_fp_fusion=False,
+    )
+    if not warp_layout_ok(compiled, "rope.qk_rmsnorm_across_heads_rope"):
+        return None
+    return qo, ko
+
+
 def _launch(q, k, q_weight, k_weight, cos, sin, heads, eps, exact: bool):
+    if q.dtype == k.dtype:
+        pair = _launch_pair(q, k, q_weight, k_weight, cos, sin, heads, eps, exact)
+        if pair is not None:
+            return pair
     return (_launch_one(q, q_weight, cos, sin, heads, eps, exact),
             _launch_one(k, k_weight, cos, sin, heads, eps, exact))
 

@@ -47,10 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.host import cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
-from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_rstd, rms_sumsq_reduce_order, rms_sumsq_torch_order
+from ..common.host import (cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, interpreter_on,
+                           tl_dtype, use_custom_op)
+from ..common.warp import lane_layout_ok
+from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_fold_lanes, rms_rstd, rms_sumsq_reduce_order, rms_sumsq_torch_order
 from ..common.rounding import INTERPRET, round_to, rround
-from ..common.welford import rsqrt_approx
+from ..common.welford import fma_rn, rsqrt_approx
+from ..env import env
 from ..errors import UnsupportedInput
 
 _ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -284,6 +287,201 @@ def _qk_rmsnorm_rope_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
+# The vector-per-lane kernel: the same row arithmetic without layout conversions
+#
+# The tile kernel above reshapes a row [R, DP] into torch's thread vectors and lane tree with
+# reshape/split/sum-of-two steps, each of which Triton lowers to a round trip through shared
+# memory: it ran at 44 % of copy bandwidth (notes/rope.md). Here rows are loaded as [T, R, 4]
+# tiles with T = D / 4 lanes: lane l of a warp holds exactly torch's thread-l vector (elements
+# 4l .. 4l + 3) of each of its rows in registers, so the per-thread chain is four in-register
+# values, the lane tree is one ``tl.sum`` over axis 0 (butterfly shuffles T/2 .. 1: lane 0's
+# result is the shfl-down tree's, and every lane holds it) and RoPE pairs (4l, 4l + 1),
+# (4l + 2, 4l + 3) never leave the thread. The lane axis comes first because Triton's coalescing
+# pass orders equally contiguous dims by index: [T, R, 4] gets threadsPerWarp [T, 32 / T, 1]
+# and its warps along the rows (an [R, T, 4] tile got lanes split over rows). It covers the cases
+# whose torch order is "one vector per lane, one warp": torch.nn.RMSNorm with D / 4 a power of
+# two <= 32 (threads past T hold 0 in torch, and adding 0 to a sum of squares is exact), and
+# diffusers' RMSNorm at D = 128 (the generic reduction's vectorized launch, 32 lanes). The host
+# checks each compiled layout (common/warp.py ``lane_layout_ok``) before trusting a binary.
+
+
+@triton.jit
+def _quad(t):
+    """[T, R, 4] -> its four [T, R] elements (in-register: the 4 is a thread's vector)."""
+    t02, t13 = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+    t0, t2 = tl.split(t02)
+    t1, t3 = tl.split(t13)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _unquad(o0, o1, o2, o3):
+    """Inverse of :func:`_quad`."""
+    y = tl.join(tl.join(o0, o2), tl.join(o1, o3))
+    return tl.reshape(y, [o0.shape[0], o0.shape[1], 4])
+
+
+@triton.jit
+def _lane_norm_rope_store(x, w, c, sn, out_ptr, out_off, row_ok, eps, in_txt, fac_img, fac_txt,
+                          D: tl.constexpr, R: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr,
+                          DTYPE: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr,
+                          HAS_TXT: tl.constexpr, CMUL: tl.constexpr):
+    x0, x1, x2, x3 = _quad(x)
+    if NORM == 0:
+        acc = x0 * x0
+        acc = fma_rn(x1, x1, acc)
+        acc = fma_rn(x2, x2, acc)
+        acc = fma_rn(x3, x3, acc)
+        rstd = rms_rstd(rms_fold_lanes(acc, T, R), D, eps)
+        n = w * (rstd[None, :, None] * x)
+        if EXACT:
+            n = rround(n, DTYPE)
+    else:
+        # The generic reduction's vectorized lane: accumulator j holds element j of the lane's
+        # one vector (0 + v == v), then ((a0 + a1) + a2) + a3.
+        acc = ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
+        ss = rms_fold_lanes(acc, T, R)
+        if HAS_TXT:
+            ms = ss * tl.where(in_txt, fac_txt, fac_img)
+        else:
+            ms = ss * fac_img
+        rstd = rsqrt_approx(ms + eps)
+        n = rround(rround(x * rstd[None, :, None], DTYPE) * w, DTYPE)
+    if ROPE == 0:
+        out = n
+    else:
+        n0, n1, n2, n3 = _quad(n)
+        c0, c1, c2, c3 = _quad(c)
+        s0, s1, s2, s3 = _quad(sn)
+        if ROPE == 1:
+            # FLUX: cos/sin per element; see _norm_rope_store for why these are a - b and a + b.
+            o0 = n0 * c0 - n1 * s0
+            o1 = n1 * c1 + n0 * s1
+            o2 = n2 * c2 - n3 * s2
+            o3 = n3 * c3 + n2 * s3
+        else:
+            # Complex: ``c`` holds (re, im) of the lane's two pairs: (c0, c1) and (c2, c3).
+            o0, o1 = _cmul(n0, n1, c0, c1, CMUL)
+            o2, o3 = _cmul(n2, n3, c2, c3, CMUL)
+        out = _unquad(o0, o1, o2, o3)
+    tl.store(out_ptr + out_off, round_to(out, DTYPE), mask=row_ok[None, :, None])
+
+
+@triton.jit
+def _lane_rows(txt_ptr, img_ptr, b, s, h, row_ok, col, t_sb, t_ss, t_sh, t_sd, i_sb, i_ss, i_sh, i_sd,
+               S_TXT, HAS_TXT: tl.constexpr):
+    """[T, R, 4] fp32: row (b, s, h) of the joint sequence from the text or the image input."""
+    ok = row_ok[None, :, None]
+    img_row = (b * i_sb + (s - S_TXT) * i_ss + h * i_sh)[None, :, None]
+    if HAS_TXT:
+        in_txt = (s < S_TXT)[None, :, None]
+        x = tl.load(img_ptr + img_row + col * i_sd, mask=ok & ~in_txt, other=0.0).to(tl.float32)
+        txt_row = (b * t_sb + s * t_ss + h * t_sh)[None, :, None]
+        xt = tl.load(txt_ptr + txt_row + col * t_sd, mask=ok & in_txt, other=0.0).to(tl.float32)
+        x = tl.where(in_txt, xt, x)
+    else:
+        x = tl.load(img_ptr + img_row + col * i_sd, mask=ok, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _lane_weight(wt_ptr, wi_ptr, in_txt, col, HAS_TXT: tl.constexpr, HAS_WT: tl.constexpr,
+                 HAS_WI: tl.constexpr):
+    """[T, R, 4] fp32 weight of each row's source (1.0 for a source without weight). ``col`` is
+    [T, R, 4]: a [T, 1, 4] load would get a layout of its own (warps along the lanes) and a
+    conversion through shared memory at the multiply."""
+    if HAS_WI:
+        wi = tl.load(wi_ptr + col).to(tl.float32)
+    else:
+        wi = tl.full(col.shape, 1.0, tl.float32)
+    if HAS_TXT:
+        if HAS_WT:
+            wt = tl.load(wt_ptr + col).to(tl.float32)
+        else:
+            wt = tl.full(col.shape, 1.0, tl.float32)
+        return tl.where(in_txt[None, :, None], wt, wi)
+    else:
+        return wi
+
+
+@triton.jit
+def _qk_lanes_kernel(
+    q_img, k_img, q_txt, k_txt, wq_img, wk_img, wq_txt, wk_txt,
+    cos_ptr, sin_ptr, q_out, k_out,
+    qi_sb, qi_ss, qi_sh, qi_sd, ki_sb, ki_ss, ki_sh, ki_sd,
+    qt_sb, qt_ss, qt_sh, qt_sd, kt_sb, kt_ss, kt_sh, kt_sd,
+    c_ss, c_sd, s_ss, s_sd, c_sb, s_sb,
+    n_rows, S_TXT, S_TOT, H, eps, fac_img, fac_txt,
+    D: tl.constexpr, T: tl.constexpr, R: tl.constexpr,
+    HAS_TXT: tl.constexpr, ROPE: tl.constexpr,
+    HAS_WQI: tl.constexpr, HAS_WKI: tl.constexpr, HAS_WQT: tl.constexpr, HAS_WKT: tl.constexpr,
+    DTYPE: tl.constexpr, EXACT: tl.constexpr,
+    NORM: tl.constexpr = 0, CMUL: tl.constexpr = 0, LAYOUT: tl.constexpr = 0, PACKED: tl.constexpr = False,
+):
+    """:func:`_qk_rmsnorm_rope_kernel`'s contract (same arguments, rows and bits) on [T, R, 4]
+    tiles: T = D / 4 lanes, R rows. PACKED (ROPE 2): both tables have c_sd = s_sd = 2."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
+    row_ok = rows < n_rows
+    rows = tl.where(row_ok, rows, 0)
+    if LAYOUT == 0:
+        h = rows % H
+        bs = rows // H
+        s = bs % S_TOT
+        b = bs // S_TOT
+    else:
+        so = rows % S_TOT
+        bh = rows // S_TOT
+        h = bh % H
+        b = bh // H
+        s_img = S_TOT - S_TXT
+        s = tl.where(so < s_img, so + S_TXT, so - s_img)
+    lane = tl.arange(0, T)[:, None, None]
+    e = tl.arange(0, 4)[None, None, :]
+    col = lane * 4 + e
+    out_off = rows[None, :, None] * D + col
+    in_txt = s < S_TXT
+    ok = row_ok[None, :, None]
+
+    if ROPE == 2:
+        # Complex tables: the lane's pairs 2l, 2l + 1 -> (re, im, re, im) at pair * c_sd + 0 / 1;
+        # PACKED (pairs 2 floats apart, a plain complex64 tensor): the 4 floats at 4l, one load.
+        if PACKED:
+            c_col = col
+            s_col = col
+        else:
+            c_col = (lane * 2 + e // 2) * c_sd + e % 2
+            s_col = (lane * 2 + e // 2) * s_sd + e % 2
+        img_off = (b * c_sb + (s - S_TXT) * c_ss)[None, :, None] + c_col
+        if HAS_TXT:
+            m_txt = ok & in_txt[None, :, None]
+            c = tl.load(cos_ptr + img_off, mask=ok & ~in_txt[None, :, None], other=0.0)
+            txt_off = (b * s_sb + s * s_ss)[None, :, None] + s_col
+            c = tl.where(m_txt, tl.load(sin_ptr + txt_off, mask=m_txt, other=0.0), c)
+        else:
+            c = tl.load(cos_ptr + img_off, mask=ok, other=0.0)
+        sn = c
+    elif ROPE == 1:
+        c = tl.load(cos_ptr + (s * c_ss)[None, :, None] + col * c_sd, mask=ok, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + (s * s_ss)[None, :, None] + col * s_sd, mask=ok, other=0.0).to(tl.float32)
+    else:
+        c = tl.zeros([T, R, 4], tl.float32)
+        sn = c
+
+    xq = _lane_rows(q_txt, q_img, b, s, h, row_ok, col, qt_sb, qt_ss, qt_sh, qt_sd,
+                    qi_sb, qi_ss, qi_sh, qi_sd, S_TXT, HAS_TXT)
+    xk = _lane_rows(k_txt, k_img, b, s, h, row_ok, col, kt_sb, kt_ss, kt_sh, kt_sd,
+                    ki_sb, ki_ss, ki_sh, ki_sd, S_TXT, HAS_TXT)
+    wcol = col + tl.zeros([1, R, 1], tl.int32)
+    wq = _lane_weight(wq_txt, wq_img, in_txt, wcol, HAS_TXT, HAS_WQT, HAS_WQI)
+    _lane_norm_rope_store(xq, wq, c, sn, q_out, out_off, row_ok, eps, in_txt, fac_img, fac_txt,
+                          D, R, T, ROPE, DTYPE, EXACT, NORM, HAS_TXT, CMUL)
+    wk = _lane_weight(wk_txt, wk_img, in_txt, wcol, HAS_TXT, HAS_WKT, HAS_WKI)
+    _lane_norm_rope_store(xk, wk, c, sn, k_out, out_off, row_ok, eps, in_txt, fac_img, fac_txt,
+                          D, R, T, ROPE, DTYPE, EXACT, NORM, HAS_TXT, CMUL)
+
+
+# ---------------------------------------------------------------------------------------------
 # Predicate
 
 
@@ -441,6 +639,49 @@ def _block_rows(D: int) -> int:
     return max(1, 1024 // next_pow2(D))
 
 
+QK_KERNELS = ("auto", "lanes", "tile")
+
+
+def qk_kernel_mode() -> str:
+    """``DITFUSE_QK_KERNEL``: ``auto`` (default) and ``lanes`` take the vector-per-lane kernel
+    wherever it reproduces torch's order, ``tile`` the tile kernel always (the A/B). All give the
+    same bits; an unknown value is an error."""
+    v = env("DITFUSE_QK_KERNEL", "auto").strip().lower() or "auto"
+    if v not in QK_KERNELS:
+        raise ValueError(f"DITFUSE_QK_KERNEL={v!r}: expected one of {', '.join(QK_KERNELS)}")
+    return v
+
+
+def _lane_plan(D: int, extra: dict, kernel: str | None) -> int | None:
+    """Lanes per row (T = D / 4) when the vector-per-lane kernel computes this launch's order,
+    else None: torch.nn.RMSNorm with T a power of two from 8 to 32 (narrower rows: Triton then
+    spreads a warp over more rows than the tilings below fill); diffusers' RMSNorm only at
+    D = 128 with the vectorized 32-lane reduction in every stream."""
+    mode = kernel or qk_kernel_mode()
+    if mode == "tile" or D % 4:
+        return None
+    T = D // 4
+    if T not in (8, 16, 32):
+        return None
+    if extra.get("NORM", 0) == 1 and not (D == 128 and extra.get("VEC") == 4
+                                          and extra.get("W_IMG") == 32 and extra.get("W_TXT") == 32):
+        return None
+    return T
+
+
+def _lane_tiling(T: int) -> tuple[int, int]:
+    """(rows per program, warps) of the lane kernel for T lanes per row: 8 rows, each warp
+    spanning 32 / T of them, at most four warps. With fewer rows per warp than a warp spans, or a
+    single row per program, Triton's layout no longer puts one row's lanes in one warp (the guard
+    would refuse the binary). The H200 probe (bench/probes/probe_qk_rmsnorm_rope.py) sweeps
+    others; any tiling gives the same bits."""
+    span = 32 // T
+    R = max(8, 2 * span)
+    if interpreter_on():
+        return R, 1
+    return R, max(1, min(4, R // span))
+
+
 def _table_strides(t: torch.Tensor) -> tuple[int, int]:
     """(row, column) strides of a [S, X] or [B, S, X] table."""
     return t.stride()[-2], t.stride()[-1]
@@ -453,11 +694,15 @@ def _batch_stride(t: torch.Tensor) -> int:
 
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
             exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2,
-            rope: int | None = None, diffusers: dict | None = None):
-    """Allocate the joint outputs and launch. ``rows_per_program`` / ``num_warps`` only tile the
-    work (each row's arithmetic is fixed by the kernel body), so any choice gives the same bits;
-    the perf probe (bench/probe_qk_rmsnorm_rope.py) sweeps them. ``rope``: 0/1/2 (default: 1 with
-    cos/sin, else 0); ``diffusers``: the NORM=1 constexprs and factors (:func:`_launch_diffusers`)."""
+            rope: int | None = None, diffusers: dict | None = None, kernel: str | None = None,
+            lanes_tiling: tuple[int, int] | None = None):
+    """Allocate the joint outputs and launch. ``kernel``: ``lanes`` / ``tile`` / None (default:
+    :func:`qk_kernel_mode`); the vector-per-lane kernel where it reproduces the launch (else, or
+    when its compiled layout is refused, the tile kernel). ``rows_per_program`` / ``num_warps``
+    tile the tile kernel, ``lanes_tiling`` = (rows, warps) the lane kernel: tiling never changes
+    a row's arithmetic, so any choice gives the same bits; bench/probes/probe_qk_rmsnorm_rope.py
+    sweeps them. ``rope``: 0/1/2 (default: 1 with cos/sin, else 0); ``diffusers``: the NORM=1
+    constexprs and factors (:func:`_launch_diffusers`)."""
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     S_tot = S_txt + S_img
@@ -477,9 +722,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     qt = q_txt if has_txt else q
     kt = k_txt if has_txt else k
     dummy = q
-    R = rows_per_program or _block_rows(D)
-    grid = (cdiv(n_rows, R),)
-    _qk_rmsnorm_rope_kernel[grid](
+    args = (
         q, k, qt, kt,
         q_weight if q_weight is not None else dummy,
         k_weight if k_weight is not None else dummy,
@@ -491,13 +734,24 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
         *(_table_strides(cos) if has_rope else (0, 0)), *(_table_strides(sin) if has_rope else (0, 0)),
         _batch_stride(cos) if has_rope else 0, _batch_stride(sin) if has_rope else 0,
         n_rows, S_txt, S_tot, H, float(eps), fac_img, fac_txt,
-        D=D, DP=next_pow2(D), R=R,
-        HAS_TXT=has_txt, ROPE=rope,
-        HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
-        HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
-        DTYPE=tl_dtype(q.dtype), EXACT=exact, **extra,
-        num_warps=num_warps, enable_fp_fusion=False,
     )
+    consts = dict(HAS_TXT=has_txt, ROPE=rope,
+                  HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
+                  HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
+                  DTYPE=tl_dtype(q.dtype), EXACT=exact)
+    T = _lane_plan(D, extra, kernel)
+    if T is not None:
+        R, nw = lanes_tiling or _lane_tiling(T)
+        lane_consts = {k_: v for k_, v in extra.items() if k_ in ("NORM", "CMUL", "LAYOUT")}
+        if rope == 2 and _table_strides(cos)[1] == 2 and _table_strides(sin)[1] == 2:
+            lane_consts["PACKED"] = True
+        compiled = _qk_lanes_kernel[(cdiv(n_rows, R),)](
+            *args, D=D, T=T, R=R, **consts, **lane_consts, num_warps=nw, enable_fp_fusion=False)
+        if lane_layout_ok(compiled, T):
+            return q_out, k_out
+    R = rows_per_program or _block_rows(D)
+    _qk_rmsnorm_rope_kernel[(cdiv(n_rows, R),)](
+        *args, D=D, DP=next_pow2(D), R=R, **consts, **extra, num_warps=num_warps, enable_fp_fusion=False)
     return q_out, k_out
 
 

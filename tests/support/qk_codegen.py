@@ -1,0 +1,118 @@
+"""Compile the QK ops' vector-per-lane kernel for sm_90 without a GPU and report code facts.
+
+``python -m tests.support.qk_codegen [VARIANT ...]`` (TRITON_INTERPRET must be unset) prints one
+JSON line per variant: the layout guard's verdict (common/warp.py ``lane_layout_reason``), TTGIR
+layout conversions, shared-memory stores and barriers, shuffle offsets, global load/store widths
+and registers / local memory. A variant is ``T, R, warps`` plus the op's switches, compiled with
+the arguments a launch on contiguous tensors specialises (unit inner strides, 16-divisible
+pointers and outer strides). Used by tests/cpu/test_qk_lanes_codegen.py and notes/rope.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# name: (T, R, warps, switches); R / warps None: the launcher's tiling (_lane_tiling).
+VARIANTS = {
+    "flux": (32, None, None, dict()),
+    "flux-single": (32, None, None, dict(HAS_TXT=False)),
+    "flux-norope": (32, None, None, dict(ROPE=0)),
+    "flux-d64": (16, None, None, dict()),
+    "flux-d32": (8, None, None, dict()),
+    "qwen": (32, None, None, dict(NORM=1, ROPE=2, PACKED=True)),
+    "zimage": (32, None, None, dict(NORM=1, ROPE=2, PACKED=True, HAS_TXT=False)),
+    "qwen-strided": (32, None, None, dict(NORM=1, ROPE=2)),
+    "sd3-d128": (32, None, None, dict(NORM=1, ROPE=0, LAYOUT=1)),
+    "flux-R16-w4": (32, 16, 4, dict()),
+    "flux-R32-w8": (32, 32, 8, dict()),
+    # What the launcher never builds (the guard must refuse them): one row per program, and
+    # more warps than the rows fill at 16 lanes per row.
+    "refused-R1": (32, 1, 1, dict()),
+    "refused-d64-w8": (16, 8, 8, dict()),
+}
+
+
+def compile_variant(T: int, R: int | None, nw: int | None, switches: dict):
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as mod
+
+    if R is None:
+        R, nw = mod._lane_tiling(T)
+    k = mod._qk_lanes_kernel
+    names = k.arg_names
+    rope = switches.get("ROPE", 1)
+    ptrs = ["q_img", "k_img", "q_txt", "k_txt", "wq_img", "wk_img", "wq_txt", "wk_txt", "cos_ptr", "sin_ptr",
+            "q_out", "k_out"]
+    sig = {n: ("*fp32" if n in ("cos_ptr", "sin_ptr") and rope else "*bf16") for n in ptrs}
+    strides = [n for n in names if re.fullmatch(r"(qi|ki|qt|kt)_s[bshd]|[cs]_s[sdb]", n)]
+    sig.update({n: "i32" for n in strides + ["n_rows", "S_TXT", "S_TOT", "H"]})
+    sig.update({n: "fp32" for n in ("eps", "fac_img", "fac_txt")})
+    ce = dict(D=4 * T, T=T, R=R, HAS_TXT=True, ROPE=rope, HAS_WQI=True, HAS_WKI=True, HAS_WQT=True,
+              HAS_WKT=True, DTYPE=tl.bfloat16, EXACT=True, NORM=0, CMUL=1 if rope == 2 else 0, LAYOUT=0,
+              PACKED=False)
+    ce.update(switches)
+    # Unit strides are specialised by the launch; complex tables have a pair stride of 2.
+    for n in strides:
+        if n.endswith("_sd") and not (n in ("c_sd", "s_sd") and rope == 2):
+            ce[n] = 1
+    for n in ce:
+        sig[n] = "constexpr"
+    div16 = [n for n in ptrs + strides if n not in ce and n not in ("c_sd", "s_sd")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
+    src = ASTSource(fn=k, signature=sig, attrs=attrs, constexprs={(names.index(a),): v for a, v in ce.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=nw, enable_fp_fusion=False)), R, nw
+
+
+def facts(name: str) -> dict:
+    import triton
+
+    from ditfuse.kernels.common.warp import lane_layout_reason
+
+    T, R, nw, switches = VARIANTS[name]
+    k, R, nw = compile_variant(T, R, nw, switches)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    out = dict(name=name, T=T, R=R, warps=nw, **{k_: (v if not hasattr(v, "name") else str(v))
+                                                   for k_, v in switches.items()})
+    out["guard"] = lane_layout_reason(ttgir, T)
+    out["convert_layout"] = ttgir.count("ttg.convert_layout")
+    out["shfl_offsets"] = [int(o) for o in re.findall(r"shfl\.sync\.\w+\.b32\s+%r\d+, %r\d+, (\d+),", ptx)]
+    out["shfl_kinds"] = sorted(set(re.findall(r"shfl\.sync\.(\w+)\.b32", ptx)))
+    out["st_shared"] = len(re.findall(r"st\.shared", ptx))
+    out["bar_sync"] = len(re.findall(r"\bbar\.sync\b", ptx))
+    out["ld_global"] = sorted(set(re.findall(r"ld\.global(?:\.\w+)*", ptx)))
+    out["st_global"] = sorted(set(re.findall(r"st\.global(?:\.\w+)*", ptx)))
+    out["rsqrt_approx"] = len(re.findall(r"rsqrt\.approx\.f32", ptx))
+    out["shared_bytes"] = k.metadata.shared
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    r = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
+    out["regs"] = int(r.group(1)) if r else None
+    out["local_bytes"] = int(r.group(2)) if r else None
+    return out
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("unset TRITON_INTERPRET: the GPU code paths are chosen at import")
+    for name in (sys.argv[1:] or list(VARIANTS)):
+        print(json.dumps(facts(name)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
