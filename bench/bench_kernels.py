@@ -197,6 +197,15 @@ def make_cases(shape_name: str) -> list[Case]:
     cases.append(Case("rope.qk_rmsnorm_rope", "rope.qk_rmsnorm_rope", f"{B}x{S}x{H}x128 (txt {S_TXT})", rope_args,
                       ref.qk_rmsnorm_rope, lambda kk: kk,
                       _nbytes(q, k_, qt, kt, wq, wk, wqt, wkt, cos, sin) + 2 * _nbytes(q, qt)))
+    # Qwen-Image's chain on the same q/k: diffusers RMSNorm, complex RoPE with per-stream tables
+    ang_i = torch.rand(s_img, 64, device="cuda") * 6.28
+    ang_t = torch.rand(S_TXT, 64, device="cuda") * 6.28
+    f_img = torch.polar(torch.ones_like(ang_i), ang_i)
+    f_txt = torch.polar(torch.ones_like(ang_t), ang_t)
+    qwen_args = (q, k_, wq, wk, f_img, 1e-6, qt, kt, wqt, wkt, f_txt)
+    cases.append(Case("rope.qk_rmsnorm_diffusers_rope_complex", "rope.qk_rmsnorm_diffusers_rope_complex",
+                      f"{B}x{S}x{H}x128 (txt {S_TXT})", qwen_args, ref.qk_rmsnorm_diffusers_rope_complex_cat,
+                      lambda kk: kk, _nbytes(q, k_, qt, kt, wq, wk, wqt, wkt, f_img, f_txt) + 2 * _nbytes(q, qt)))
     return cases
 
 
