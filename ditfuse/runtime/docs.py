@@ -130,6 +130,7 @@ def render() -> str:
         "DITFUSE_BACKEND=norm.layernorm_modulate=triton    # pin a backend per op",
         "DITFUSE_VERIFY=first|always|off|strict            # bit-exact gate mode (default first)",
         "DITFUSE_ROW_KERNEL=auto|block|warp                # row-norm kernels for D % 512 == 0 (default auto)",
+        "DITFUSE_QK_KERNEL=auto|lanes|tile                 # QK-norm kernels: vector-per-lane or tile (default auto)",
         "DITFUSE_HANDOFF=1|0                               # cross-block fusion (default 1; models/handoff.py)",
         "```",
         "",
