@@ -63,9 +63,10 @@ def main() -> None:
         row("eager", lambda: ref.qk_rmsnorm_rope(*args), check=False)
         row("ours (custom op)", lambda: qk_rmsnorm_rope(*args))
         row("tile R=8 warps=2", lambda: _launch(*args, kernel="tile", rows_per_program=8, num_warps=2))
-        for R, warps in ((2, 1), (2, 2), (4, 2), (4, 4), (8, 2), (8, 4), (8, 8), (16, 4), (16, 8), (32, 8)):
-            row(f"lanes R={R} warps={warps}", lambda R=R, warps=warps: _launch(
-                *args, kernel="lanes", lanes_tiling=(R, warps)))
+        for R, warps, V in ((8, 4, 1), (4, 2, 1), (8, 2, 2), (8, 4, 2), (16, 4, 2), (16, 8, 2), (4, 2, 2),
+                            (8, 2, 4), (8, 1, 4), (16, 4, 4), (16, 2, 4)):
+            row(f"lanes R={R} w={warps} V={V}", lambda R=R, warps=warps, V=V: _launch(
+                *args, kernel="lanes", lanes_tiling=(R, warps, V)))
         refused = {k: v for k, v in warp._LANE_VERDICTS.items() if v}
         print(f"{name:<6} lane binaries judged: {len(warp._LANE_VERDICTS)}, refused by the layout guard "
               f"(those rows ran the tile kernel): {sorted(set(refused.values())) or 'none'}", flush=True)

@@ -37,10 +37,11 @@ def test_guard_accepts_every_launch_the_launcher_builds(facts):
 
 def test_fold_is_the_lane_tree(facts):
     for f in _launched(facts):
-        T, R, nw = f["T"], f["R"], f["warps"]
-        tree = [o for o in (16, 8, 4, 2, 1) if o < T]
-        # One tree per register row per tensor (q, k): R rows over nw warps of 32 / T rows each.
-        regs_rows = R // (nw * (32 // T))
+        T, R, nw, V = f["T"], f["R"], f["warps"], f["V"]
+        P = T // V  # threads per row; the tree's top levels (offsets >= P) are in-register adds
+        tree = [o for o in (16, 8, 4, 2, 1) if o < P]
+        # One tree per register row per tensor (q, k): R rows over nw warps of 32 / P rows each.
+        regs_rows = R // (nw * (32 // P))
         assert f["shfl_kinds"] == ["bfly"], f
         assert f["shfl_offsets"] == tree * (2 * regs_rows), f
         assert f["rsqrt_approx"] == 2 * regs_rows, f
@@ -61,7 +62,16 @@ def test_no_shared_memory_no_spills_vector_rows(facts):
 
 
 def test_guard_refuses_split_layouts(facts):
-    for name in ("refused-R1", "refused-d64-w8"):
-        assert facts[name]["guard"], facts[name]
-    # The second one really is not torch's order: its lanes fold through shared memory.
-    assert facts["refused-d64-w8"]["st_shared"] > 0
+    """Rows whose lanes Triton spreads over several warps: the fold is not one warp's butterfly
+    (it crosses warps through shared memory), and the guard says so."""
+    for name in ("refused-R1-w4", "refused-R2-w8"):
+        assert facts[name]["guard"] and "lane axis" in facts[name]["guard"], facts[name]
+        assert facts[name]["st_shared"] > 0, facts[name]
+
+
+def test_virtual_lanes_cut_the_code(facts):
+    """Two of torch's lanes per thread (V = 2, the default) halve the butterflies per row and need
+    fewer instructions than one lane per thread at the same rows and warps."""
+    assert facts["flux"]["V"] == 2 and facts["flux-V1"]["V"] == 1
+    assert facts["flux"]["sass_instructions"] < facts["flux-V1"]["sass_instructions"]
+    assert len(facts["flux"]["shfl_offsets"]) < len(facts["flux-V1"]["shfl_offsets"])

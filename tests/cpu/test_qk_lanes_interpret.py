@@ -207,25 +207,42 @@ def test_auto_takes_the_lane_kernel_and_bad_values_fail(monkeypatch, launches):
         mod.qk_rmsnorm_rope(**args)
 
 
+@pytest.mark.parametrize("H", [1, 3, 24, 30, 40])
 @pytest.mark.parametrize("T", [8, 16, 32])
-def test_default_tiling_fills_every_warp(T):
+def test_default_tiling_fills_every_warp(T, H):
     """The launcher's tiling gives each warp at least the 32 / T rows one warp spans (what the
-    codegen test shows the guard needs); never one row per program."""
-    R, nw = mod._lane_tiling(T)
-    assert R >= 2 and R & (R - 1) == 0
+    codegen test shows the guard needs); never one row per program; at most 8 heads a program."""
+    R, nw, V = mod._lane_tiling(T, H)
+    assert 2 <= R <= max(8, 2 * 32 // T) and R & (R - 1) == 0 and V in (1, 2, 4) and T % V == 0
     if not mod.interpreter_on():
-        assert R // nw >= 32 // T
+        assert R // nw >= 32 // (T // V)
 
 
-def test_diffusers_complex_strided_tables(monkeypatch, launches):
-    """Tables whose pairs are not adjacent (every other entry of a wider complex tensor): the
-    lane kernel's general table addressing, not its packed one."""
-    args = _qwen_args(1, 6, 4, 2, seed=8)
-    g = torch.Generator().manual_seed(8)
-    for key, S in (("freqs", 6), ("txt_freqs", 4)):
-        ang = torch.rand(S, 128, generator=g) * 6.28
-        args[key] = torch.polar(torch.ones_like(ang), ang)[:, ::2]
-        assert torch.view_as_real(args[key]).stride(-2) == 4
-    out = _both(monkeypatch, launches, lambda: mod.qk_rmsnorm_diffusers_rope_complex(**args), expect_lanes=True)
-    exp = dsim.qk_chain_cuda(**args, cmul=mod.CMUL_MODE, rsqrt=rms_sim.interp_rsqrt)
-    assert_bitwise_equal(out, exp, "lanes vs simulation")
+@pytest.mark.parametrize("H", [3, 5, 12, 30])
+def test_heads_not_a_multiple_of_the_program(monkeypatch, launches, H):
+    """Programs whose last heads do not exist (H % R != 0: masked rows), image-first and
+    text-first layouts alike."""
+    args = _flux_args(2, 3, 2, H, 128, torch.bfloat16, seed=H)
+    out = _both(monkeypatch, launches, lambda: mod.qk_rmsnorm_rope(**args), expect_lanes=True)
+    assert_bitwise_equal(out, rms_sim.qk_rmsnorm_rope(**args, rsqrt=rms_sim.interp_rsqrt), "lanes vs simulation")
+    qargs = _qwen_args(1, 3, 2, H, seed=H)
+    _both(monkeypatch, launches, lambda: mod.qk_rmsnorm_diffusers_rope_complex(**qargs), expect_lanes=True)
+
+
+@pytest.mark.parametrize("V", [1, 2, 4])
+@pytest.mark.parametrize("norm", ["torch", "diffusers"])
+def test_virtual_lanes_per_thread(monkeypatch, launches, V, norm):
+    """Each thread holding 1, 2 or 4 of torch's lanes (the tree's top levels in registers):
+    the same bits as the tile kernel and the simulation, for both norms."""
+    if norm == "torch":
+        args = _flux_args(2, 5, 3, 3, 128, torch.float32, seed=V)  # fp32: the order of every add shows
+        fn = lambda: mod._launch(**args, lanes_tiling=(4, 1, V))  # noqa: E731
+        exp = rms_sim.qk_rmsnorm_rope(**args, rsqrt=rms_sim.interp_rsqrt)
+    else:
+        args = _qwen_args(2, 5, 3, 3, dtype=torch.float32, seed=V)
+        fn = lambda: mod._launch_diffusers(**args, cmul=mod.CMUL_MODE, lanes_tiling=(4, 1, V))  # noqa: E731
+        exp = dsim.qk_chain_cuda(**args, cmul=mod.CMUL_MODE, rsqrt=rms_sim.interp_rsqrt)
+    monkeypatch.setenv("DITFUSE_QK_KERNEL", "lanes")
+    out = fn()
+    assert dict(launches) == {"lanes": 1}
+    assert_bitwise_equal(out, exp, f"lanes V={V} vs simulation")

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-# name: (T, R, warps, switches); R / warps None: the launcher's tiling (_lane_tiling).
+# name: (T, R, warps, switches incl. V); R / warps None: the launcher's tiling (_lane_tiling).
 VARIANTS = {
     "flux": (32, None, None, dict()),
     "flux-single": (32, None, None, dict(HAS_TXT=False)),
@@ -28,12 +28,18 @@ VARIANTS = {
     "zimage": (32, None, None, dict(NORM=1, ROPE=2, PACKED=True, HAS_TXT=False)),
     "qwen-strided": (32, None, None, dict(NORM=1, ROPE=2)),
     "sd3-d128": (32, None, None, dict(NORM=1, ROPE=0, LAYOUT=1)),
-    "flux-R16-w4": (32, 16, 4, dict()),
-    "flux-R32-w8": (32, 32, 8, dict()),
-    # What the launcher never builds (the guard must refuse them): one row per program, and
-    # more warps than the rows fill at 16 lanes per row.
-    "refused-R1": (32, 1, 1, dict()),
-    "refused-d64-w8": (16, 8, 8, dict()),
+    "flux-R16-w4": (32, 16, 4, dict(V=2)),
+    "flux-R32-w8": (32, 32, 8, dict(V=2)),
+    "flux-V1": (32, 8, 4, dict(V=1)),
+    "flux-V4": (32, 8, 2, dict(V=4)),
+    "qwen-V1": (32, 8, 4, dict(NORM=1, ROPE=2, PACKED=True, V=1)),
+    # What the launcher never builds, and the guard must refuse: more warps than rows, which
+    # Triton spreads over the lanes of a row (its fold then crosses warps through shared memory).
+    "refused-R1-w4": (32, 1, 4, dict(V=1)),
+    "refused-R2-w8": (32, 2, 8, dict(V=1)),
+    # Heads not a multiple of the program's 8 (Z-Image's 30): masked rows.
+    "zimage-oddheads": (32, None, None, dict(NORM=1, ROPE=2, PACKED=True, HAS_TXT=False, EVEN_H=False)),
+    "flux-oddheads": (32, None, None, dict(EVEN_H=False)),
 }
 
 
@@ -45,8 +51,11 @@ def compile_variant(T: int, R: int | None, nw: int | None, switches: dict):
 
     from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as mod
 
+    V = switches.pop("V", None)
     if R is None:
-        R, nw = mod._lane_tiling(T)
+        R, nw, V0 = mod._lane_tiling(T, 24)
+        V = V if V is not None else V0
+    V = V or 1
     k = mod._qk_lanes_kernel
     names = k.arg_names
     rope = switches.get("ROPE", 1)
@@ -58,7 +67,7 @@ def compile_variant(T: int, R: int | None, nw: int | None, switches: dict):
     sig.update({n: "fp32" for n in ("eps", "fac_img", "fac_txt")})
     ce = dict(D=4 * T, T=T, R=R, HAS_TXT=True, ROPE=rope, HAS_WQI=True, HAS_WKI=True, HAS_WQT=True,
               HAS_WKT=True, DTYPE=tl.bfloat16, EXACT=True, NORM=0, CMUL=1 if rope == 2 else 0, LAYOUT=0,
-              PACKED=False)
+              PACKED=False, V=V)
     ce.update(switches)
     # Unit strides are specialised by the launch; complex tables have a pair stride of 2.
     for n in strides:
@@ -70,7 +79,7 @@ def compile_variant(T: int, R: int | None, nw: int | None, switches: dict):
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in div16}
     src = ASTSource(fn=k, signature=sig, attrs=attrs, constexprs={(names.index(a),): v for a, v in ce.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=nw, enable_fp_fusion=False)), R, nw
+                          options=dict(num_warps=nw, enable_fp_fusion=False)), R, nw, V
 
 
 def facts(name: str) -> dict:
@@ -79,11 +88,12 @@ def facts(name: str) -> dict:
     from ditfuse.kernels.common.warp import lane_layout_reason
 
     T, R, nw, switches = VARIANTS[name]
-    k, R, nw = compile_variant(T, R, nw, switches)
+    k, R, nw, V = compile_variant(T, R, nw, dict(switches))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     out = dict(name=name, T=T, R=R, warps=nw, **{k_: (v if not hasattr(v, "name") else str(v))
                                                    for k_, v in switches.items()})
-    out["guard"] = lane_layout_reason(ttgir, T)
+    out["V"] = V
+    out["guard"] = lane_layout_reason(ttgir, T // V)
     out["convert_layout"] = ttgir.count("ttg.convert_layout")
     out["shfl_offsets"] = [int(o) for o in re.findall(r"shfl\.sync\.\w+\.b32\s+%r\d+, %r\d+, (\d+),", ptx)]
     out["shfl_kinds"] = sorted(set(re.findall(r"shfl\.sync\.(\w+)\.b32", ptx)))
@@ -99,11 +109,14 @@ def facts(name: str) -> dict:
     try:
         res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
                              capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
+                              capture_output=True, text=True).stdout
     finally:
         os.unlink(f.name)
     r = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
     out["regs"] = int(r.group(1)) if r else None
     out["local_bytes"] = int(r.group(2)) if r else None
+    out["sass_instructions"] = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln))
     return out
 
 

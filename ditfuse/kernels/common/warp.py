@@ -178,22 +178,84 @@ def warp_layout_ok(compiled: object, what: str) -> bool:
 # operand has T lanes along that axis, one element per lane, no warp split and no replication.
 
 
+def _balanced(text: str, start: int) -> str:
+    """``text[start:]`` up to the ``>`` closing the first ``<`` (layouts nest: slices of slices)."""
+    depth = 0
+    for k in range(start, len(text)):
+        if text[k] == "<":
+            depth += 1
+        elif text[k] == ">":
+            depth -= 1
+            if depth == 0:
+                return text[start:k + 1]
+    return text[start:]
+
+
 def _reduce_operands(ttgir: str) -> list[tuple[str, int, str]]:
-    """(shape, axis, layout) of every ``tt.reduce`` in a TTGIR dump, layout aliases resolved."""
-    aliases = dict(re.findall(r"^#(\w+) = (#ttg\.\w+<\{.*\}>)\s*$", ttgir, re.M))
+    """(shape, axis, layout) of every ``tt.reduce``'s operand in a TTGIR dump (layout as written:
+    an alias such as ``#blocked2`` or an inline attribute)."""
     out = []
-    for axis, shape, lay in re.findall(
-            r'"tt\.reduce"\(.*?\) <\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<([0-9x]+)x\w+, #?([^>]*?)>', ttgir, re.S):
-        while lay in aliases:
-            lay = aliases[lay]
-        out.append((shape, int(axis), lay))
+    for m in re.finditer(r'"tt\.reduce"\(.*?\) <\{axis = (\d+) : i32\}>.*?\}\) : \(tensor<', ttgir, re.S):
+        ty = _balanced(ttgir, m.end() - len("tensor<"))  # tensor<8x32xf32, #layout>
+        mm = re.fullmatch(r"tensor<([0-9x]+)x\w+, (.*)>", ty, re.S)
+        if mm:
+            out.append((mm.group(1), int(m.group(1)), mm.group(2).strip()))
     return out
+
+
+def _lane_axis_reason(layout: str, aliases: dict[str, str], P: int) -> str | None:
+    """Why axis 0 of a [P, R] operand laid out as ``layout`` is not P lanes of one warp with one
+    element per thread (None when it is). Blocked layouts, slices of blocked layouts (the
+    operand's axes are the parent's minus the sliced ones) and linear layouts are understood."""
+    sliced: list[int] = []
+    while True:
+        m = re.fullmatch(r"#?ttg\.slice<\{dim = (\d+), parent = (.+)\}>", layout)
+        if m:
+            sliced.append(int(m.group(1)))
+            layout = m.group(2)
+            continue
+        if layout.startswith("#") and layout[1:] in aliases:
+            layout = aliases[layout[1:]]
+            continue
+        break
+    if layout.startswith("#ttg.blocked"):
+        spt, tpw, wpc = (_parse_list(layout, k) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+        if spt is None or tpw is None or wpc is None:
+            return f"unparsed blocked layout {layout}"
+        # Slices are listed outermost first; undo them innermost first to find the parent axes.
+        axes = list(range(len(tpw)))
+        for d in reversed(sliced):
+            del axes[d]
+        if len(axes) != 2:
+            return f"the fold's operand is not 2-D in {layout}"
+        a = axes[0]
+        if tpw[a] != P or spt[a] != 1 or wpc[a] != 1:
+            return f"the lane axis is not {P} lanes, one element each, in one warp: {layout}"
+        return None
+    if layout.startswith("#ttg.linear") and not sliced:
+        bases = {}
+        for key in ("register", "lane", "warp", "block"):
+            m = re.search(key + r" = \[(.*?)\](?:, \w+ = |\}>)", layout)
+            if m is None:
+                return f"unparsed linear layout {layout}"
+            bases[key] = [tuple(int(x) for x in b.split(",")) for b in re.findall(r"\[(-?\d+, -?\d+)\]", m.group(1))]
+        k = P.bit_length() - 1
+        want = [(1 << i, 0) for i in range(k)]
+        if bases["lane"][:k] != want:
+            return f"lanes 0..{P - 1} are not axis 0 in order: {layout}"
+        rest = bases["lane"][k:] + bases["warp"] + bases["register"] + bases["block"]
+        if any(b[0] != 0 for b in rest):
+            return f"axis 0 spans more than {P} lanes (registers, warps or more lanes): {layout}"
+        return None
+    return f"unrecognised layout {layout}"
 
 
 def lane_layout_reason(ttgir: str, T: int) -> str | None:
     """Why a lane kernel's fold would not be torch's lane tree (None when it is): every
-    ``tt.reduce`` must reduce axis 0 of a 2-D [T, R] blocked operand with ``T`` lanes along that
-    axis, one element per thread there, and no warp along it."""
+    ``tt.reduce`` must reduce axis 0 of a 2-D [T, R] operand laid out as T lanes of one warp
+    along that axis, one element per thread (``T``: threads per row, torch's lanes over the
+    virtual lanes each thread holds)."""
+    aliases = dict(re.findall(r"^#(\w+) = (#ttg\.\w+<\{.*\}>)\s*$", ttgir, re.M))
     ops = _reduce_operands(ttgir)
     if not ops:
         return "no tt.reduce found in the TTGIR"
@@ -201,13 +263,9 @@ def lane_layout_reason(ttgir: str, T: int) -> str | None:
         dims = [int(d) for d in shape.split("x")]
         if len(dims) != 2 or axis != 0 or dims[0] != T:
             return f"unexpected reduction: tensor<{shape}> over axis {axis}"
-        if not lay.startswith("#ttg.blocked"):
-            return f"the fold's operand is not a blocked layout: {lay}"
-        spt, tpw, wpc = (_parse_list(lay, k) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
-        if spt is None or tpw is None or wpc is None:
-            return f"unparsed blocked layout {lay}"
-        if tpw[0] != T or spt[0] != 1 or wpc[0] != 1:
-            return f"the lane axis is not {T} lanes, one element each, in one warp: {lay}"
+        reason = _lane_axis_reason(lay, aliases, T)
+        if reason:
+            return reason
     return None
 
 

@@ -307,8 +307,8 @@ def _qk_rmsnorm_rope_kernel(
 
 @triton.jit
 def _quad(t):
-    """[T, R, 4] -> its four [T, R] elements (in-register: the 4 is a thread's vector)."""
-    t02, t13 = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], 2, 2]))
+    """[P, R, V, 4] -> its four [P, R, V] elements (in-register: the 4 is a thread's vector)."""
+    t02, t13 = tl.split(tl.reshape(t, [t.shape[0], t.shape[1], t.shape[2], 2, 2]))
     t0, t2 = tl.split(t02)
     t1, t3 = tl.split(t13)
     return t0, t1, t2, t3
@@ -318,35 +318,57 @@ def _quad(t):
 def _unquad(o0, o1, o2, o3):
     """Inverse of :func:`_quad`."""
     y = tl.join(tl.join(o0, o2), tl.join(o1, o3))
-    return tl.reshape(y, [o0.shape[0], o0.shape[1], 4])
+    return tl.reshape(y, [o0.shape[0], o0.shape[1], o0.shape[2], 4])
 
 
 @triton.jit
-def _lane_norm_rope_store(x, w, c, sn, out_ptr, out_off, row_ok, eps, in_txt, fac_img, fac_txt,
-                          D: tl.constexpr, R: tl.constexpr, T: tl.constexpr, ROPE: tl.constexpr,
-                          DTYPE: tl.constexpr, EXACT: tl.constexpr, NORM: tl.constexpr,
-                          HAS_TXT: tl.constexpr, CMUL: tl.constexpr):
+def _fold_virtual(acc, P: tl.constexpr, R: tl.constexpr, V: tl.constexpr):
+    """[P, R, V] per-virtual-lane sums -> [P, R]: the top levels of torch's lane tree, which pair
+    virtual lanes held by one thread (thread p holds virtual lanes p + P * v). V = 2: the offset-P
+    level, a_p + a_(p+P); V = 4: levels 2P and P, (a_p + a_(p+2P)) + (a_(p+P) + a_(p+3P))."""
+    if V == 1:
+        return tl.reshape(acc, [P, R])
+    elif V == 2:
+        a0, a1 = tl.split(acc)
+        return a0 + a1
+    else:
+        tl.static_assert(V == 4, "V is 1, 2 or 4")
+        a02, a13 = tl.split(tl.reshape(acc, [P, R, 2, 2]))
+        a0, a2 = tl.split(a02)
+        a1, a3 = tl.split(a13)
+        return (a0 + a2) + (a1 + a3)
+
+
+@triton.jit
+def _lane_norm_rope_store(x, w, c, sn, out_ptr, out_off, mask, eps, in_txt, fac_img, fac_txt,
+                          D: tl.constexpr, R: tl.constexpr, P: tl.constexpr, V: tl.constexpr,
+                          ROPE: tl.constexpr, DTYPE: tl.constexpr, EXACT: tl.constexpr,
+                          NORM: tl.constexpr, HAS_TXT: tl.constexpr, CMUL: tl.constexpr):
     x0, x1, x2, x3 = _quad(x)
     if NORM == 0:
         acc = x0 * x0
         acc = fma_rn(x1, x1, acc)
         acc = fma_rn(x2, x2, acc)
         acc = fma_rn(x3, x3, acc)
-        rstd = rms_rstd(rms_fold_lanes(acc, T, R), D, eps)
-        n = w * (rstd[None, :, None] * x)
+        ss = rms_fold_lanes(_fold_virtual(acc, P, R, V), P, R)
+        # torch's ``sum / float(D)``: D = 4 * T is a power of two here, so the quotient is the
+        # product with the exact reciprocal bit for bit (one correctly rounded operation each),
+        # and the IEEE division's instruction sequence is not needed.
+        rstd = rsqrt_approx(ss * (1.0 / D) + eps)
+        n = w * (rstd[None, :, None, None] * x)
         if EXACT:
             n = rround(n, DTYPE)
     else:
         # The generic reduction's vectorized lane: accumulator j holds element j of the lane's
         # one vector (0 + v == v), then ((a0 + a1) + a2) + a3.
         acc = ((x0 * x0 + x1 * x1) + x2 * x2) + x3 * x3
-        ss = rms_fold_lanes(acc, T, R)
+        ss = rms_fold_lanes(_fold_virtual(acc, P, R, V), P, R)
         if HAS_TXT:
             ms = ss * tl.where(in_txt, fac_txt, fac_img)
         else:
             ms = ss * fac_img
         rstd = rsqrt_approx(ms + eps)
-        n = rround(rround(x * rstd[None, :, None], DTYPE) * w, DTYPE)
+        n = rround(rround(x * rstd[None, :, None, None], DTYPE) * w, DTYPE)
     if ROPE == 0:
         out = n
     else:
@@ -364,44 +386,60 @@ def _lane_norm_rope_store(x, w, c, sn, out_ptr, out_off, row_ok, eps, in_txt, fa
             o0, o1 = _cmul(n0, n1, c0, c1, CMUL)
             o2, o3 = _cmul(n2, n3, c2, c3, CMUL)
         out = _unquad(o0, o1, o2, o3)
-    tl.store(out_ptr + out_off, round_to(out, DTYPE), mask=row_ok[None, :, None])
+    if mask is None:
+        tl.store(out_ptr + out_off, round_to(out, DTYPE))
+    else:
+        tl.store(out_ptr + out_off, round_to(out, DTYPE), mask=mask)
 
 
 @triton.jit
-def _lane_rows(txt_ptr, img_ptr, b, s, h, row_ok, col, t_sb, t_ss, t_sh, t_sd, i_sb, i_ss, i_sh, i_sd,
-               S_TXT, HAS_TXT: tl.constexpr):
-    """[T, R, 4] fp32: row (b, s, h) of the joint sequence from the text or the image input."""
-    ok = row_ok[None, :, None]
-    img_row = (b * i_sb + (s - S_TXT) * i_ss + h * i_sh)[None, :, None]
-    if HAS_TXT:
-        in_txt = (s < S_TXT)[None, :, None]
-        x = tl.load(img_ptr + img_row + col * i_sd, mask=ok & ~in_txt, other=0.0).to(tl.float32)
-        txt_row = (b * t_sb + s * t_ss + h * t_sh)[None, :, None]
-        xt = tl.load(txt_ptr + txt_row + col * t_sd, mask=ok & in_txt, other=0.0).to(tl.float32)
-        x = tl.where(in_txt, xt, x)
+def _lane_load(ptr, mask):
+    if mask is None:
+        return tl.load(ptr).to(tl.float32)
     else:
-        x = tl.load(img_ptr + img_row + col * i_sd, mask=ok, other=0.0).to(tl.float32)
+        return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _lane_rows(txt_ptr, img_ptr, b, s, h, col, t_sb, t_ss, t_sh, t_sd, i_sb, i_ss, i_sh, i_sd,
+               S_TXT, mask, HAS_TXT: tl.constexpr):
+    """[P, R, V, 4] fp32: the heads ``h`` of token s of sample b of the joint sequence, from the text
+    input (s < S_TXT) or the image input. The stream is the program's: a uniform branch, so each
+    load keeps its own (specialised) strides and the per-element offsets stay 32-bit."""
+    if HAS_TXT:
+        if s < S_TXT:
+            x = _lane_load(txt_ptr + (b * t_sb + s * t_ss) + (h[None, :, None, None] * t_sh + col * t_sd), mask)
+        else:
+            x = _lane_load(img_ptr + (b * i_sb + (s - S_TXT) * i_ss) + (h[None, :, None, None] * i_sh + col * i_sd),
+                           mask)
+    else:
+        x = _lane_load(img_ptr + (b * i_sb + s * i_ss) + (h[None, :, None, None] * i_sh + col * i_sd), mask)
     return x
 
 
 @triton.jit
 def _lane_weight(wt_ptr, wi_ptr, in_txt, col, HAS_TXT: tl.constexpr, HAS_WT: tl.constexpr,
                  HAS_WI: tl.constexpr):
-    """[T, R, 4] fp32 weight of each row's source (1.0 for a source without weight). ``col`` is
-    [T, R, 4]: a [T, 1, 4] load would get a layout of its own (warps along the lanes) and a
-    conversion through shared memory at the multiply."""
-    if HAS_WI:
-        wi = tl.load(wi_ptr + col).to(tl.float32)
-    else:
-        wi = tl.full(col.shape, 1.0, tl.float32)
+    """[P, R, V, 4] fp32 weight of the program's stream (1.0 for a stream without weight), loaded
+    through the full-shape ``col`` (see the kernel)."""
+    one = tl.full(col.shape, 1.0, tl.float32)
     if HAS_TXT:
-        if HAS_WT:
-            wt = tl.load(wt_ptr + col).to(tl.float32)
+        if in_txt:
+            if HAS_WT:
+                w = tl.load(wt_ptr + col).to(tl.float32)
+            else:
+                w = one
         else:
-            wt = tl.full(col.shape, 1.0, tl.float32)
-        return tl.where(in_txt[None, :, None], wt, wi)
+            if HAS_WI:
+                w = tl.load(wi_ptr + col).to(tl.float32)
+            else:
+                w = one
     else:
-        return wi
+        if HAS_WI:
+            w = tl.load(wi_ptr + col).to(tl.float32)
+        else:
+            w = one
+    return w
 
 
 @triton.jit
@@ -417,68 +455,80 @@ def _qk_lanes_kernel(
     HAS_WQI: tl.constexpr, HAS_WKI: tl.constexpr, HAS_WQT: tl.constexpr, HAS_WKT: tl.constexpr,
     DTYPE: tl.constexpr, EXACT: tl.constexpr,
     NORM: tl.constexpr = 0, CMUL: tl.constexpr = 0, LAYOUT: tl.constexpr = 0, PACKED: tl.constexpr = False,
+    EVEN_H: tl.constexpr = True, V: tl.constexpr = 1,
 ):
-    """:func:`_qk_rmsnorm_rope_kernel`'s contract (same arguments, rows and bits) on [T, R, 4]
-    tiles: T = D / 4 lanes, R rows. PACKED (ROPE 2): both tables have c_sd = s_sd = 2."""
-    pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
-    row_ok = rows < n_rows
-    rows = tl.where(row_ok, rows, 0)
-    if LAYOUT == 0:
-        h = rows % H
-        bs = rows // H
-        s = bs % S_TOT
-        b = bs // S_TOT
-    else:
-        so = rows % S_TOT
-        bh = rows // S_TOT
-        h = bh % H
-        b = bh // H
-        s_img = S_TOT - S_TXT
-        s = tl.where(so < s_img, so + S_TXT, so - s_img)
-    lane = tl.arange(0, T)[:, None, None]
-    e = tl.arange(0, 4)[None, None, :]
-    col = lane * 4 + e
-    out_off = rows[None, :, None] * D + col
+    """:func:`_qk_rmsnorm_rope_kernel`'s contract (same arguments and bits) on [P, R, V, 4] tiles:
+    torch's T = D / 4 lanes as P = T / V threads, thread p holding the vectors of torch's lanes
+    p, p + P, ..., p + (V - 1) P (``_fold_virtual`` adds those in-register at torch's top tree
+    levels; the rest of the tree is the butterfly over the P threads), R heads of one token.
+    Grid (B * S_TOT, cdiv(H, R)): program (bs, j) takes heads j*R .. j*R + R - 1 of token bs, so
+    the token's sample, position, stream and cos/sin row are per-program scalars (no per-row
+    64-bit division: at 128-wide rows that index arithmetic cost more instructions than the
+    data). EVEN_H: R divides H (no row mask). PACKED (ROPE 2): both tables have c_sd = s_sd = 2."""
+    P: tl.constexpr = T // V
+    bs = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * R + tl.arange(0, R)
+    b = bs // S_TOT
+    s = bs % S_TOT
     in_txt = s < S_TXT
-    ok = row_ok[None, :, None]
+    p = tl.arange(0, P)[:, None, None, None]
+    v = tl.arange(0, V)[None, None, :, None]
+    e = tl.arange(0, 4)[None, None, None, :]
+    zr = tl.zeros([1, R, 1, 1], tl.int32)
+    # [P, R, V, 4]: every operand gets this shape (a smaller load would get a layout of its own
+    # and a shared-memory conversion where it meets the rows)
+    col = p * 4 + v * (4 * P) + e + zr
+    if EVEN_H:
+        mask = None
+    else:
+        mask = (h < H)[None, :, None, None] & (col >= 0)
+    if LAYOUT == 0:
+        out_base = (bs * H) * D
+        out_off = h[None, :, None, None] * D + col
+    else:
+        # Heads-first, image-first [B, H, S_TOT, D] (SD3): text rows go after the image rows.
+        so = tl.where(in_txt, s + (S_TOT - S_TXT), s - S_TXT)
+        out_base = (b * H * S_TOT + so) * D
+        out_off = h[None, :, None, None] * (S_TOT * D) + col
 
     if ROPE == 2:
-        # Complex tables: the lane's pairs 2l, 2l + 1 -> (re, im, re, im) at pair * c_sd + 0 / 1;
-        # PACKED (pairs 2 floats apart, a plain complex64 tensor): the 4 floats at 4l, one load.
+        # Complex tables: a vector's pairs 2u, 2u + 1 (u = col / 4) -> (re, im, re, im) at
+        # pair * c_sd + 0 / 1; PACKED (pairs 2 floats apart, a plain complex64 tensor): the 4
+        # floats at col, one load.
         if PACKED:
             c_col = col
             s_col = col
         else:
-            c_col = (lane * 2 + e // 2) * c_sd + e % 2
-            s_col = (lane * 2 + e // 2) * s_sd + e % 2
-        img_off = (b * c_sb + (s - S_TXT) * c_ss)[None, :, None] + c_col
+            pair = (col // 4) * 2 + e // 2
+            c_col = pair * c_sd + e % 2
+            s_col = pair * s_sd + e % 2
         if HAS_TXT:
-            m_txt = ok & in_txt[None, :, None]
-            c = tl.load(cos_ptr + img_off, mask=ok & ~in_txt[None, :, None], other=0.0)
-            txt_off = (b * s_sb + s * s_ss)[None, :, None] + s_col
-            c = tl.where(m_txt, tl.load(sin_ptr + txt_off, mask=m_txt, other=0.0), c)
+            if in_txt:
+                c = tl.load(sin_ptr + (b * s_sb + s * s_ss) + s_col)
+            else:
+                c = tl.load(cos_ptr + (b * c_sb + (s - S_TXT) * c_ss) + c_col)
         else:
-            c = tl.load(cos_ptr + img_off, mask=ok, other=0.0)
+            c = tl.load(cos_ptr + (b * c_sb + s * c_ss) + c_col)
         sn = c
     elif ROPE == 1:
-        c = tl.load(cos_ptr + (s * c_ss)[None, :, None] + col * c_sd, mask=ok, other=0.0).to(tl.float32)
-        sn = tl.load(sin_ptr + (s * s_ss)[None, :, None] + col * s_sd, mask=ok, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + s * c_ss + col * c_sd).to(tl.float32)
+        sn = tl.load(sin_ptr + s * s_ss + col * s_sd).to(tl.float32)
     else:
-        c = tl.zeros([T, R, 4], tl.float32)
+        c = tl.zeros([P, R, V, 4], tl.float32)
         sn = c
+    if not EVEN_H:
+        h = tl.where(h < H, h, 0)  # masked rows read head 0 (valid memory), store nothing
 
-    xq = _lane_rows(q_txt, q_img, b, s, h, row_ok, col, qt_sb, qt_ss, qt_sh, qt_sd,
-                    qi_sb, qi_ss, qi_sh, qi_sd, S_TXT, HAS_TXT)
-    xk = _lane_rows(k_txt, k_img, b, s, h, row_ok, col, kt_sb, kt_ss, kt_sh, kt_sd,
-                    ki_sb, ki_ss, ki_sh, ki_sd, S_TXT, HAS_TXT)
-    wcol = col + tl.zeros([1, R, 1], tl.int32)
-    wq = _lane_weight(wq_txt, wq_img, in_txt, wcol, HAS_TXT, HAS_WQT, HAS_WQI)
-    _lane_norm_rope_store(xq, wq, c, sn, q_out, out_off, row_ok, eps, in_txt, fac_img, fac_txt,
-                          D, R, T, ROPE, DTYPE, EXACT, NORM, HAS_TXT, CMUL)
-    wk = _lane_weight(wk_txt, wk_img, in_txt, wcol, HAS_TXT, HAS_WKT, HAS_WKI)
-    _lane_norm_rope_store(xk, wk, c, sn, k_out, out_off, row_ok, eps, in_txt, fac_img, fac_txt,
-                          D, R, T, ROPE, DTYPE, EXACT, NORM, HAS_TXT, CMUL)
+    xq = _lane_rows(q_txt, q_img, b, s, h, col, qt_sb, qt_ss, qt_sh, qt_sd,
+                    qi_sb, qi_ss, qi_sh, qi_sd, S_TXT, mask, HAS_TXT)
+    xk = _lane_rows(k_txt, k_img, b, s, h, col, kt_sb, kt_ss, kt_sh, kt_sd,
+                    ki_sb, ki_ss, ki_sh, ki_sd, S_TXT, mask, HAS_TXT)
+    wq = _lane_weight(wq_txt, wq_img, in_txt, col, HAS_TXT, HAS_WQT, HAS_WQI)
+    _lane_norm_rope_store(xq, wq, c, sn, q_out + out_base, out_off, mask, eps, in_txt, fac_img, fac_txt,
+                          D, R, P, V, ROPE, DTYPE, EXACT, NORM, HAS_TXT, CMUL)
+    wk = _lane_weight(wk_txt, wk_img, in_txt, col, HAS_TXT, HAS_WKT, HAS_WKI)
+    _lane_norm_rope_store(xk, wk, c, sn, k_out + out_base, out_off, mask, eps, in_txt, fac_img, fac_txt,
+                          D, R, P, V, ROPE, DTYPE, EXACT, NORM, HAS_TXT, CMUL)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -669,17 +719,20 @@ def _lane_plan(D: int, extra: dict, kernel: str | None) -> int | None:
     return T
 
 
-def _lane_tiling(T: int) -> tuple[int, int]:
-    """(rows per program, warps) of the lane kernel for T lanes per row: 8 rows, each warp
-    spanning 32 / T of them, at most four warps. With fewer rows per warp than a warp spans, or a
-    single row per program, Triton's layout no longer puts one row's lanes in one warp (the guard
-    would refuse the binary). The H200 probe (bench/probes/probe_qk_rmsnorm_rope.py) sweeps
-    others; any tiling gives the same bits."""
-    span = 32 // T
-    R = max(8, 2 * span)
+def _lane_tiling(T: int, H: int) -> tuple[int, int, int]:
+    """(heads per program R, warps, virtual lanes per thread V) of the lane kernel for T lanes per
+    row and H heads. V = 2 where T allows (each thread holds two of torch's lanes: half the
+    butterfly and rstd work per element), R = 8 heads (fewer only when H is smaller); a warp
+    spans 32 / (T / V) rows and gets at least that many (with fewer, or a single row per
+    program, Triton's layout no longer puts one row's lanes in one warp: the guard would refuse
+    the binary); at most four warps. Any tiling gives the same bits; the H200 probe
+    (bench/probes/probe_qk_rmsnorm_rope.py) sweeps them."""
+    V = 2 if T >= 16 else 1
+    span = 32 // (T // V)
+    R = max(min(8, next_pow2(H)), 2 * span)
     if interpreter_on():
-        return R, 1
-    return R, max(1, min(4, R // span))
+        return R, 1, V
+    return R, max(1, min(4, R // span)), V
 
 
 def _table_strides(t: torch.Tensor) -> tuple[int, int]:
@@ -695,11 +748,11 @@ def _batch_stride(t: torch.Tensor) -> int:
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
             exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2,
             rope: int | None = None, diffusers: dict | None = None, kernel: str | None = None,
-            lanes_tiling: tuple[int, int] | None = None):
+            lanes_tiling: tuple[int, int, int] | None = None):
     """Allocate the joint outputs and launch. ``kernel``: ``lanes`` / ``tile`` / None (default:
     :func:`qk_kernel_mode`); the vector-per-lane kernel where it reproduces the launch (else, or
     when its compiled layout is refused, the tile kernel). ``rows_per_program`` / ``num_warps``
-    tile the tile kernel, ``lanes_tiling`` = (rows, warps) the lane kernel: tiling never changes
+    tile the tile kernel, ``lanes_tiling`` = (rows, warps, virtual lanes) the lane kernel: tiling never changes
     a row's arithmetic, so any choice gives the same bits; bench/probes/probe_qk_rmsnorm_rope.py
     sweeps them. ``rope``: 0/1/2 (default: 1 with cos/sin, else 0); ``diffusers``: the NORM=1
     constexprs and factors (:func:`_launch_diffusers`)."""
@@ -741,13 +794,15 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
                   DTYPE=tl_dtype(q.dtype), EXACT=exact)
     T = _lane_plan(D, extra, kernel)
     if T is not None:
-        R, nw = lanes_tiling or _lane_tiling(T)
+        R, nw, V = lanes_tiling or _lane_tiling(T, H)
         lane_consts = {k_: v for k_, v in extra.items() if k_ in ("NORM", "CMUL", "LAYOUT")}
         if rope == 2 and _table_strides(cos)[1] == 2 and _table_strides(sin)[1] == 2:
             lane_consts["PACKED"] = True
-        compiled = _qk_lanes_kernel[(cdiv(n_rows, R),)](
-            *args, D=D, T=T, R=R, **consts, **lane_consts, num_warps=nw, enable_fp_fusion=False)
-        if lane_layout_ok(compiled, T):
+        if H % R:
+            lane_consts["EVEN_H"] = False
+        compiled = _qk_lanes_kernel[(B * S_tot, cdiv(H, R))](
+            *args, D=D, T=T, R=R, V=V, **consts, **lane_consts, num_warps=nw, enable_fp_fusion=False)
+        if lane_layout_ok(compiled, T // V):
             return q_out, k_out
     R = rows_per_program or _block_rows(D)
     _qk_rmsnorm_rope_kernel[(cdiv(n_rows, R),)](
@@ -991,7 +1046,7 @@ def can_use_qk_rmsnorm_diffusers_rope_complex(
 
 def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
                       txt_freqs, cmul: int = CMUL_MODE, rows_per_program: int | None = None,
-                      num_warps: int = 2, layout: int = 0):
+                      num_warps: int = 2, layout: int = 0, lanes_tiling: tuple[int, int, int] | None = None):
     """Launch the NORM=1 kernel: per-stream reduce widths and mean factors from the shapes,
     complex tables as fp32 views of their real parts (imaginary at +1), no copies."""
     B, S_img, H, D = q.shape
@@ -1006,7 +1061,8 @@ def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_
     if img_tab is not None and txt_tab is None:
         txt_tab = img_tab  # no text rows: never read
     return _launch(q, k, q_weight, k_weight, img_tab, txt_tab, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-                   True, rows_per_program, num_warps, rope=2 if freqs is not None else 0, diffusers=params)
+                   True, rows_per_program, num_warps, rope=2 if freqs is not None else 0, diffusers=params,
+                   lanes_tiling=lanes_tiling)
 
 
 @torch.library.custom_op("ditfuse::qk_rmsnorm_diffusers_rope_complex", mutates_args=())
