@@ -18,28 +18,16 @@ import torch
 
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as mod
+from tests.support.launch_count import Counting
 from tests.support import diffusers_rms_sim as dsim
 from tests.support import rms_sim
-
-
-class _Counting:
-    def __init__(self, kernel, name: str, counts: Counter):
-        self.kernel, self.name, self.counts = kernel, name, counts
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.counts[self.name] += 1
-            return launch(*args, **kwargs)
-        return run
 
 
 @pytest.fixture
 def launches(monkeypatch):
     counts: Counter = Counter()
-    monkeypatch.setattr(mod, "_qk_lanes_kernel", _Counting(mod._qk_lanes_kernel, "lanes", counts))
-    monkeypatch.setattr(mod, "_qk_rmsnorm_rope_kernel", _Counting(mod._qk_rmsnorm_rope_kernel, "tile", counts))
+    monkeypatch.setattr(mod, "_qk_lanes_kernel", Counting(mod._qk_lanes_kernel, "lanes", counts))
+    monkeypatch.setattr(mod, "_qk_rmsnorm_rope_kernel", Counting(mod._qk_rmsnorm_rope_kernel, "tile", counts))
     return counts
 
 

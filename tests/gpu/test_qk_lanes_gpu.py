@@ -14,28 +14,16 @@ from ditfuse.kernels import reference as rf
 from ditfuse.kernels.common import warp
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as mod
+from tests.support.launch_count import Counting
 
 DEV = "cuda"
-
-
-class _Counting:
-    def __init__(self, kernel, name, counts):
-        self.kernel, self.name, self.counts = kernel, name, counts
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-
-        def run(*args, **kwargs):
-            self.counts[self.name] += 1
-            return launch(*args, **kwargs)
-        return run
 
 
 @pytest.fixture
 def launches(monkeypatch):
     counts: Counter = Counter()
-    monkeypatch.setattr(mod, "_qk_lanes_kernel", _Counting(mod._qk_lanes_kernel, "lanes", counts))
-    monkeypatch.setattr(mod, "_qk_rmsnorm_rope_kernel", _Counting(mod._qk_rmsnorm_rope_kernel, "tile", counts))
+    monkeypatch.setattr(mod, "_qk_lanes_kernel", Counting(mod._qk_lanes_kernel, "lanes", counts))
+    monkeypatch.setattr(mod, "_qk_rmsnorm_rope_kernel", Counting(mod._qk_rmsnorm_rope_kernel, "tile", counts))
     return counts
 
 

@@ -50,6 +50,26 @@ def _compile(kernel, scalars, constexprs, ptrs, strides, fp32_ptrs=(), num_warps
                           options=dict(num_warps=num_warps, enable_fp_fusion=False))
 
 
+def cubin_facts(k) -> tuple[int | None, int | None, list[str]]:
+    """(registers, local memory bytes, SASS instruction lines) of a compiled kernel, read with
+    the cuobjdump / nvdisasm shipped with Triton."""
+    import triton
+
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
+                             capture_output=True, text=True).stdout
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
+                              capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    r = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    return (int(r.group(1)) if r else None), (int(r.group(2)) if r else None), lines
+
+
 def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     """kind ``ln``: the LayerNorm kernel in FLUX's all-bf16 configuration (gated: the residual
     variant, per-sample gate/scale/shift); ``lnwarp``: the warp-per-row LayerNorm kernel in the same
@@ -58,7 +78,6 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     freqs (fp32 operands in the ``ln`` case too for ``js`` = 3 would change nothing the checks
     look at). ``js`` > 0: the held-row kernel for rows of ``js`` vectors per thread (FLUX's width
     3072: 6, Wan-1.3B's 1536: 3), loads unpredicated; 0: the runtime loop."""
-    import triton
     import triton.language as tl
 
     scalars = ["M", "S", "N", "NVEC", "J"]
@@ -121,20 +140,7 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     out["div_rn_f32"] = len(re.findall(r"\bdiv\.rn\.f32", ptx))
     out["rsqrt_approx"] = len(re.findall(r"rsqrt\.approx\.f32", ptx))
     out["shared_bytes"] = k.metadata.shared
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    r = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
-    out["regs"] = int(r.group(1)) if r else None
-    out["local_bytes"] = int(r.group(2)) if r else None
-    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln)]
+    out["regs"], out["local_bytes"], lines = cubin_facts(k)
     out["sass_instructions"] = len(lines)
     # Where the first pass's loads sit: how many global loads are issued before the first FP
     # arithmetic that consumes data (FFMA in the Welford / sum-of-squares chain).

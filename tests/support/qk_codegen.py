@@ -13,9 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 
 # name: (T, R, warps, switches incl. V); R / warps None: the launcher's tiling (_lane_tiling).
 VARIANTS = {
@@ -83,7 +81,7 @@ def compile_variant(T: int, R: int | None, nw: int | None, switches: dict):
 
 
 def facts(name: str) -> dict:
-    import triton
+    from tests.support.layernorm_codegen import cubin_facts
 
     from ditfuse.kernels.common.warp import lane_layout_reason
 
@@ -103,20 +101,8 @@ def facts(name: str) -> dict:
     out["st_global"] = sorted(set(re.findall(r"st\.global(?:\.\w+)*", ptx)))
     out["rsqrt_approx"] = len(re.findall(r"rsqrt\.approx\.f32", ptx))
     out["shared_bytes"] = k.metadata.shared
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    try:
-        res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
-                             capture_output=True, text=True).stdout
-        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
-                              capture_output=True, text=True).stdout
-    finally:
-        os.unlink(f.name)
-    r = re.search(r"REG:(\d+).*?LOCAL:(\d+)", res)
-    out["regs"] = int(r.group(1)) if r else None
-    out["local_bytes"] = int(r.group(2)) if r else None
-    out["sass_instructions"] = sum(1 for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", ln))
+    out["regs"], out["local_bytes"], lines = cubin_facts(k)
+    out["sass_instructions"] = len(lines)
     return out
 
 

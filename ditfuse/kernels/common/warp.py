@@ -99,11 +99,12 @@ def _parse_list(body: str, key: str) -> list[int] | None:
     return [int(v) for v in m.group(1).split(",")] if m else None
 
 
-def _layout_reason(layout: str, aliases: dict[str, str]) -> str | None:
-    """Why ``layout`` (of a [1, 32] tensor) is not lane i -> element [0, i], one per thread."""
+def _unwrap_slices(layout: str, aliases: dict[str, str]) -> tuple[str, list[int]]:
+    """(the layout under any ``ttg.slice`` wrappers, aliases resolved; the sliced dims, outermost
+    first)."""
     sliced: list[int] = []
     while True:
-        m = re.fullmatch(r"#ttg\.slice<\{dim = (\d+), parent = (.+)\}>", layout)
+        m = re.fullmatch(r"#?ttg\.slice<\{dim = (\d+), parent = (.+)\}>", layout)
         if m:
             sliced.append(int(m.group(1)))
             layout = m.group(2)
@@ -111,7 +112,12 @@ def _layout_reason(layout: str, aliases: dict[str, str]) -> str | None:
         if layout.startswith("#") and layout[1:] in aliases:
             layout = aliases[layout[1:]]
             continue
-        break
+        return layout, sliced
+
+
+def _layout_reason(layout: str, aliases: dict[str, str]) -> str | None:
+    """Why ``layout`` (of a [1, 32] tensor) is not lane i -> element [0, i], one per thread."""
+    layout, sliced = _unwrap_slices(layout, aliases)
     if layout.startswith("#ttg.blocked"):
         spt, tpw, wpc = (_parse_list(layout, k) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
         if spt is None or tpw is None or wpc is None or len(tpw) < 2:
@@ -207,17 +213,7 @@ def _lane_axis_reason(layout: str, aliases: dict[str, str], P: int) -> str | Non
     """Why axis 0 of a [P, R] operand laid out as ``layout`` is not P lanes of one warp with one
     element per thread (None when it is). Blocked layouts, slices of blocked layouts (the
     operand's axes are the parent's minus the sliced ones) and linear layouts are understood."""
-    sliced: list[int] = []
-    while True:
-        m = re.fullmatch(r"#?ttg\.slice<\{dim = (\d+), parent = (.+)\}>", layout)
-        if m:
-            sliced.append(int(m.group(1)))
-            layout = m.group(2)
-            continue
-        if layout.startswith("#") and layout[1:] in aliases:
-            layout = aliases[layout[1:]]
-            continue
-        break
+    layout, sliced = _unwrap_slices(layout, aliases)
     if layout.startswith("#ttg.blocked"):
         spt, tpw, wpc = (_parse_list(layout, k) for k in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
         if spt is None or tpw is None or wpc is None:
