@@ -11,24 +11,19 @@ tests/gpu/test_qk_rmsnorm_rope.py.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as mod
-from tests.support.launch_count import Counting
+from tests.support.launch_count import count_launches
 from tests.support import diffusers_rms_sim as dsim
 from tests.support import rms_sim
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    counts: Counter = Counter()
-    monkeypatch.setattr(mod, "_qk_lanes_kernel", Counting(mod._qk_lanes_kernel, "lanes", counts))
-    monkeypatch.setattr(mod, "_qk_rmsnorm_rope_kernel", Counting(mod._qk_rmsnorm_rope_kernel, "tile", counts))
-    return counts
+    return count_launches(monkeypatch, mod, _qk_lanes_kernel="lanes", _qk_rmsnorm_rope_kernel="tile")
 
 
 def _both(monkeypatch, launches, fn, expect_lanes: bool):

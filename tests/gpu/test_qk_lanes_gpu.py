@@ -5,8 +5,6 @@ it applies) over their sweeps; this file pins down that the lane kernel is what 
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
@@ -14,17 +12,14 @@ from ditfuse.kernels import reference as rf
 from ditfuse.kernels.common import warp
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as mod
-from tests.support.launch_count import Counting
+from tests.support.launch_count import count_launches
 
 DEV = "cuda"
 
 
 @pytest.fixture
 def launches(monkeypatch):
-    counts: Counter = Counter()
-    monkeypatch.setattr(mod, "_qk_lanes_kernel", Counting(mod._qk_lanes_kernel, "lanes", counts))
-    monkeypatch.setattr(mod, "_qk_rmsnorm_rope_kernel", Counting(mod._qk_rmsnorm_rope_kernel, "tile", counts))
-    return counts
+    return count_launches(monkeypatch, mod, _qk_lanes_kernel="lanes", _qk_rmsnorm_rope_kernel="tile")
 
 
 def _rnd(g, *shape, dtype=torch.bfloat16):

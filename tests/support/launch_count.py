@@ -19,3 +19,12 @@ class Counting:
             self.counts[self.name] += 1
             return launch(*args, **kwargs)
         return run
+
+
+def count_launches(monkeypatch, module, **kernels: str) -> Counter:
+    """Stand :class:`Counting` wrappers in for ``module``'s kernels (``attr="name"``) for one
+    test; returns the counter they share."""
+    counts: Counter = Counter()
+    for attr, name in kernels.items():
+        monkeypatch.setattr(module, attr, Counting(getattr(module, attr), name, counts))
+    return counts

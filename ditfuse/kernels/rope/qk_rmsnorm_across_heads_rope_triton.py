@@ -328,6 +328,34 @@ def _unsupported_reason(q, k, q_weight, k_weight, cos, sin, heads, eps) -> str |
 # ----------------------------------------------------------------------------- launch
 
 
+def _warp_launch(x, w, out, cos, sin, heads, eps, exact: bool, R: int, second: tuple | None = None) -> bool:
+    """Launch the warp-per-row kernel on x (rows of [B, S, D]) into ``out``; ``second`` =
+    (x2, w2, out2): the same rows of a second tensor in the same programs (PAIR). False when the
+    compiled binary's layout is refused (common/warp.py): the caller then writes the outputs with
+    the 128-thread kernel."""
+    B, S, D = x.shape
+    M = B * S
+    has_rope = cos is not None
+    p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
+    pair = {}
+    if second is not None:
+        x2, w2, out2 = second
+        pair = dict(x2_ptr=x2, w2_ptr=w2 if w2 is not None else x2, out2_ptr=out2,
+                    x2sb=x2.stride(0), x2ss=x2.stride(1), x2sd=x2.stride(2),
+                    w2sd=w2.stride(0) if w2 is not None else 0, PAIR=True, HAS_W2=w2 is not None)
+    compiled = _rms_rope_warp_kernel[(cdiv(M, R),)](
+        x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
+        M, S, D, float(eps),
+        *x.stride(), w.stride(0) if w is not None else 0,
+        cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
+        sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
+        DH=D // heads, HAS_W=w is not None, HAS_ROPE=has_rope, EXACT=exact,
+        DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(p_dt), R=R, JS=cdiv(D // 4, 128), **pair,
+        num_warps=R, enable_fp_fusion=False,
+    )
+    return warp_layout_ok(compiled, "rope.qk_rmsnorm_across_heads_rope")
+
+
 def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int | None = None,
                 unroll: bool = True, warp: bool | None = None) -> torch.Tensor:
     """One tensor (q or k). ``rows_per_program``, ``unroll`` (False: the runtime loop) and
@@ -343,20 +371,9 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     J = cdiv(nvec, 128)
     has_rope = cos is not None
     R = warp_plan(D, M, warp, unroll, rows_per_program)
-    if R is not None:
-        p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
-        compiled = _rms_rope_warp_kernel[(cdiv(M, R),)](
-            x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
-            M, S, D, float(eps),
-            *x.stride(), w.stride(0) if w is not None else 0,
-            cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
-            sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
-            DH=D // heads, HAS_W=w is not None, HAS_ROPE=has_rope, EXACT=exact,
-            DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(p_dt), R=R, JS=J, num_warps=R, enable_fp_fusion=False,
-        )
-        if warp_layout_ok(compiled, "rope.qk_rmsnorm_across_heads_rope"):
-            return out
-        # refused: the 128-thread kernel below rewrites out completely
+    if R is not None and _warp_launch(x, w, out, cos, sin, heads, eps, exact, R):
+        return out
+    # 128-thread kernel (also after a refused warp binary: it rewrites out completely)
     JS = held_steps(J, unroll)
     # held rows: at most 6 held vectors per thread (Wan's 1536: R = 2; the H200 sweep in
     # bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)
@@ -381,28 +398,12 @@ def _launch_pair(q, k, q_weight, k_weight, cos, sin, heads, eps, exact: bool,
     the token's cos/sin); None where the warp kernel does not take these rows (or its binary is
     refused), and the caller launches q and k separately. Same bits as two launches."""
     B, S, D = q.shape
-    M = B * S
-    R = warp_plan(D, M, None, True, rows_per_program)
-    if R is None or M == 0:
+    R = warp_plan(D, B * S, None, True, rows_per_program)
+    if R is None or B * S == 0:
         return None
     qo = torch.empty((B, S, heads, D // heads), dtype=q.dtype, device=q.device)
     ko = torch.empty_like(qo)
-    has_rope = cos is not None
-    p_dt = promote(q.dtype, cos.dtype) if has_rope else q.dtype
-    compiled = _rms_rope_warp_kernel[(cdiv(M, R),)](
-        q, q_weight if q_weight is not None else q, cos if has_rope else q, sin if has_rope else q, qo,
-        M, S, D, float(eps),
-        *q.stride(), q_weight.stride(0) if q_weight is not None else 0,
-        cos.stride(1) if has_rope else 0, cos.stride(3) if has_rope else 0,
-        sin.stride(1) if has_rope else 0, sin.stride(3) if has_rope else 0,
-        DH=D // heads, HAS_W=q_weight is not None, HAS_ROPE=has_rope, EXACT=exact,
-        DTYPE=tl_dtype(q.dtype), P_DT=tl_dtype(p_dt), R=R, JS=cdiv(D // 4, 128),
-        x2_ptr=k, w2_ptr=k_weight if k_weight is not None else k, out2_ptr=ko,
-        x2sb=k.stride(0), x2ss=k.stride(1), x2sd=k.stride(2),
-        w2sd=k_weight.stride(0) if k_weight is not None else 0,
-        PAIR=True, HAS_W2=k_weight is not None, num_warps=R, enable_fp_fusion=False,
-    )
-    if not warp_layout_ok(compiled, "rope.qk_rmsnorm_across_heads_rope"):
+    if not _warp_launch(q, q_weight, qo, cos, sin, heads, eps, exact, R, second=(k, k_weight, ko)):
         return None
     return qo, ko
 
