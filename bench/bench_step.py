@@ -257,9 +257,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 extra = ""
                 if handle is not None:
                     rep = ditfuse.gate.report()
-                    ho = handle.report().components[0].handoffs
+                    comp = handle.report().components[0]
+                    ho, pt = comp.handoffs, comp.pos_tables
                     extra = (f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)} "
                              f"handoffs={ho.get('used', 0)}/{ho.get('links', 0)}x{len(times) + args.warmup}")
+                    if any(pt.values()):
+                        extra += f" rope_tables={pt['hits']}/{pt['hits'] + pt['misses'] + pt['uncached']}"
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
                       f"(host enqueue {statistics.median(host):.1f} ms) bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)

@@ -17,6 +17,7 @@ import torch
 
 from ..contracts.bitexact import gate
 from ..contracts.quality import MountResult, Quality
+from . import pos_cache
 from .base import Adapter, AdapterMount, AdapterVersionError, capture_admission_batches, handoff_counts, mounted_high
 
 logger = logging.getLogger("ditfuse.models")
@@ -77,6 +78,8 @@ class ComponentReport:
     high: MountResult | None = None
     # cross-block hand-offs (models/handoff.py): {"links", "used", "discarded"}, live counts
     handoffs: dict[str, int] = field(default_factory=dict)
+    # RoPE tables reused across steps (models/pos_cache.py): {"hits", "misses", "uncached"}, live counts
+    pos_tables: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -101,6 +104,10 @@ class AccelerationReport:
                     n = c.handoffs["links"]
                     ho = (f"; cross-block hand-offs: {n} link{'s' if n != 1 else ''}, {c.handoffs['used']} used, "
                           f"{c.handoffs['discarded']} discarded")
+                pt = c.pos_tables
+                if any(pt.values()):
+                    ho += (f"; RoPE tables: {pt['hits']} reused, {pt['misses']} computed"
+                           + (f", {pt['uncached']} uncached" if pt.get("uncached") else ""))
                 lines.append(
                     f"{c.component} ({c.cls}): {c.adapter} adapter, {len(c.sites)} fast forwards "
                     f"[{', '.join(c.ops)}]{extra}{hi}{ho}"
@@ -125,6 +132,7 @@ class AccelerationReport:
                     "skipped_sites": [{"path": p, "reason": r} for p, r in c.skipped_sites],
                     "ops": list(c.ops),
                     "handoffs": dict(c.handoffs),
+                    "pos_tables": dict(c.pos_tables),
                     "high_failure": None if c.high is None or c.high.failed is None else str(c.high.failed),
                 }
                 for c in self.components
@@ -204,6 +212,7 @@ class Acceleration:
     def report(self) -> AccelerationReport:
         for name, (_, model) in self._mounted.items():
             self._reports[name].handoffs = handoff_counts(model)
+            self._reports[name].pos_tables = pos_cache.counts(model)
         return AccelerationReport(self._quality, list(self._reports.values()), list(self._notes), gate.report())
 
     def enable_cuda_graphs(self, max_graphs: int = 8) -> None:

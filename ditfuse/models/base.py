@@ -71,7 +71,8 @@ class Site:
     ``high=False``: no quality="high" tier for this site even if its ops have close variants.
     ``chained=True``: the site's modules are the blocks of an ``nn.ModuleList`` that hand off
     across block boundaries (:mod:`ditfuse.models.handoff`); the fast forward also gets
-    ``_link``, its :class:`~ditfuse.models.handoff.Link`.
+    ``_link``, its :class:`~ditfuse.models.handoff.Link`. ``release(module)``, if given, runs when
+    the site is unmounted from ``module`` (state the fast forward kept, e.g. cached tables).
     """
 
     name: str
@@ -83,6 +84,7 @@ class Site:
     high: bool = True
     description: str = ""
     chained: bool = False
+    release: Callable[[torch.nn.Module], None] | None = None
 
     @property
     def cls_name(self) -> str:
@@ -448,15 +450,17 @@ class Adapter:
 
     def unmount(self, model: torch.nn.Module) -> int:
         removed = 0
-        names = {s.hook_name for s in self.sites}
+        by_name = {s.hook_name: s for s in self.sites}
         for _, mod in model.named_modules():
             reg = getattr(mod, "_diffusers_hook", None)
             if reg is None:
                 continue
             for name in list(reg.hooks):
-                if name in names:
+                if name in by_name:
                     remove_hook(reg, name)
                     removed += 1
+                    if by_name[name].release is not None:
+                        by_name[name].release(mod)
         if hasattr(model, "_diffusers_hook"):
             model._diffusers_hook.invalidate_child_registries_cache()
         return removed

@@ -27,6 +27,7 @@ from .adaln import (ada_zero, ada_zero_applies, ada_zero_opening, norm_out_forwa
                     norm_out_site, plain_layernorm)
 from .base import Adapter, Site
 from .handoff import NO_LINK, Link, Opening, close_block
+from .pos_cache import embedder_site, transformer_scope
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_flux"
@@ -256,6 +257,34 @@ def _single_applies(block) -> str | None:
     return None
 
 
+# -- the transformer: names the position ids' sources for the embedder's cache -----------------
+
+_TRANSFORMER_PARAMS = (
+    "self", "hidden_states", "encoder_hidden_states", "pooled_projections", "timestep", "img_ids", "txt_ids",
+    "guidance", "joint_attention_kwargs", "controlnet_block_samples", "controlnet_single_block_samples",
+    "return_dict", "controlnet_blocks_repeat",
+)
+_IMG_IDS, _TXT_IDS = _TRANSFORMER_PARAMS.index("img_ids") - 1, _TRANSFORMER_PARAMS.index("txt_ids") - 1
+
+
+def transformer_forward(model, original, *args: Any, _ops: OpSet = LOSSLESS, **kwargs: Any):
+    """diffusers' FluxTransformer2DModel.forward, run with its ``txt_ids`` / ``img_ids`` named as
+    the sources of the ids its ``pos_embed`` gets (``cat((txt_ids, img_ids))``), so the embedder's
+    tables are reused across steps (models/pos_cache.py)."""
+    img_ids = args[_IMG_IDS] if len(args) > _IMG_IDS else kwargs.get("img_ids")
+    txt_ids = args[_TXT_IDS] if len(args) > _TXT_IDS else kwargs.get("txt_ids")
+    with transformer_scope(model.pos_embed, txt_ids, img_ids):
+        return original(*args, **kwargs)
+
+
+def _transformer_applies(model) -> str | None:
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    if type(getattr(model, "pos_embed", None)) is not FluxPosEmbed:
+        return "pos_embed is not FluxPosEmbed"
+    return None
+
+
 _BLOCK_PARAMS = ("self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 
 SITES = (
@@ -291,6 +320,18 @@ SITES = (
         description="attention: QK RMSNorm + text/image concat + RoPE in one pass",
     ),
     norm_out_site("flux"),
+    Site(
+        name="flux.transformer",
+        cls=f"{_TF}:FluxTransformer2DModel",
+        params=_TRANSFORMER_PARAMS,
+        forward=transformer_forward,
+        ops=(),
+        applies=_transformer_applies,
+        high=False,
+        description="the transformer's own forward, unchanged, with its txt_ids/img_ids named as the sources of "
+                    "pos_embed's ids (for the table cache)",
+    ),
+    embedder_site("flux.pos_embed", f"{_TF}:FluxPosEmbed"),
 )
 
 ADAPTER = Adapter(

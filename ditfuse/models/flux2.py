@@ -38,6 +38,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import norm_out_site, plain_layernorm
+from .pos_cache import embedder_site
 from .base import Adapter, Site
 from .handoff import NO_LINK, Link, Opening, close_block
 
@@ -402,6 +403,7 @@ SITES = (
                     "SwiGLU into the to_out buffer (no cat)",
     ),
     norm_out_site("flux2", high=False),
+    embedder_site("flux2.pos_embed", f"{_TF}:Flux2PosEmbed"),
 )
 
 ADAPTER = Adapter(

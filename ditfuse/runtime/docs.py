@@ -96,7 +96,7 @@ def render() -> str:
             "| --- | --- | --- | --- | --- | --- |",
         ]
         for r in rows:
-            ops = ", ".join(f"`{o}`" for o in r["ops"]) or "(data movement only: no op)"
+            ops = ", ".join(f"`{o}`" for o in r["ops"]) or "(no kernel: the site moves or reuses data)"
             high = ", ".join(f"`{o}`" for o in r["high_ops"]) or "(lossless ops only)"
             lines.append(f"| {r['family']} | `{r['cls']}` | {_esc(r['site'])} | {ops} | {high} | {r['versions']} |")
     else:
@@ -132,6 +132,7 @@ def render() -> str:
         "DITFUSE_ROW_KERNEL=auto|block|warp                # row-norm kernels for D % 512 == 0 (default auto)",
         "DITFUSE_QK_KERNEL=auto|lanes|tile                 # QK-norm kernels: vector-per-lane or tile (default auto)",
         "DITFUSE_HANDOFF=1|0                               # cross-block fusion (default 1; models/handoff.py)",
+        "DITFUSE_POS_CACHE=1|0                             # FLUX.1/FLUX.2 RoPE tables reused across steps (default 1; models/pos_cache.py)",
         "```",
         "",
         "```python",

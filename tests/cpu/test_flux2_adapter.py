@@ -33,6 +33,7 @@ def _run(m, inp):
 EXPECTED_SITES = sorted(
     ["flux2.double_block"] * 2 + ["flux2.attention"] * 2 + ["flux2.feed_forward"] * 4
     + ["flux2.single_block"] * 2 + ["flux2.parallel_attention"] * 2 + ["flux2.norm_out"]
+    + ["flux2.pos_embed"]  # the RoPE table cache (models/pos_cache.py)
 )
 
 

@@ -28,9 +28,11 @@ def test_mount_unmount_outputs_bitwise_unchanged(batch, guidance):
     h = ditfuse.accelerate(m)
     rep = h.report()
     assert rep.components[0].status == "mounted"
-    # 1 dual + 1 single block, 2 attentions, norm_out
+    # 1 dual + 1 single block, 2 attentions, norm_out; the transformer and its position embedder
+    # (the RoPE table cache, models/pos_cache.py)
     assert sorted(s for _, s in rep.components[0].sites) == sorted(
-        ["flux.dual_block", "flux.single_block", "flux.attention", "flux.attention", "flux.norm_out"]
+        ["flux.dual_block", "flux.single_block", "flux.attention", "flux.attention", "flux.norm_out",
+         "flux.transformer", "flux.pos_embed"]
     )
     assert_bitwise_equal(_run(m, inp), base, "accelerated")
     assert_bitwise_equal(_run(m, inp), base, "accelerated, second call")
