@@ -95,6 +95,35 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
     return times, out
 
 
+def sync_points(fn: Callable[[], Any]) -> str:
+    """Run ``fn`` once under ``torch.cuda.set_sync_debug_mode("warn")`` and say where the host
+    waited for the GPU (``.item()``, a device-to-host copy, ``nonzero``...): "" when nowhere, else
+    "N at file:line xK, ...". A step with a sync inside enqueues no further than that point: its
+    host time then reaches its step time without being host-bound."""
+    import collections
+    import os as _os
+    import warnings
+
+    import torch
+
+    where: collections.Counter = collections.Counter()
+    prev = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(prev)
+        torch.cuda.synchronize()
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where[f"{_os.path.basename(w.filename)}:{w.lineno}"] += 1
+    if not where:
+        return ""
+    return f"{sum(where.values())} at " + ", ".join(f"{k} x{v}" for k, v in where.most_common(6))
+
+
 def _gpu_intervals(prof: Any) -> list[tuple[float, float, str]]:
     """(start µs, end µs, name) of every kernel, memcpy and memset in a finished profile."""
     import json
@@ -219,8 +248,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             times, ref_out = time_steps(step, args.steps, args.warmup, host)
             ref_out = ref_out.clone()
         results = {"eager": (times, True, 0.0, host)}
+        with torch.no_grad():
+            syncs = sync_points(step)
         print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms "
-              f"(host enqueue {statistics.median(host):.1f} ms)", flush=True)
+              f"(host enqueue {statistics.median(host):.1f} ms, {min(host):.1f}-{max(host):.1f}) "
+              f"syncs={syncs or 0}", flush=True)
 
         for prov in providers:
             if prov == "eager":
@@ -251,6 +283,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with torch.no_grad():
                     host = []
                     times, out = time_steps(fn, args.steps, args.warmup, host)
+                    syncs = sync_points(fn) if prov != "compile" else "n/a"
                 mm = first_mismatch(out, ref_out)
                 rel = relative_l2(out, ref_out)
                 results[prov] = (times, mm is None, rel, host)
@@ -260,11 +293,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     comp = handle.report().components[0]
                     ho, pt = comp.handoffs, comp.pos_tables
                     extra = (f" disabled={list(rep.disabled)} fallbacks={len(rep.fallbacks)} "
-                             f"handoffs={ho.get('used', 0)}/{ho.get('links', 0)}x{len(times) + args.warmup}")
+                             f"handoffs={ho.get('used', 0)}/{ho.get('links', 0)}x{len(times) + args.warmup + 1}")  # +1: sync_points' step
                     if any(pt.values()):
                         extra += f" rope_tables={pt['hits']}/{pt['hits'] + pt['misses'] + pt['uncached']}"
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
-                      f"(host enqueue {statistics.median(host):.1f} ms) bitwise={mm is None} "
+                      f"(host enqueue {statistics.median(host):.1f} ms, {min(host):.1f}-{max(host):.1f}) "
+                      f"syncs={syncs or 0} bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
             finally:
                 if saved_handoff is None:
