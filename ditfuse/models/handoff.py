@@ -19,7 +19,9 @@ its outputs (so a ControlNet run costs one wasted LayerNorm per boundary, once).
 
 When a producer does not speculate at all: the successor carries a foreign hook (offloading could
 leave its weights off-device, a cache hook may skip it) or a torch forward pre-hook; autograd is
-on; torch.compile is tracing; ``DITFUSE_HANDOFF=0``. The blocks of one ``nn.ModuleList`` that
+on; torch.compile is tracing; under ``torch.inference_mode`` (inference tensors have no version
+counter, so an in-place edit between the blocks could not be seen: ``torch.no_grad`` keeps the
+hand-off, and it is what diffusers' pipelines and ditfuse's engine use); ``DITFUSE_HANDOFF=0``. The blocks of one ``nn.ModuleList`` that
 mount the same site form a chain (:func:`link_chains`); one slot per chain, so at most one payload
 is alive per chain.
 """
@@ -60,7 +62,7 @@ class _Slot:
         if self.ops is not ops or len(keys) != len(self.refs):
             return False
         for r, v, t in zip(self.refs, self.versions, keys):
-            if r() is not t or t._version != v:
+            if r() is not t or t.is_inference() or t._version != v:
                 return False
         return True
 
@@ -117,7 +119,8 @@ class Link:
     def next_block(self) -> torch.nn.Module | None:
         """The successor whose opening this block may compute now, or None (module docstring)."""
         nxt = self.successor
-        if nxt is None or not self.speculating or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if (nxt is None or not self.speculating or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or torch.is_inference_mode_enabled()):
             return None
         if not enabled() or _foreign(nxt):
             return None
@@ -127,6 +130,10 @@ class Link:
         """Leave ``payload`` (None: nothing computed, the outputs are still recorded so the link
         learns whether speculating would pay) for the successor, keyed by the returned tensors."""
         if self.successor is None or self.chain is None:
+            return
+        if any(t.is_inference() for t in keys):
+            # no version counter: an in-place write between the blocks could not be seen
+            self.chain.slot = None
             return
         self.chain.slot = _Slot(self.successor, self, keys, ops, payload)
 

@@ -22,7 +22,8 @@ so the same bits (the tables are a pure, deterministic function of the ids and t
   duration of its forward, and the embedder's key is the pair (checked against the ids' shape).
 
 Not cached (diffusers' forward runs): while torch.compile traces or a CUDA graph is captured,
-with autograd recording (a training step), and for a key not seen in the last
+with autograd recording (a training step), for ids made under ``torch.inference_mode`` (inference
+tensors have no version counter, so an in-place write could not be seen), and for a key not seen in the last
 :data:`MAX_ENTRIES` calls of that embedder (true CFG alternates two text-id tensors). What the key
 cannot see is a write that bypasses torch's version counter (``.data`` assignment, a NumPy array
 sharing the memory): ``DITFUSE_POS_CACHE=0`` turns the cache off.
@@ -50,6 +51,10 @@ _SCOPE: contextvars.ContextVar[tuple[torch.nn.Module, tuple] | None] = contextva
     "ditfuse_pos_scope", default=None)
 
 
+class _Untracked(Exception):
+    """An inference tensor: it has no version counter, so an in-place write to it is invisible."""
+
+
 class _Source:
     """Where a tensor's values come from, comparable without reading them (module docstring)."""
 
@@ -57,6 +62,8 @@ class _Source:
 
     def __init__(self, t: torch.Tensor) -> None:
         base = t._base if t._base is not None else t
+        if base.is_inference():
+            raise _Untracked
         self.base = base
         self.version = base._version
         self.geometry = (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
@@ -174,10 +181,14 @@ def embedder_forward(module: torch.nn.Module, original: Callable[..., Any], ids:
     scope = _SCOPE.get()
     if scope is not None and scope[0] is module:
         key, rows, device = scope[1]
-        if tuple(ids.shape) != (rows, len(module.axes_dim)) or ids.device != device:
-            return cached_forward(module, original, ids, ("ids", _Source(ids)))
-        return cached_forward(module, original, ids, key)
-    return cached_forward(module, original, ids, ("ids", _Source(ids)))
+        if key is not None and tuple(ids.shape) == (rows, len(module.axes_dim)) and ids.device == device:
+            return cached_forward(module, original, ids, key)
+    try:
+        key = ("ids", _Source(ids))
+    except _Untracked:
+        _count(module, "uncached")
+        return original(ids)
+    return cached_forward(module, original, ids, key)
 
 
 @contextmanager
@@ -189,7 +200,10 @@ def transformer_scope(embedder: torch.nn.Module, txt_ids: Any, img_ids: Any) -> 
         yield  # diffusers raises or handles it; nothing to key on
         return
     rows = sum(t.shape[-2] for t in (txt_ids, img_ids))  # [0] of a 3-D ids tensor keeps dims -2, -1
-    key = ("cat", _Source(txt_ids), _Source(img_ids))
+    try:
+        key: tuple | None = ("cat", _Source(txt_ids), _Source(img_ids))
+    except _Untracked:
+        key = None  # inference tensors: the embedder's own ids are not trackable either
     token = _SCOPE.set((embedder, (key, rows, img_ids.device)))
     try:
         yield

@@ -229,7 +229,10 @@ def run_batch(
             raise ValueError(f"{type(pipe).__name__} does not take a negative_prompt")
         for k in dropped:
             kwargs.pop(k)
-    with torch.inference_mode():
+    # no_grad, as diffusers' pipelines themselves: under inference_mode every tensor is an
+    # inference tensor without a version counter, and the cross-block hand-off and the RoPE table
+    # cache (models/handoff.py, models/pos_cache.py), which rely on it, would stand down.
+    with torch.no_grad():
         out = pipe(**kwargs)
     if video or still:
         from .video_io import frames_to_uint8

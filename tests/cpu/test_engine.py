@@ -513,3 +513,24 @@ def test_metrics_batches_and_images_read_as_ints_for_the_serving_benchmark():
     eng = run(main())
     assert (eng.metrics.batches, eng.metrics.images) == (len(runner.calls), 4)
     assert isinstance(eng.metrics.batches, int) and isinstance(eng.metrics.images, int)
+
+
+def test_pipeline_runs_under_no_grad_not_inference_mode():
+    """run_batch calls the pipeline under torch.no_grad (as diffusers' pipelines do themselves):
+    under inference_mode every tensor lacks a version counter, and the cross-block hand-off and
+    the RoPE table cache, which rely on it, would stand down for every served request."""
+    import torch
+
+    from ditfuse.runtime.engine import run_batch
+
+    seen = []
+
+    class Pipe:
+        def __call__(self, prompt, height, width, num_inference_steps, guidance_scale, generator,
+                     num_images_per_prompt, output_type):
+            seen.append((torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+            return SimpleNamespace(images=[f"img{i}" for i in range(len(prompt))])
+
+    loaded = SimpleNamespace(pipe=Pipe(), name="fake", device="cpu", call_kwargs={}, is_video=False)
+    assert run_batch(loaded, [(P(), 0), (P(), 1)]) == ["img0", "img1"]
+    assert seen == [(False, False)]

@@ -294,3 +294,27 @@ def test_report_counts_handoffs():
         assert rep.to_dict()["components"][0]["handoffs"]["links"] == 1
     finally:
         h.unmount()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(CASES))
+def test_inference_mode_runs_without_handoff(family, reference_chains):
+    """Under torch.inference_mode every tensor is an inference tensor, which has no version
+    counter: the hand-off cannot see an in-place edit between blocks, so it stands down (round
+    9's hand-off raised "Inference tensors do not track version counter" there). Bitwise
+    diffusers, none used."""
+    build, links = CASES[family]
+    m = build(torch.bfloat16)
+    with torch.inference_mode():
+        inp = _case_inputs(family, m, batch=2)
+        base = m(**inp)[0]
+    h = ditfuse.accelerate(m)
+    try:
+        with torch.inference_mode():
+            outs = [m(**inp)[0] for _ in range(2)]
+        counts = handoff_counts(m)
+    finally:
+        h.unmount()
+    for out in outs:
+        assert_bitwise_equal(out, base, f"{family} under inference_mode")
+    assert counts == {"links": links, "used": 0, "discarded": 0}, counts

@@ -246,3 +246,26 @@ def test_unmount_restores_the_embedders():
     h.unmount()
     assert m.pos_embed not in pos_cache._tables
     assert not any(True for _ in site_hooks(m))
+
+
+@pytest.mark.parametrize("family", list(CALLS))
+def test_inference_mode_ids_are_not_cached(family):
+    """Inference tensors have no version counter: an in-place write would be invisible, so ids
+    made under torch.inference_mode run diffusers' forward every time (counted as uncached)."""
+    m = _model(family)
+    with torch.inference_mode():
+        inp = _inputs(family, m)
+        want = m(**inp)[0]
+    h = ditfuse.accelerate(m)
+    try:
+        with torch.inference_mode():
+            for _ in range(2):
+                assert_bitwise_equal(m(**inp)[0], want, name="inference mode")
+            inp["img_ids"].add_(1.0)  # allowed in inference mode, and not tracked
+            got = m(**inp)[0]
+        c = _counts(h)
+        assert c["hits"] == 0 and c["uncached"] == 3 * CALLS[family], c
+    finally:
+        h.unmount()
+    with torch.inference_mode():
+        assert_bitwise_equal(got, m(**inp)[0], name="after an untracked edit")
