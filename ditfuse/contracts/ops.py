@@ -17,6 +17,7 @@ the registry, the docs and admission's candidates follow.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from ..kernels import DESCRIPTORS, registry
+from ..kernels.common.plans import MAX_ENTRIES, call_key
 from ..kernels.errors import UnsupportedInput
 from ..kernels.spec import Contract, KeyArg, OpDescriptor
 from .bitexact import gate, tensor_signature
@@ -139,6 +141,7 @@ class GatedOp(_RegisteredOp):
             raise ValueError(f"{descriptor.op} is not bit-exact")
         super().__init__(descriptor)
         self._binder: _KeyBinder | None = None
+        self._sigs: dict[tuple, Hashable] = {}
 
     def signature(self, *args: Any, **kwargs: Any) -> Hashable:
         if self._binder is None:
@@ -153,6 +156,19 @@ class GatedOp(_RegisteredOp):
         if isinstance(kernel, str) or gate.is_disabled(self.op) or registry.is_disabled(self.op):
             return self.reference(*args, **kwargs)
         # The kernel checks its own inputs (UnsupportedInput): no separate predicate call here.
+        keyed = getattr(kernel, "keyed", None)
+        if keyed is not None:
+            # One geometry key per call (kernels/common/plans.py): the gate's signature and the
+            # kernel's predicate and launch recipe are all cached under it.
+            key = call_key(args, kwargs)
+            if key is not None:
+                sig = self._sigs.get(key)
+                if sig is None:
+                    sig = self.signature(*args, **kwargs)
+                    if len(self._sigs) >= MAX_ENTRIES:
+                        self._sigs.clear()
+                    self._sigs[key] = sig
+                return gate.call(self.op, sig, functools.partial(keyed, key), self.reference, *args, **kwargs)
         return gate.call(self.op, self.signature(*args, **kwargs), kernel, self.reference, *args, **kwargs)
 
 

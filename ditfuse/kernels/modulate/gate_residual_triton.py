@@ -19,6 +19,7 @@ import triton.language as tl
 from ..common.elementwise import broadcast_3d, fits_int32, load_f32, tile, tile_rows_cols
 from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
+from ..common.plans import Recipes, call_key
 from ..errors import UnsupportedInput
 
 
@@ -77,11 +78,12 @@ def can_use_gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: to
     return _unsupported_reason(residual, gate, update) is None
 
 
-def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> tuple:
+    """(grid, scalar arguments, constexprs) from the inputs' geometry, or None for an empty output
+    (cached per geometry by :func:`gate_residual`, common/plans.py)."""
     B, S, D = residual.shape
-    out = torch.empty((B, S, D), dtype=residual.dtype, device=residual.device)
-    if out.numel() == 0:
-        return out
+    if B * S * D == 0:
+        return None
     sr, su = residual.stride(), update.stride()
     sg = broadcast_3d(gate, (B, S, D))
     assert sg is not None
@@ -91,19 +93,26 @@ def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
     block_r, block_d, warps = tile(D, per_program=2048)
     R = B * S
     grid = (cdiv(R, block_r), cdiv(D, block_d))
+    # out is contiguous [B, S, D]: strides (S * D, D, 1)
+    scalars = (R, S, D, sr[0], sr[1], sr[2], sg[0], sg[1], sg[2], su[0], su[1], su[2], S * D, D)
+    consts = dict(DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
+                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False)
+    return grid, scalars, consts
+
+
+def _fire(r: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    if r is None:
+        return out
+    grid, scalars, consts = r
+    # int32 addressing depends on the storages' sizes, which the geometry key does not hold
     i64 = not fits_int32(residual, gate, update, out)
-    _gate_residual_kernel[grid](
-        residual, gate, update, out,
-        R, S, D,
-        sr[0], sr[1], sr[2],
-        sg[0], sg[1], sg[2],
-        su[0], su[1], su[2],
-        out.stride(0), out.stride(1),
-        DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
-        BLOCK_R=block_r, BLOCK_D=block_d, I64=i64,
-        num_warps=warps, enable_fp_fusion=False,
-    )
+    _gate_residual_kernel[grid](residual, gate, update, out, *scalars, I64=i64, **consts)
     return out
+
+
+def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    return _fire(_recipe(residual, gate, update), residual, gate, update)
 
 
 @torch.library.custom_op("ditfuse::gate_residual", mutates_args=())
@@ -126,12 +135,32 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     :class:`UnsupportedInput` exactly where :func:`can_use_gate_residual` is False. Runs as the
     custom op ``ditfuse::gate_residual``.
     """
-    reason = _unsupported_reason(residual, gate, update)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed(None, residual, gate, update)
+
+
+_RECIPES = Recipes()
+_EMPTY = object()
+
+
+def _keyed(key: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     if use_custom_op():
+        reason = _unsupported_reason(residual, gate, update)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.gate_residual(residual, gate, update)
-    return _launch(residual, gate, update)
+    if key is None:
+        key = call_key((residual, gate, update))
+    r = _RECIPES.get(key)
+    if r is None:
+        reason = _unsupported_reason(residual, gate, update)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = _RECIPES.put(key, _recipe(residual, gate, update) or _EMPTY)
+    return _fire(None if r is _EMPTY else r, residual, gate, update)
+
+
+# The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
+gate_residual.keyed = _keyed
 
 
 __all__ = ["gate_residual", "can_use_gate_residual"]

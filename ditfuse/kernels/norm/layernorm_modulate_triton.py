@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import functools
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -69,6 +71,7 @@ from ditfuse.kernels.common.welford import (
     welford_fold_rows,
     welford_update,
 )
+from ditfuse.kernels.common.plans import Recipes, call_key
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
@@ -529,6 +532,73 @@ def _rounding_plan(x_dt, gate_dt, update_dt, scale_dt, shift_dt, norm_dtype):
     return consts, out_dt, h_dt
 
 
+class _Recipe(NamedTuple):
+    """What a launch computes from its inputs' geometry (cached per geometry by the public
+    functions, common/plans.py): output dtypes, the residual mode, and each kernel's grid,
+    scalar arguments and constexprs (the warp kernel's None where it is not taken)."""
+
+    res: int
+    out_dt: torch.dtype
+    h_dt: torch.dtype
+    empty: bool
+    warp: tuple | None  # (grid, scalars, kwargs)
+    block: tuple  # (grid, scalars, kwargs)
+
+
+def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
+            rows_per_program: int | None = None, affine_fma: bool = True,
+            unroll: bool = True, warp: bool | None = None) -> _Recipe:
+    B, S, D = x.shape
+    res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
+    consts, out_dt, h_dt = _rounding_plan(
+        x.dtype, None if res != _GATED else gate.dtype, None if update is None else update.dtype,
+        None if scale is None else scale.dtype, None if shift is None else shift.dtype, norm_dtype)
+    M = B * S
+    if M == 0:
+        return _Recipe(res, out_dt, h_dt, True, None, ((0,), (), {}))
+    nvec = D // 4
+    J = cdiv(nvec, 128)
+    u = update if update is not None else x
+    g = gate if gate is not None else u
+    strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
+               weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
+               *_mod_strides(scale), *_mod_strides(shift))
+    flags = dict(RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
+                 EXACT=exact, **consts, AFFINE_FMA=affine_fma, enable_fp_fusion=False)
+    R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES)
+    warp_launch = None
+    if R is not None:
+        warp_launch = ((cdiv(M, R),), (M, S, D, float(eps), *strides), dict(flags, R=R, JS=J, num_warps=R))
+    JS = held_steps(J, unroll)
+    R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
+    block = ((cdiv(M, R),), (M, S, D, nvec, J, float(eps), *strides),
+             dict(flags, R=R, JS=JS, FULL=nvec % 128 == 0, num_warps=4))
+    return _Recipe(res, out_dt, h_dt, False, warp_launch, block)
+
+
+def _fire(r: _Recipe, x, gate, update, scale, shift, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate (h, out) and launch recipe ``r`` on these tensors; h is ``out`` when there is no
+    residual."""
+    out = torch.empty(x.shape, dtype=r.out_dt, device=x.device)
+    h = torch.empty(x.shape, dtype=r.h_dt, device=x.device) if r.res != _NO_RES else out
+    if r.empty:
+        return h, out
+    u = update if update is not None else x
+    ptrs = (x, gate if gate is not None else u, u, weight if weight is not None else x,
+            bias if bias is not None else x, scale if scale is not None else x,
+            shift if shift is not None else x, h, out)
+    if r.warp is not None:
+        grid, scalars, kw = r.warp
+        compiled = _ln_warp_kernel[grid](*ptrs, *scalars, **kw)
+        # the binary's shuffle layout is checked before its result is used
+        if warp_layout_ok(compiled, "norm.layernorm_modulate"):
+            return h, out
+        # refused: the 128-thread kernel below rewrites h and out completely
+    grid, scalars, kw = r.block
+    _ln_kernel[grid](*ptrs, *scalars, **kw)
+    return h, out
+
+
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
             rows_per_program: int | None = None, affine_fma: bool = True,
             unroll: bool = True, warp: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -541,47 +611,8 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
-    B, S, D = x.shape
-    res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
-    consts, out_dt, h_dt = _rounding_plan(
-        x.dtype, None if res != _GATED else gate.dtype, None if update is None else update.dtype,
-        None if scale is None else scale.dtype, None if shift is None else shift.dtype, norm_dtype)
-    out = torch.empty((B, S, D), dtype=out_dt, device=x.device)
-    h = torch.empty((B, S, D), dtype=h_dt, device=x.device) if res != _NO_RES else out
-    M = B * S
-    if M == 0:
-        return h, out
-    nvec = D // 4
-    J = cdiv(nvec, 128)
-    u = update if update is not None else x
-    g = gate if gate is not None else u
-    strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
-               weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
-               *_mod_strides(scale), *_mod_strides(shift))
-    R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES)
-    if R is not None:
-        compiled = _ln_warp_kernel[(cdiv(M, R),)](
-            x, g, u, weight if weight is not None else x, bias if bias is not None else x,
-            scale if scale is not None else x, shift if shift is not None else x, h, out,
-            M, S, D, float(eps), *strides,
-            RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
-            EXACT=exact, **consts, R=R, JS=J, AFFINE_FMA=affine_fma, num_warps=R, enable_fp_fusion=False,
-        )
-        # the binary's shuffle layout is checked before its result is used
-        if warp_layout_ok(compiled, "norm.layernorm_modulate"):
-            return h, out
-        # refused: the 128-thread kernel below rewrites h and out completely
-    JS = held_steps(J, unroll)
-    R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
-    _ln_kernel[(cdiv(M, R),)](
-        x, g, u, weight if weight is not None else x, bias if bias is not None else x,
-        scale if scale is not None else x, shift if shift is not None else x, h, out,
-        M, S, D, nvec, J, float(eps), *strides,
-        RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
-        EXACT=exact, **consts, R=R, AFFINE_FMA=affine_fma,
-        JS=JS, FULL=nvec % 128 == 0, num_warps=4, enable_fp_fusion=False,
-    )
-    return h, out
+    return _fire(_recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact, rows_per_program,
+                         affine_fma, unroll, warp), x, gate, update, scale, shift, weight, bias)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -624,23 +655,45 @@ def _(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact
 # ----------------------------------------------------------------------------- public API
 
 
-def _ln(x, scale, shift, eps, weight, bias, norm_dtype, exact: bool) -> torch.Tensor:
-    reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+_RECIPES = {(gated, exact): Recipes() for gated in (False, True) for exact in (True, False)}
+
+
+def _ln(x, scale, shift, eps, weight, bias, norm_dtype, exact: bool, key: tuple | None = None) -> torch.Tensor:
     if use_custom_op():
+        reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.layernorm_modulate(x, scale, shift, float(eps), weight, bias, norm_dtype, exact)
-    return _launch(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact)[1]
+    cache = _RECIPES[False, exact]
+    if key is None:
+        key = call_key((x, scale, shift, eps, weight, bias, norm_dtype))
+    r = cache.get(key)
+    if r is None:
+        reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = cache.put(key, _recipe(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact))
+    return _fire(r, x, None, None, scale, shift, weight, bias)[1]
 
 
-def _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool):
-    reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+def _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
+           key: tuple | None = None):
     if use_custom_op():
+        reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.gate_residual_layernorm_modulate(
             residual, gate, update, scale, shift, float(eps), weight, bias, norm_dtype, exact)
-    return _launch(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact)
+    cache = _RECIPES[True, exact]
+    if key is None:
+        key = call_key((residual, gate, update, scale, shift, eps, weight, bias, norm_dtype))
+    r = cache.get(key)
+    if r is None:
+        reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = cache.put(key, _recipe(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact))
+    return _fire(r, residual, gate, update, scale, shift, weight, bias)
 
 
 def can_use_layernorm_modulate(
@@ -665,6 +718,14 @@ def layernorm_modulate(
     :func:`can_use_layernorm_modulate` is False.
     """
     return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True)
+
+
+def _keyed_ln(key, x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None):
+    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True, key)
+
+
+# The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
+layernorm_modulate.keyed = _keyed_ln
 
 
 def can_use_layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None) -> bool:
@@ -699,6 +760,13 @@ def gate_residual_layernorm_modulate(
     False.
     """
     return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True)
+
+
+def _keyed_gr_ln(key, residual, gate, update, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None):
+    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True, key)
+
+
+gate_residual_layernorm_modulate.keyed = _keyed_gr_ln
 
 
 def can_use_gate_residual_layernorm_modulate_fp32(residual, gate, update, scale, shift, eps=1e-6, weight=None,

@@ -42,6 +42,8 @@ one nvcc chose for ``c10::complex<float>::operator*=``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import triton
@@ -53,6 +55,7 @@ from ..common.warp import lane_layout_ok
 from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_fold_lanes, rms_rstd, rms_sumsq_reduce_order, rms_sumsq_torch_order
 from ..common.rounding import INTERPRET, round_to, rround
 from ..common.welford import fma_rn, rsqrt_approx
+from ..common.plans import Recipes, call_key
 from ..env import env
 from ..errors import UnsupportedInput
 
@@ -745,6 +748,94 @@ def _batch_stride(t: torch.Tensor) -> int:
     return t.stride(0) if t.dim() == 3 and t.shape[0] > 1 else 0
 
 
+class _Recipe(NamedTuple):
+    """Everything a QK launch computes from its inputs' geometry (cached per geometry by the
+    public functions, common/plans.py): output shape, the scalar arguments after the pointers,
+    and each kernel's grid and constexprs (the lane kernel's None where it does not apply)."""
+
+    out_shape: tuple[int, ...]
+    empty: bool
+    has_txt: bool
+    has_rope: bool
+    scalars: tuple
+    lanes: tuple | None  # (grid, kwargs, T // V)
+    tile: tuple  # (grid, kwargs)
+
+
+def _recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+            exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2,
+            rope: int | None = None, diffusers: dict | None = None, kernel: str | None = None,
+            lanes_tiling: tuple[int, int, int] | None = None) -> _Recipe:
+    B, S_img, H, D = q.shape
+    S_txt = q_txt.shape[1] if q_txt is not None else 0
+    S_tot = S_txt + S_img
+    out_shape = (B, H, S_tot, D) if (diffusers or {}).get("LAYOUT", 0) else (B, S_tot, H, D)
+    n_rows = B * S_tot * H
+    has_txt = q_txt is not None
+    has_rope = cos is not None
+    if n_rows == 0 or D == 0:
+        return _Recipe(out_shape, True, has_txt, has_rope, (), None, ((0,), {}))
+    if rope is None:
+        rope = 1 if has_rope else 0
+    extra = dict(diffusers or {})
+    fac_img = extra.pop("fac_img", 1.0)
+    fac_txt = extra.pop("fac_txt", 1.0)
+    qt = q_txt if has_txt else q
+    kt = k_txt if has_txt else k
+    scalars = (
+        *q.stride(), *k.stride(), *qt.stride(), *kt.stride(),
+        *(_table_strides(cos) if has_rope else (0, 0)), *(_table_strides(sin) if has_rope else (0, 0)),
+        _batch_stride(cos) if has_rope else 0, _batch_stride(sin) if has_rope else 0,
+        n_rows, S_txt, S_tot, H, float(eps), fac_img, fac_txt,
+    )
+    consts = dict(HAS_TXT=has_txt, ROPE=rope,
+                  HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
+                  HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
+                  DTYPE=tl_dtype(q.dtype), EXACT=exact)
+    lanes = None
+    T = _lane_plan(D, extra, kernel)
+    if T is not None:
+        R, nw, V = lanes_tiling or _lane_tiling(T, H)
+        lane_consts = {k_: v for k_, v in extra.items() if k_ in ("NORM", "CMUL", "LAYOUT")}
+        if rope == 2 and _table_strides(cos)[1] == 2 and _table_strides(sin)[1] == 2:
+            lane_consts["PACKED"] = True
+        if H % R:
+            lane_consts["EVEN_H"] = False
+        lanes = ((B * S_tot, cdiv(H, R)),
+                 dict(D=D, T=T, R=R, V=V, **consts, **lane_consts, num_warps=nw, enable_fp_fusion=False), T // V)
+    R = rows_per_program or _block_rows(D)
+    tile = ((cdiv(n_rows, R),),
+            dict(D=D, DP=next_pow2(D), R=R, **consts, **extra, num_warps=num_warps, enable_fp_fusion=False))
+    return _Recipe(out_shape, False, has_txt, has_rope, scalars, lanes, tile)
+
+
+def _fire(r: _Recipe, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight):
+    """Allocate the joint outputs and launch recipe ``r`` on these tensors (the ones it was made
+    for, or any of the same geometry)."""
+    q_out = torch.empty(r.out_shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(r.out_shape, dtype=q.dtype, device=q.device)
+    if r.empty:
+        return q_out, k_out
+    dummy = q
+    args = (
+        q, k, q_txt if r.has_txt else q, k_txt if r.has_txt else k,
+        q_weight if q_weight is not None else dummy,
+        k_weight if k_weight is not None else dummy,
+        q_txt_weight if q_txt_weight is not None else dummy,
+        k_txt_weight if k_txt_weight is not None else dummy,
+        cos if r.has_rope else dummy, sin if r.has_rope else dummy,
+        q_out, k_out, *r.scalars,
+    )
+    if r.lanes is not None:
+        grid, kw, lanes = r.lanes
+        compiled = _qk_lanes_kernel[grid](*args, **kw)
+        if lane_layout_ok(compiled, lanes):
+            return q_out, k_out
+    grid, kw = r.tile
+    _qk_rmsnorm_rope_kernel[grid](*args, **kw)
+    return q_out, k_out
+
+
 def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
             exact: bool = True, rows_per_program: int | None = None, num_warps: int = 2,
             rope: int | None = None, diffusers: dict | None = None, kernel: str | None = None,
@@ -755,59 +846,11 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     tile the tile kernel, ``lanes_tiling`` = (rows, warps, virtual lanes) the lane kernel: tiling never changes
     a row's arithmetic, so any choice gives the same bits; bench/probes/probe_qk_rmsnorm_rope.py
     sweeps them. ``rope``: 0/1/2 (default: 1 with cos/sin, else 0); ``diffusers``: the NORM=1
-    constexprs and factors (:func:`_launch_diffusers`)."""
-    B, S_img, H, D = q.shape
-    S_txt = q_txt.shape[1] if q_txt is not None else 0
-    S_tot = S_txt + S_img
-    out_shape = (B, H, S_tot, D) if (diffusers or {}).get("LAYOUT", 0) else (B, S_tot, H, D)
-    q_out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-    n_rows = B * S_tot * H
-    if n_rows == 0 or D == 0:
-        return q_out, k_out
-    has_txt = q_txt is not None
-    has_rope = cos is not None
-    if rope is None:
-        rope = 1 if has_rope else 0
-    extra = dict(diffusers or {})
-    fac_img = extra.pop("fac_img", 1.0)
-    fac_txt = extra.pop("fac_txt", 1.0)
-    qt = q_txt if has_txt else q
-    kt = k_txt if has_txt else k
-    dummy = q
-    args = (
-        q, k, qt, kt,
-        q_weight if q_weight is not None else dummy,
-        k_weight if k_weight is not None else dummy,
-        q_txt_weight if q_txt_weight is not None else dummy,
-        k_txt_weight if k_txt_weight is not None else dummy,
-        cos if has_rope else dummy, sin if has_rope else dummy,
-        q_out, k_out,
-        *q.stride(), *k.stride(), *qt.stride(), *kt.stride(),
-        *(_table_strides(cos) if has_rope else (0, 0)), *(_table_strides(sin) if has_rope else (0, 0)),
-        _batch_stride(cos) if has_rope else 0, _batch_stride(sin) if has_rope else 0,
-        n_rows, S_txt, S_tot, H, float(eps), fac_img, fac_txt,
-    )
-    consts = dict(HAS_TXT=has_txt, ROPE=rope,
-                  HAS_WQI=q_weight is not None, HAS_WKI=k_weight is not None,
-                  HAS_WQT=q_txt_weight is not None, HAS_WKT=k_txt_weight is not None,
-                  DTYPE=tl_dtype(q.dtype), EXACT=exact)
-    T = _lane_plan(D, extra, kernel)
-    if T is not None:
-        R, nw, V = lanes_tiling or _lane_tiling(T, H)
-        lane_consts = {k_: v for k_, v in extra.items() if k_ in ("NORM", "CMUL", "LAYOUT")}
-        if rope == 2 and _table_strides(cos)[1] == 2 and _table_strides(sin)[1] == 2:
-            lane_consts["PACKED"] = True
-        if H % R:
-            lane_consts["EVEN_H"] = False
-        compiled = _qk_lanes_kernel[(B * S_tot, cdiv(H, R))](
-            *args, D=D, T=T, R=R, V=V, **consts, **lane_consts, num_warps=nw, enable_fp_fusion=False)
-        if lane_layout_ok(compiled, T // V):
-            return q_out, k_out
-    R = rows_per_program or _block_rows(D)
-    _qk_rmsnorm_rope_kernel[(cdiv(n_rows, R),)](
-        *args, D=D, DP=next_pow2(D), R=R, **consts, **extra, num_warps=num_warps, enable_fp_fusion=False)
-    return q_out, k_out
+    constexprs and factors (:func:`_launch_diffusers`). The public functions cache the recipe
+    per input geometry (:func:`_planned`); this uncached path is for tests and probes."""
+    r = _recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact,
+                rows_per_program, num_warps, rope, diffusers, kernel, lanes_tiling)
+    return _fire(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
 
 
 @torch.library.custom_op("ditfuse::qk_rmsnorm_rope", mutates_args=())
@@ -864,14 +907,37 @@ def qk_rmsnorm_rope(
     return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, True)
 
 
-def _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact: bool):
-    reason = _unsupported_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+_STD_RECIPES = {True: Recipes(), False: Recipes()}  # exact, close
+
+
+def _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact: bool,
+          key: tuple | None = None):
     if use_custom_op():
+        reason = _unsupported_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.qk_rmsnorm_rope(
             q, k, q_weight, k_weight, cos, sin, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight, exact)
-    return _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact)
+    args = (q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+    cache = _STD_RECIPES[exact]
+    if key is None:
+        key = call_key(args)
+    r = cache.get(key)
+    if r is None:
+        reason = _unsupported_reason(*args)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = cache.put(key, _recipe(*args, exact))
+    return _fire(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+def _keyed_std(key, q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None, q_txt_weight=None,
+               k_txt_weight=None):
+    return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, True, key)
+
+
+# The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
+qk_rmsnorm_rope.keyed = _keyed_std
 
 
 def can_use_qk_rmsnorm_rope_fp32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
@@ -1044,25 +1110,56 @@ def can_use_qk_rmsnorm_diffusers_rope_complex(
                              k_txt_weight, txt_freqs) is None
 
 
-def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-                      txt_freqs, cmul: int = CMUL_MODE, rows_per_program: int | None = None,
-                      num_warps: int = 2, layout: int = 0, lanes_tiling: tuple[int, int, int] | None = None):
-    """Launch the NORM=1 kernel: per-stream reduce widths and mean factors from the shapes,
-    complex tables as fp32 views of their real parts (imaginary at +1), no copies."""
+def _diffusers_params(q, q_txt, cmul: int, layout: int = 0) -> dict:
+    """The NORM=1 constexprs and mean factors: per-stream reduce widths and factors from the shapes."""
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     rows_img, rows_txt = B * S_img * H, B * S_txt * H
     w_img, vec, _ = _reduce_launch(D, max(rows_img, 1))
     w_txt = _reduce_launch(D, max(rows_txt, 1))[0] if q_txt is not None else w_img
-    params = dict(NORM=1, W_IMG=w_img, W_TXT=w_txt, VEC=vec, CMUL=cmul, **({"LAYOUT": layout} if layout else {}),
-                  fac_img=_mean_factor(rows_img, D), fac_txt=_mean_factor(rows_txt, D))
+    return dict(NORM=1, W_IMG=w_img, W_TXT=w_txt, VEC=vec, CMUL=cmul, **({"LAYOUT": layout} if layout else {}),
+                fac_img=_mean_factor(rows_img, D), fac_txt=_mean_factor(rows_txt, D))
+
+
+def _complex_tables(freqs, txt_freqs):
+    """Complex tables as fp32 views of their real parts (imaginary at +1), no copies."""
     img_tab = torch.view_as_real(freqs)[..., 0] if freqs is not None else None
     txt_tab = torch.view_as_real(txt_freqs)[..., 0] if txt_freqs is not None else None
     if img_tab is not None and txt_tab is None:
         txt_tab = img_tab  # no text rows: never read
+    return img_tab, txt_tab
+
+
+def _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                      txt_freqs, cmul: int = CMUL_MODE, rows_per_program: int | None = None,
+                      num_warps: int = 2, layout: int = 0, lanes_tiling: tuple[int, int, int] | None = None):
+    """Launch the NORM=1 kernel (uncached: tests and probes; the public functions cache the
+    recipe per geometry)."""
+    img_tab, txt_tab = _complex_tables(freqs, txt_freqs)
     return _launch(q, k, q_weight, k_weight, img_tab, txt_tab, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-                   True, rows_per_program, num_warps, rope=2 if freqs is not None else 0, diffusers=params,
-                   lanes_tiling=lanes_tiling)
+                   True, rows_per_program, num_warps, rope=2 if freqs is not None else 0,
+                   diffusers=_diffusers_params(q, q_txt, cmul, layout), lanes_tiling=lanes_tiling)
+
+
+_DIFF_RECIPES = Recipes()
+
+
+def _diffusers_call(key, q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                    txt_freqs, layout: int = 0):
+    """The cached launch: the predicate and the recipe once per call key, then views + launch."""
+    r = _DIFF_RECIPES.get(key)
+    if r is None:
+        reason = _diffusers_reason(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight,
+                                   k_txt_weight, txt_freqs)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        img_tab, txt_tab = _complex_tables(freqs, txt_freqs)
+        r = _DIFF_RECIPES.put(key, _recipe(
+            q, k, q_weight, k_weight, img_tab, txt_tab, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+            rope=2 if freqs is not None else 0, diffusers=_diffusers_params(q, q_txt, CMUL_MODE, layout)))
+    else:
+        img_tab, txt_tab = _complex_tables(freqs, txt_freqs)
+    return _fire(r, q, k, q_weight, k_weight, img_tab, txt_tab, q_txt, k_txt, q_txt_weight, k_txt_weight)
 
 
 @torch.library.custom_op("ditfuse::qk_rmsnorm_diffusers_rope_complex", mutates_args=())
@@ -1117,16 +1214,24 @@ def qk_rmsnorm_diffusers_rope_complex(
     [B, S_txt + S_img, H, D], text first. Formula: the module docstring. Raises
     :class:`UnsupportedInput` exactly where :func:`can_use_qk_rmsnorm_diffusers_rope_complex` is False.
     """
-    reason = _diffusers_reason(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight,
-                               k_txt_weight, txt_freqs)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_diffusers(None, q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                            txt_freqs)
+
+
+def _keyed_diffusers(key, q, k, q_weight, k_weight, freqs, eps=1e-6, q_txt=None, k_txt=None, q_txt_weight=None,
+                     k_txt_weight=None, txt_freqs=None):
+    args = (q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, txt_freqs)
     if use_custom_op():
+        reason = _diffusers_reason(*args)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.qk_rmsnorm_diffusers_rope_complex(
             q, k, q_weight, k_weight, freqs, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight,
             txt_freqs, CMUL_MODE)
-    return _launch_diffusers(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-                             txt_freqs, CMUL_MODE)
+    return _diffusers_call(call_key(args) if key is None else key, *args)
+
+
+qk_rmsnorm_diffusers_rope_complex.keyed = _keyed_diffusers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1229,10 +1334,32 @@ def qk_rmsnorm_diffusers_cat(
     [B, H, S_img + S_txt, D]. Raises :class:`UnsupportedInput` exactly where
     :func:`can_use_qk_rmsnorm_diffusers_cat` is False.
     """
-    reason = _cat_reason(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_cat(None, q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+_CAT_RECIPES = Recipes()
+
+
+def _keyed_cat(key, q, k, q_weight, k_weight, eps=1e-6, q_txt=None, k_txt=None, q_txt_weight=None, k_txt_weight=None):
+    args = (q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
     if use_custom_op():
+        reason = _cat_reason(*args)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.qk_rmsnorm_diffusers_cat(
             q, k, q_weight, k_weight, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight)
-    return _launch_cat(q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+    if key is None:
+        key = call_key(args)
+    r = _CAT_RECIPES.get(key)
+    tr = (lambda t: t.transpose(1, 2) if t is not None else None)
+    qi, ki, qt, kt = tr(q), tr(k), tr(q_txt), tr(k_txt)
+    if r is None:
+        reason = _cat_reason(*args)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = _CAT_RECIPES.put(key, _recipe(qi, ki, q_weight, k_weight, None, None, eps, qt, kt, q_txt_weight,
+                                          k_txt_weight, rope=0, diffusers=_diffusers_params(qi, qt, CMUL_MODE, 1)))
+    return _fire(r, qi, ki, q_weight, k_weight, None, None, qt, kt, q_txt_weight, k_txt_weight)
+
+
+qk_rmsnorm_diffusers_cat.keyed = _keyed_cat
