@@ -196,6 +196,28 @@ def test_qk_diffusers_cat_cached_equals_uncached():
         assert_bitwise_equal(qk.qk_rmsnorm_diffusers_cat(*args), qk._launch_cat(*args), name=name)
 
 
+def test_rms_norm_diffusers_cached_equals_uncached():
+    from ditfuse.kernels.norm import rms_norm_diffusers_triton as rd
+
+    cases = []
+    for B, S, D in ((1, 5, 64), (2, 3, 128), (2, 4, 96)):
+        x, res, upd = _t(B, S, D, seed=1), _t(B, S, D, seed=2), _t(B, S, D, seed=3)
+        w, w2 = _t(D, seed=4), _t(D, seed=5)
+        g = torch.tanh(_t(B, D, seed=6))
+        sc = _t(B, 1, D, seed=7)
+        cases += [("scale", 0, (x, w, sc, 1e-5), lambda a: rd._launch(0, a[0], None, None, a[2], a[1], None, a[3])[0]),
+                  ("no weight", 0, (x, None, sc, 1e-5), lambda a: rd._launch(0, a[0], None, None, a[2], a[1], None, a[3])[0]),
+                  ("gated", 1, (res, g, upd, w, 1e-5), lambda a: rd._launch(1, a[2], a[0], a[1], None, a[3], None, a[4])[1]),
+                  ("gated + scale", 2, (res, g, upd, w, w2, sc, 1e-5),
+                   lambda a: tuple(reversed(rd._launch(2, a[2], a[0], a[1], a[5], a[3], a[4], a[6]))))]
+    fns = {0: rd.rms_norm_diffusers_scale, 1: rd.gate_residual_rms_norm_diffusers,
+           2: rd.gate_residual_rms_norm_diffusers_scale}
+    cases *= 2
+    random.Random(6).shuffle(cases)
+    for name, mode, args, uncached in cases:
+        assert_bitwise_equal(fns[mode](*args), uncached(args), name=name)
+
+
 # -- the predicate still guards new geometries --------------------------------------------------
 
 

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from ..common.elementwise import as_3d, load_f32
 from ..common.host import cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..common.welford import rsqrt_approx
 from ..errors import UnsupportedInput
@@ -371,25 +372,23 @@ def _unsupported_reason(
     return None
 
 
-def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
-            num_warps: int | None = None, readback: bool | None = None):
-    """Run MODE ``mode``; returns ``(out, h)`` (``h is out`` in MODE 0). ``block_rows`` (a power of
-    two), ``num_warps`` and ``readback`` (MODE 2 only: re-read the stored ``h`` instead of
-    recomputing it) choose the tiling, never the bits. Defaults (None) are the fastest launches of
-    the H200 sweep over Z-Image's shapes (bench/results/probe_rms_diffusers_tiling_h200.csv, D
-    specialized): MODE 0/1 up to 8 rows on 8 warps (1 warp per 128-column chunk row), MODE 2 one
-    row per program, one warp per 128 columns, with read-back."""
-    D = x.shape[-1]
-    rows = x.numel() // D if D else 0
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if mode != 0 else out
-    if rows == 0:
-        return out, h
-    W, VEC, _ = reduce_launch(D, rows)
+def _views(x, residual, gate, scale) -> list:
     views = [x, residual if residual is not None else x]
     views.append(_row_operand(gate, x) if gate is not None else x)
     views.append(_row_operand(scale, x) if scale is not None else x)
-    (B, S, _), strides = as_3d(*views)
+    return views
+
+
+def _recipe(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
+            num_warps: int | None = None, readback: bool | None = None) -> tuple | None:
+    """(grid, scalar arguments, constexprs) of a launch from its inputs' geometry; None for no
+    rows (cached per geometry by the public functions, common/plans.py)."""
+    D = x.shape[-1]
+    rows = x.numel() // D if D else 0
+    if rows == 0:
+        return None
+    W, VEC, _ = reduce_launch(D, rows)
+    (B, S, _), strides = as_3d(*_views(x, residual, gate, scale))
     (sxb, sxs, _), (srb, srs, srd), (sgb, sgs, sgd), (ssb, sss, ssd) = strides
     CW = VEC * W
     NCH = cdiv(D, CW)
@@ -402,19 +401,54 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
     BR = block_rows
     if BR & (BR - 1):
         raise ValueError(f"block_rows must be a power of two, got {BR}")
+    scalars = (rows, S, D, sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd, mean_factor(rows, D), float(eps))
+    consts = dict(MODE=mode, HAS_GATE=gate is not None, HAS_SCALE=scale is not None,
+                  WMODE=_wmode(w), W2MODE=_wmode(w2), DTYPE=tl_dtype(x.dtype),
+                  W=W, VEC=VEC, BR=BR, NCH=NCH, READBACK=mode == 2 and bool(readback),
+                  num_warps=num_warps, enable_fp_fusion=False, enable_reflect_ftz=False)
+    return (cdiv(rows, BR),), scalars, consts
+
+
+def _fire(mode: int, r: tuple | None, x, residual, gate, scale, w, w2):
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if mode != 0 else out
+    if r is None:
+        return out, h
+    grid, scalars, consts = r
+    views = _views(x, residual, gate, scale)
     wt = w.contiguous() if w is not None else x
     wt2 = w2.contiguous() if w2 is not None else x
-    _rms_d_kernel[(cdiv(rows, BR),)](
-        x, views[1], views[2], views[3], wt, wt2, h, out,
-        rows, S, D,
-        sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd,
-        mean_factor(rows, D), float(eps),
-        MODE=mode, HAS_GATE=gate is not None, HAS_SCALE=scale is not None,
-        WMODE=_wmode(w), W2MODE=_wmode(w2), DTYPE=tl_dtype(x.dtype),
-        W=W, VEC=VEC, BR=BR, NCH=NCH, READBACK=mode == 2 and bool(readback),
-        num_warps=num_warps, enable_fp_fusion=False, enable_reflect_ftz=False,
-    )
+    _rms_d_kernel[grid](x, views[1], views[2], views[3], wt, wt2, h, out, *scalars, **consts)
     return out, h
+
+
+def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
+            num_warps: int | None = None, readback: bool | None = None):
+    """Run MODE ``mode``; returns ``(out, h)`` (``h is out`` in MODE 0). ``block_rows`` (a power of
+    two), ``num_warps`` and ``readback`` (MODE 2 only: re-read the stored ``h`` instead of
+    recomputing it) choose the tiling, never the bits. Defaults (None) are the fastest launches of
+    the H200 sweep over Z-Image's shapes (bench/results/probe_rms_diffusers_tiling_h200.csv, D
+    specialized): MODE 0/1 up to 8 rows on 8 warps (1 warp per 128-column chunk row), MODE 2 one
+    row per program, one warp per 128 columns, with read-back."""
+    return _fire(mode, _recipe(mode, x, residual, gate, scale, w, w2, eps, block_rows, num_warps, readback),
+                 x, residual, gate, scale, w, w2)
+
+
+_RECIPES = {mode: Recipes() for mode in (0, 1, 2)}
+_EMPTY = object()
+
+
+def _cached(mode: int, key: tuple | None, x, residual, gate, scale, w, w2, eps: float):
+    """The launch with its predicate and recipe cached per call key (common/plans.py)."""
+    cache = _RECIPES[mode]
+    r = cache.get(key)
+    if r is None:
+        weights = (w,) if mode != 2 else (w, w2)
+        reason = _unsupported_reason(x, residual, gate, scale, weights, eps)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = cache.put(key, _recipe(mode, x, residual, gate, scale, w, w2, eps) or _EMPTY)
+    return _fire(mode, None if r is _EMPTY else r, x, residual, gate, scale, w, w2)
 
 
 # ---- custom ops (one opaque node for torch.compile)
@@ -480,12 +514,21 @@ def rms_norm_diffusers_scale(x: torch.Tensor, weight: torch.Tensor | None, scale
     ``scale`` is the raw modulation chunk ([B, D], [B, 1, D] or [B, S, D]); the output is a new
     contiguous tensor of x's shape and dtype. Raises :class:`UnsupportedInput` exactly where
     :func:`can_use_rms_norm_diffusers_scale` is False."""
-    reason = _unsupported_reason(x, None, None, scale, (weight,), eps)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_scale(None, x, weight, scale, eps)
+
+
+def _keyed_scale(key, x, weight, scale, eps):
     if use_custom_op():
+        reason = _unsupported_reason(x, None, None, scale, (weight,), eps)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.rms_norm_diffusers_scale(x, weight, scale, float(eps))
-    return _launch(0, x, None, None, scale, weight, None, eps)[0]
+    key = call_key((x, weight, scale, eps)) if key is None else key
+    return _cached(0, key, x, None, None, scale, weight, None, eps)[0]
+
+
+# The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
+rms_norm_diffusers_scale.keyed = _keyed_scale
 
 
 def can_use_gate_residual_rms_norm_diffusers(residual: torch.Tensor, gate: torch.Tensor | None,
@@ -504,12 +547,20 @@ def gate_residual_rms_norm_diffusers(residual: torch.Tensor, gate: torch.Tensor 
     ``x + gate * ffn_norm2(ffn_out)``. ``gate`` is the block's already rounded ``tanh(chunk)``.
     Returns a new contiguous tensor. Raises :class:`UnsupportedInput` exactly where
     :func:`can_use_gate_residual_rms_norm_diffusers` is False."""
-    reason = _unsupported_reason(update, residual, gate, None, (weight,), eps)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_gr(None, residual, gate, update, weight, eps)
+
+
+def _keyed_gr(key, residual, gate, update, weight, eps):
     if use_custom_op():
+        reason = _unsupported_reason(update, residual, gate, None, (weight,), eps)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.gate_residual_rms_norm_diffusers(residual, gate, update, weight, float(eps))
-    return _launch(1, update, residual, gate, None, weight, None, eps)[1]
+    key = call_key((residual, gate, update, weight, eps)) if key is None else key
+    return _cached(1, key, update, residual, gate, None, weight, None, eps)[1]
+
+
+gate_residual_rms_norm_diffusers.keyed = _keyed_gr
 
 
 def can_use_gate_residual_rms_norm_diffusers_scale(
@@ -531,14 +582,22 @@ def gate_residual_rms_norm_diffusers_scale(
     ``(h, n)`` (new contiguous tensors), bit-exact vs torch 2.11 CUDA eager (Z-Image's attention
     residual + ``ffn_norm1(x) * scale_mlp``). Raises :class:`UnsupportedInput` exactly where
     :func:`can_use_gate_residual_rms_norm_diffusers_scale` is False."""
-    reason = _unsupported_reason(update, residual, gate, scale, (out_weight, next_weight), eps)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_gr_scale(None, residual, gate, update, out_weight, next_weight, scale, eps)
+
+
+def _keyed_gr_scale(key, residual, gate, update, out_weight, next_weight, scale, eps):
     if use_custom_op():
+        reason = _unsupported_reason(update, residual, gate, scale, (out_weight, next_weight), eps)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.gate_residual_rms_norm_diffusers_scale(
             residual, gate, update, out_weight, next_weight, scale, float(eps))
-    out, h = _launch(2, update, residual, gate, scale, out_weight, next_weight, eps)
+    key = call_key((residual, gate, update, out_weight, next_weight, scale, eps)) if key is None else key
+    out, h = _cached(2, key, update, residual, gate, scale, out_weight, next_weight, eps)
     return h, out
+
+
+gate_residual_rms_norm_diffusers_scale.keyed = _keyed_gr_scale
 
 
 __all__ = [
