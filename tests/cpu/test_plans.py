@@ -74,6 +74,12 @@ def test_unkeyable_calls_have_no_key():
     x = _t(2, 3, 8)
     assert geometry_key((x, object())) is None
     assert geometry_key((x.to_sparse(),)) is None
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert geometry_key((x.as_subclass(Sub),)) is None, "tensor subclasses take the uncached path"
+    assert geometry_key((torch.nn.Parameter(x),)) is not None, "parameters (weights) are keyed"
     assert call_key((x,), {"eps": 1e-6}) != call_key((x, 1e-6)), "keyword calls are keyed apart"
 
 

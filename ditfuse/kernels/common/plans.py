@@ -34,6 +34,7 @@ MAX_ENTRIES = 4096  # geometries per function; a server sees a few per shape; cl
 
 _SCALARS = (bool, int, float, str, torch.dtype)
 _STRIDED = torch.strided
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _ENV_SWITCHES = ("TRITON_INTERPRET", "DITFUSE_ROW_KERNEL", "DITFUSE_QK_KERNEL")
 
 
@@ -48,7 +49,9 @@ def geometry_key(args: tuple) -> tuple | None:
     parts: list[Any] = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            if a.layout is not _STRIDED:
+            # Plain tensors and parameters only: a subclass (DTensor, a fake or functional tensor)
+            # may have no data pointer, or answer these reads differently.
+            if type(a) not in _PLAIN or a.layout is not _STRIDED:
                 return None
             dt = a.dtype
             part = (a.shape, a.stride(), dt, a.device, a.data_ptr() % 16)
