@@ -4,7 +4,9 @@ Each row is the mean wall time per call of N back-to-back calls with no synchron
 the loop (the GPU queue absorbs the kernels; for a kernel shorter than its launch cost this is
 the time the host needs per call): the eager chain, the GatedOp (gate + key + predicate + launch),
 the public kernel function (predicate + launch), the module's ``_launch`` (argument preparation +
-Triton launch), and the Triton launch alone with prepared arguments.
+Triton launch), and the Triton launch alone with prepared arguments. Since round 11 the GatedOp
+and public-function rows take the cached path (one geometry key, the cached recipe:
+kernels/common/plans.py); ``_launch`` is the uncached path, ``_fire`` a cached recipe's launch.
 
     PYTHONPATH=. python3 bench/probes/probe_host_cost.py
 """
@@ -19,7 +21,9 @@ from ditfuse.contracts import ops
 from ditfuse.contracts.bitexact import gate
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.modulate import gate_residual_triton as gr
+from ditfuse.kernels.common.plans import call_key
 from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
+from ditfuse.kernels.rope import qk_rmsnorm_rope_triton as qk
 
 
 def per_call_us(fn, n=400) -> float:
@@ -42,6 +46,14 @@ def main() -> int:
     ln = ops.LOSSLESS.layernorm_modulate
     grop = ops.LOSSLESS.gate_residual
     gated(x, g, x, scale, shift, 1e-6)  # verify first sight
+    recipe = lnm._recipe(x, g, x, scale, shift, 1e-6, None, None, None, True)
+    H, D = 24, 128
+    q, k = (torch.randn(1, 4096, H, D, device="cuda").bfloat16() for _ in range(2))
+    qt, kt = (torch.randn(1, 512, H, D, device="cuda").bfloat16() for _ in range(2))
+    w = torch.rand(D, device="cuda").bfloat16()
+    cos, sin = torch.rand(4608, D, device="cuda"), torch.rand(4608, D, device="cuda")
+    qkop = ops.LOSSLESS.qk_rmsnorm_rope
+    qkop(q, k, w, w, cos, sin, 1e-6, qt, kt, w, w)
     ln(x, scale, shift, 1e-6)
     grop(x, g, x)
     rows = [
@@ -56,6 +68,11 @@ def main() -> int:
         ("gate_residual GatedOp", lambda: grop(x, g, x)),
         ("gate_residual _launch", lambda: gr._launch(x, g, x)),
         ("GatedOp key only", lambda: gated.signature(x, g, x, scale, shift, 1e-6)),
+        ("geometry key (6 args)", lambda: call_key((x, g, x, scale, shift, 1e-6))),
+        ("gated LN cached recipe: _fire", lambda: lnm._fire(recipe, x, g, x, scale, shift, None, None)),
+        ("QK FLUX GatedOp", lambda: qkop(q, k, w, w, cos, sin, 1e-6, qt, kt, w, w)),
+        ("QK FLUX public kernel fn", lambda: qk.qk_rmsnorm_rope(q, k, w, w, cos, sin, 1e-6, qt, kt, w, w)),
+        ("QK FLUX _launch (uncached)", lambda: qk._launch(q, k, w, w, cos, sin, 1e-6, qt, kt, w, w, True)),
         ("torch.empty_like", lambda: torch.empty_like(x)),
     ]
     print(f"{'call':<40} {'us per call':>12}")
