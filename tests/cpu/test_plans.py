@@ -224,6 +224,36 @@ def test_rms_norm_diffusers_cached_equals_uncached():
         assert_bitwise_equal(fns[mode](*args), uncached(args), name=name)
 
 
+def test_activation_cats_and_swiglu_cached_equal_uncached():
+    from ditfuse.kernels.activation import gelu_tanh_triton as gt
+    from ditfuse.kernels.activation import swiglu_triton as sw
+    from ditfuse.kernels.common.elementwise import launch_act_cat
+    from ditfuse.kernels.common.host import tl_dtype
+
+    cases = []
+    for B, S, DA, DM in ((1, 5, 64, 96), (2, 3, 32, 48), (1, 0, 16, 16)):
+        attn = _t(B, S, DA, seed=1)
+        fused = _t(B, S, 2 * DM, seed=2)
+        g, u = fused[..., :DM], fused[..., DM:]  # the column halves of one projection
+        cases += [("gelu cat", lambda a=attn, m=g: (gt.gelu_tanh_cat(a, m), gt._launch_cat(a, m))),
+                  ("gelu cat, strided attn", lambda a=_t(B, DA, S, seed=3).transpose(1, 2), m=g: (
+                      gt.gelu_tanh_cat(a, m), gt._launch_cat(a, m))),
+                  ("swiglu cat", lambda a=attn, g=g, u=u: (
+                      sw.swiglu_cat(a, g, u), launch_act_cat(sw._swiglu_tile, 0, a, g, u, tl_dtype(g.dtype)))),
+                  ("swiglu", lambda g=g, u=u: (sw.swiglu(g, u), _swiglu_uncached(sw, g, u)))]
+    cases *= 2
+    random.Random(7).shuffle(cases)
+    for name, run in cases:
+        got, want = run()
+        assert_bitwise_equal(got, want, name=name)
+
+
+def _swiglu_uncached(sw, g, u):
+    out = torch.empty(g.shape, dtype=g.dtype)
+    sw._launch(g, u, out)
+    return out
+
+
 # -- the predicate still guards new geometries --------------------------------------------------
 
 
@@ -246,6 +276,12 @@ def test_a_rejected_geometry_is_rejected_after_a_cached_one():
     gr.gate_residual(res, _t(1, 64), upd)
     with pytest.raises(UnsupportedInput):
         gr.gate_residual(res, _t(1, 64), _t(1, 4, 32))
+    from ditfuse.kernels.activation import swiglu_triton as sw
+
+    g = _t(1, 4, 32)
+    sw.swiglu(g, _t(1, 4, 32))
+    with pytest.raises(UnsupportedInput):
+        sw.swiglu(g, _t(1, 4, 32).float())  # mixed dtypes: eager would promote
 
 
 # -- the gated call hands its key down -----------------------------------------------------------

@@ -33,8 +33,10 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from ..common.elementwise import as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, tile, tile_rows_cols
+from ..common.elementwise import (as_3d, act_cat_fire, act_cat_recipe, fits_int32, launch_act_cat, load_f32,
+                                  overlap_reason, tile, tile_rows_cols)
 from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.plans import Recipes, call_key
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
 
@@ -295,12 +297,33 @@ def gelu_tanh_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
     (e.g. the flattened attention output), mlp_pre: ``[B, S, DM]``, any strides, one dtype. Raises
     :class:`UnsupportedInput` exactly where :func:`can_use_gelu_tanh_cat` is False. Runs as the
     custom op ``ditfuse::gelu_tanh_cat``."""
-    reason = _cat_reason(attn, mlp_pre)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_cat(None, attn, mlp_pre)
+
+
+_CAT_RECIPES = Recipes()
+_EMPTY = object()
+
+
+def _keyed_cat(key: tuple | None, attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
     if use_custom_op():
+        reason = _cat_reason(attn, mlp_pre)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.gelu_tanh_cat(attn, mlp_pre)
-    return _launch_cat(attn, mlp_pre)
+    if key is None:
+        key = call_key((attn, mlp_pre))
+    r = _CAT_RECIPES.get(key)
+    if r is None:
+        reason = _cat_reason(attn, mlp_pre)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = _CAT_RECIPES.put(key, act_cat_recipe(attn, mlp_pre, None) or _EMPTY)
+    return act_cat_fire(None if r is _EMPTY else r, _gelu_cat_act, TANH_PTX, attn, mlp_pre, None,
+                        tl_dtype(mlp_pre.dtype))
+
+
+# The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
+gelu_tanh_cat.keyed = _keyed_cat
 
 
 __all__ = ["gelu_tanh", "can_use_gelu_tanh", "gelu_tanh_cat", "can_use_gelu_tanh_cat"]

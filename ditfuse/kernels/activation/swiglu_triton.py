@@ -26,9 +26,11 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import (
-    as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, silu_f32, tile, tile_rows_cols,
+    act_cat_fire, act_cat_recipe, as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, silu_f32, tile,
+    tile_rows_cols,
 )
 from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
@@ -141,6 +143,25 @@ def swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = N
     ``ditfuse::swiglu`` (``mutates_args=("out",)``: torch.compile functionalises the write).
     Raises :class:`UnsupportedInput` exactly where :func:`can_use_swiglu` is False.
     """
+    return _keyed_swiglu(None, gate_in, up, out)
+
+
+def _keyed_swiglu(key: tuple | None, gate_in: torch.Tensor, up: torch.Tensor,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    # With ``out`` the predicate checks memory overlap, which depends on addresses, not geometry:
+    # only the out=None form is cached.
+    if out is None and not use_custom_op():
+        if key is None:
+            key = call_key((gate_in, up))
+        r = _SWIGLU_RECIPES.get(key)
+        if r is None:
+            reason = _unsupported_reason(gate_in, up, None)
+            if reason is not None:
+                raise UnsupportedInput(reason)
+            r = _SWIGLU_RECIPES.put(key, True)
+        out = torch.empty(gate_in.shape, dtype=gate_in.dtype, device=gate_in.device)
+        _launch(gate_in, up, out)
+        return out
     reason = _unsupported_reason(gate_in, up, out)
     if reason is not None:
         raise UnsupportedInput(reason)
@@ -151,6 +172,9 @@ def swiglu(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor | None = N
     else:
         _launch(gate_in, up, out)
     return out
+
+
+swiglu.keyed = _keyed_swiglu
 
 
 
@@ -200,12 +224,33 @@ def swiglu_cat(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> t
     gate_in / up ``[B, S, DM]`` (the two column halves of the fused projection's MLP part), any
     strides, one dtype. Raises :class:`UnsupportedInput` exactly where :func:`can_use_swiglu_cat`
     is False. Runs as the custom op ``ditfuse::swiglu_cat``."""
-    reason = _cat_reason(attn, gate_in, up)
-    if reason is not None:
-        raise UnsupportedInput(reason)
+    return _keyed_cat(None, attn, gate_in, up)
+
+
+_CAT_RECIPES = Recipes()
+_SWIGLU_RECIPES = Recipes()
+_EMPTY = object()
+
+
+def _keyed_cat(key: tuple | None, attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if use_custom_op():
+        reason = _cat_reason(attn, gate_in, up)
+        if reason is not None:
+            raise UnsupportedInput(reason)
         return torch.ops.ditfuse.swiglu_cat(attn, gate_in, up)
-    return launch_act_cat(_swiglu_tile, 0, attn, gate_in, up, tl_dtype(gate_in.dtype))
+    if key is None:
+        key = call_key((attn, gate_in, up))
+    r = _CAT_RECIPES.get(key)
+    if r is None:
+        reason = _cat_reason(attn, gate_in, up)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        r = _CAT_RECIPES.put(key, act_cat_recipe(attn, gate_in, up) or _EMPTY)
+    return act_cat_fire(None if r is _EMPTY else r, _swiglu_tile, 0, attn, gate_in, up, tl_dtype(gate_in.dtype))
+
+
+# The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
+swiglu_cat.keyed = _keyed_cat
 
 
 __all__ = ["swiglu", "can_use_swiglu", "swiglu_cat", "can_use_swiglu_cat"]

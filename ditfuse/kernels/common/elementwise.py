@@ -238,30 +238,44 @@ def act_cat_kernel(
         tl.store(dst, ACT(xs, us, in_m, DTYPE, P), mask=in_m)
 
 
-def launch_act_cat(act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None, dtype_tl) -> torch.Tensor:
-    """``cat([attn, act(x[, u])], -1)`` as a new contiguous ``[B, S, DA + DM]`` tensor (attn
-    ``[B, S, DA]``, x and u ``[B, S, DM]``, any strides; u None: the activation reads x only).
-    Column blocks divide gcd(DA, DM) where possible (FLUX: 1024), 4096 elements per program as
-    for the activations alone (H200 sweeps: notes/elementwise.md)."""
+def act_cat_recipe(attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None) -> tuple | None:
+    """The geometry part of :func:`launch_act_cat`'s launch: (grid, scalar arguments, block sizes
+    and warps, rows of slack for the int32 check); None for an empty output."""
     B, S, DA = attn.shape
     DM = x.shape[2]
-    out = torch.empty((B, S, DA + DM), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
+    if B * S * (DA + DM) == 0:
+        return None
     block_r, block_d, warps = tile(math.gcd(DA, DM), per_program=4096)
     uu = x if u is None else u
     sa, sx, su = attn.stride(), x.stride(), uu.stride()
     R = B * S
     grid = (cdiv(R, block_r), cdiv(DA + DM, block_d))
+    # out: a new contiguous [B, S, DA + DM] tensor
+    scalars = (R, S, DA, DM, sa[0], sa[1], sa[2], sx[0], sx[1], sx[2], su[0], su[1], su[2], S * (DA + DM), DA + DM)
+    return grid, scalars, (block_r, block_d, warps), block_r * (DA + DM)
+
+
+def act_cat_fire(recipe: tuple | None, act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None,
+                 dtype_tl) -> torch.Tensor:
+    """Allocate the output and launch an :func:`act_cat_recipe` on these tensors."""
+    B, S, DA = attn.shape
+    out = torch.empty((B, S, DA + x.shape[2]), dtype=x.dtype, device=x.device)
+    if recipe is None:
+        return out
+    grid, scalars, (block_r, block_d, warps), pad = recipe
+    uu = x if u is None else u
     act_cat_kernel[grid](
-        attn, x, uu, out,
-        R, S, DA, DM,
-        sa[0], sa[1], sa[2],
-        sx[0], sx[1], sx[2],
-        su[0], su[1], su[2],
-        out.stride(0), out.stride(1),
+        attn, x, uu, out, *scalars,
         ACT=act, P=p, DTYPE=dtype_tl, BLOCK_R=block_r, BLOCK_D=block_d,
-        I64=not fits_int32(attn, x, uu, out, rows_pad=block_r * (DA + DM)),
+        I64=not fits_int32(attn, x, uu, out, rows_pad=pad),
         num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return out
+
+
+def launch_act_cat(act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None, dtype_tl) -> torch.Tensor:
+    """``cat([attn, act(x[, u])], -1)`` as a new contiguous ``[B, S, DA + DM]`` tensor (attn
+    ``[B, S, DA]``, x and u ``[B, S, DM]``, any strides; u None: the activation reads x only).
+    Column blocks divide gcd(DA, DM) where possible (FLUX: 1024), 4096 elements per program as
+    for the activations alone (H200 sweeps: notes/elementwise.md)."""
+    return act_cat_fire(act_cat_recipe(attn, x, u), act, p, attn, x, u, dtype_tl)
