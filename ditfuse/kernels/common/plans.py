@@ -18,8 +18,8 @@ non-strided tensor, an argument of another type) or one made while torch.compile
 the uncached path: predicate, recipe, launch.
 
 Cost on this project's 2-core CPU: a key is ~0.5-1 µs per tensor; a gated LayerNorm + modulate
-call went from ~24 to ~17 µs, Qwen-Image's QK call from ~66 to ~33 µs (launches stubbed;
-bench/probes/probe_host_cpu.py).
+call went from ~24 to ~16 µs, Qwen-Image's QK call from ~66 to ~31 µs (launches stubbed;
+bench/probes/probe_host_cpu.py, bench/results/host_cpu_round11_cpu.txt).
 """
 
 from __future__ import annotations
