@@ -18,8 +18,8 @@ import triton.language as tl
 
 from ..common.elementwise import broadcast_3d, fits_int32, load_f32, tile, tile_rows_cols
 from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
-from ..common.rounding import round_to, rround
 from ..common.plans import Recipes, call_key
+from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
 
 
@@ -78,7 +78,7 @@ def can_use_gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: to
     return _unsupported_reason(residual, gate, update) is None
 
 
-def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> tuple:
+def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> tuple | None:
     """(grid, scalar arguments, constexprs) from the inputs' geometry, or None for an empty output
     (cached per geometry by :func:`gate_residual`, common/plans.py)."""
     B, S, D = residual.shape

@@ -51,11 +51,11 @@ import triton.language as tl
 
 from ..common.host import (cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, interpreter_on,
                            tl_dtype, use_custom_op)
+from ..common.plans import Recipes, call_key
 from ..common.warp import lane_layout_ok
 from ..common.rms import RMS_MAX_WIDTH, RMS_VEC_WIDTH, rms_fold_lanes, rms_rstd, rms_sumsq_reduce_order, rms_sumsq_torch_order
 from ..common.rounding import INTERPRET, round_to, rround
 from ..common.welford import fma_rn, rsqrt_approx
-from ..common.plans import Recipes, call_key
 from ..env import env
 from ..errors import UnsupportedInput
 
