@@ -347,7 +347,14 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return conv(x.contiguous(), weight.contiguous(), bias, stride, padding)
 
 
-__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last"]
+def linear_cat(x_a: torch.Tensor, w_a: torch.Tensor, b_a: torch.Tensor | None,
+               x_b: torch.Tensor, w_b: torch.Tensor, b_b: torch.Tensor | None) -> torch.Tensor:
+    """The joint attention value as FLUX.1's and Qwen-Image's processors build it: each stream's
+    projection, then ``cat`` along the sequence (text first)."""
+    return torch.cat([F.linear(x_a, w_a, b_a), F.linear(x_b, w_b, b_b)], dim=1)
+
+
+__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat"]
 
 
 # ----------------------------------------------------------------------------- image families

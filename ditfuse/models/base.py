@@ -42,6 +42,7 @@ from ..contracts import admission
 from ..contracts.ops import HIGH, LOSSLESS, TIERS, OpSet, close_variant
 from ..contracts.quality import Guard, MountResult, Quality, check_all
 from ..kernels.spec import OpDescriptor
+from ..kernels.env import env
 from .handoff import HOOK_PREFIX, NO_LINK, Link, counts, foreign_hook_names, link_chains
 
 logger = logging.getLogger("ditfuse.models")
@@ -154,6 +155,29 @@ def diffusers_rmsnorms(module: torch.nn.Module, names: tuple[str, ...], width: i
     if is_torch_npu_available():
         return "torch_npu is available: diffusers RMSNorm takes its NPU path"
     return None
+
+
+def plain_linear(module: object) -> bool:
+    """``module`` is a plain ``nn.Linear`` whose forward nothing intercepts (no torch hooks, no
+    diffusers or accelerate hook, not a PEFT/LoRA wrapper): its output is ``F.linear(x, weight,
+    bias)``, so a fast forward may use its weight and bias directly."""
+    return (type(module) is torch.nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+            and getattr(module, "_diffusers_hook", None) is None and not hasattr(module, "_hf_hook"))
+
+
+def linear_cat_enabled() -> bool:
+    """``DITFUSE_LINEAR_CAT=1``: the joint attention value's two projections write into one buffer
+    (``layout.linear_cat``, batch 1). Off by default until a GPU run has measured it: the op is
+    gated like every other, but whether cuBLASLt picks the same GEMM for an ``out=`` view is an
+    observation to make, not a construction (kernels/layout/linear_cat_torch.py)."""
+    return env("DITFUSE_LINEAR_CAT", "0").strip() not in ("", "0")
+
+
+def linear_cat_applies(x_a: torch.Tensor, x_b: torch.Tensor, n: int) -> bool:
+    """A site's pre-check before calling ``layout.linear_cat`` (so the op only sees inputs it
+    takes): the switch is on, batch 1, and the second block of rows starts 256-byte aligned."""
+    return (linear_cat_enabled() and x_a.dim() == 3 and x_a.shape[0] == 1 and x_b.shape[0] == 1
+            and (x_a.shape[1] * n * x_a.element_size()) % 256 == 0)
 
 
 def half_precision(module: torch.nn.Module) -> str | None:
@@ -529,5 +553,7 @@ def capture_admission_batches(
 
 __all__ = [
     "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
-    "capture_admission_batches", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "site_hooks", "TIERS",
+    "capture_admission_batches", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear",
+    "linear_cat_applies",
+    "site_hooks", "TIERS",
 ]

@@ -25,7 +25,7 @@ from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import (ada_zero, ada_zero_applies, ada_zero_opening, norm_out_forward,  # noqa: F401 (re-exported)
                     norm_out_site, plain_layernorm)
-from .base import Adapter, Site
+from .base import Adapter, Site, linear_cat_applies, plain_linear
 from .handoff import NO_LINK, Link, Opening, close_block
 from .pos_cache import embedder_site, transformer_scope
 
@@ -87,24 +87,36 @@ def attention_forward(
         # IP-adapter inputs or a swapped processor: diffusers' own path (incl. its kwarg checks).
         return original(hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb, **kwargs)
 
-    query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
-        attn, hidden_states, encoder_hidden_states
-    )
+    joint = attn.added_kv_proj_dim is not None
+    if (joint and encoder_hidden_states is not None and not attn.fused_projections
+            and plain_linear(attn.to_v) and plain_linear(attn.add_v_proj)
+            and linear_cat_applies(encoder_hidden_states, hidden_states, attn.to_v.out_features)):
+        # _get_projections' six linears, the two value projections written straight into the
+        # joint value (text rows first): the cat below without its copy
+        query, key = attn.to_q(hidden_states), attn.to_k(hidden_states)
+        encoder_query = attn.add_q_proj(encoder_hidden_states)
+        encoder_key = attn.add_k_proj(encoder_hidden_states)
+        value = _ops.linear_cat(encoder_hidden_states, attn.add_v_proj.weight, attn.add_v_proj.bias,
+                                hidden_states, attn.to_v.weight, attn.to_v.bias)
+        encoder_value = None
+    else:
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
     query = query.unflatten(-1, (-1, attn.head_dim))
     key = key.unflatten(-1, (-1, attn.head_dim))
     value = value.unflatten(-1, (-1, attn.head_dim))
     cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
 
-    joint = attn.added_kv_proj_dim is not None
     if joint:
         encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
         encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
-        encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
         query, key = _ops.qk_rmsnorm_rope(
             query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
             encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight,
         )
-        value = torch.cat([encoder_value, value], dim=1)
+        if encoder_value is not None:
+            value = torch.cat([encoder_value.unflatten(-1, (-1, attn.head_dim)), value], dim=1)
     else:
         query, key = _ops.qk_rmsnorm_rope(
             query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps
@@ -317,7 +329,8 @@ SITES = (
         forward=attention_forward,
         ops=(QK_RMSNORM_ROPE,),
         applies=_attn_applies,
-        description="attention: QK RMSNorm + text/image concat + RoPE in one pass",
+        description="attention: QK RMSNorm + text/image concat + RoPE in one pass (DITFUSE_LINEAR_CAT=1: "
+                    "the value projections written into the joint value, batch 1)",
     ),
     norm_out_site("flux"),
     Site(

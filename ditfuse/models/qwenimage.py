@@ -9,7 +9,9 @@ stays diffusers'; ``h + gate2[:, None]·mlp`` → ``gate_residual``; the fp16 cl
 it. The attention (``Attention`` + ``QwenDoubleStreamAttnProcessor2_0``) is the processor's code
 with its QK chain — per-head diffusers RMSNorm on q/k of each stream, complex RoPE with each
 stream's own freqs, text-first concat — as one op, ``qk_rmsnorm_diffusers_rope_complex``, that
-writes the joint q/k; projections, the v concat, the joint text mask, ``dispatch_attention_fn``
+writes the joint q/k; the two value projections write their rows of the joint value
+(``layout.linear_cat``, batch 1, plain ``nn.Linear`` s, with ``DITFUSE_LINEAR_CAT=1``); the other projections, the joint text
+mask, ``dispatch_attention_fn``
 (the processor's backend and context-parallel config) and the output projections stay
 diffusers'. Another processor, an external ``attention_mask`` or extra attention kwargs run
 diffusers' forward. The Edit models' per-token modulation (``zero_cond_t`` /
@@ -28,7 +30,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
-from .base import Adapter, Site, attention_site, diffusers_rmsnorms
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms, linear_cat_applies, plain_linear
 from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -90,25 +92,30 @@ def attention_forward(
 
     img_query = attn.to_q(hidden_states)
     img_key = attn.to_k(hidden_states)
-    img_value = attn.to_v(hidden_states)
     txt_query = attn.add_q_proj(encoder_hidden_states)
     txt_key = attn.add_k_proj(encoder_hidden_states)
-    txt_value = attn.add_v_proj(encoder_hidden_states)
-
     head_dim = attn.inner_dim // attn.heads  # the processor's: -1 absorbs a tensor-parallel head shard
+    if (plain_linear(attn.to_v) and plain_linear(attn.add_v_proj)
+            and linear_cat_applies(encoder_hidden_states, hidden_states, attn.to_v.out_features)):
+        # both value projections written straight into the joint value (text rows first): the
+        # processor's cat without its copy
+        joint_value = _ops.linear_cat(encoder_hidden_states, attn.add_v_proj.weight, attn.add_v_proj.bias,
+                                      hidden_states, attn.to_v.weight, attn.to_v.bias).unflatten(-1, (-1, head_dim))
+    else:
+        img_value = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
+        txt_value = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+        joint_value = torch.cat([txt_value, img_value], dim=1)
+
     img_query = img_query.unflatten(-1, (-1, head_dim))
     img_key = img_key.unflatten(-1, (-1, head_dim))
-    img_value = img_value.unflatten(-1, (-1, head_dim))
     txt_query = txt_query.unflatten(-1, (-1, head_dim))
     txt_key = txt_key.unflatten(-1, (-1, head_dim))
-    txt_value = txt_value.unflatten(-1, (-1, head_dim))
 
     img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
     joint_query, joint_key = _ops.qk_rmsnorm_diffusers_rope_complex(
         img_query, img_key, attn.norm_q.weight, attn.norm_k.weight, img_freqs, attn.norm_q.eps,
         txt_query, txt_key, attn.norm_added_q.weight, attn.norm_added_k.weight, txt_freqs,
     )
-    joint_value = torch.cat([txt_value, img_value], dim=1)
 
     joint_hidden_states = dispatch_attention_fn(
         joint_query,
@@ -235,7 +242,8 @@ SITES = (
     attention_site(
         "qwenimage.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,), _attn_applies,
         "attention (QwenDoubleStreamAttnProcessor2_0): per-stream QK RMSNorm + complex RoPE + "
-        "text-first concat in one pass",
+        "text-first concat in one pass (DITFUSE_LINEAR_CAT=1: the value projections written into the "
+        "joint value, batch 1)",
     ),
     norm_out_site("qwenimage", high=False),
 )

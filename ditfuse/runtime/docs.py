@@ -133,6 +133,7 @@ def render() -> str:
         "DITFUSE_QK_KERNEL=auto|lanes|tile                 # QK-norm kernels: vector-per-lane or tile (default auto)",
         "DITFUSE_HANDOFF=1|0                               # cross-block fusion (default 1; models/handoff.py)",
         "DITFUSE_POS_CACHE=1|0                             # FLUX.1/FLUX.2 RoPE tables reused across steps (default 1; models/pos_cache.py)",
+        "DITFUSE_LINEAR_CAT=0|1                            # joint value projections written into one buffer (default 0 until measured; layout.linear_cat)",
         "```",
         "",
         "```python",

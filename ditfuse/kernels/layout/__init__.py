@@ -4,7 +4,8 @@ joint_buffers_torch.py: torch-only helpers (views, one preallocated buffer) with
 own; pad_channels_last_triton.py: a zero-bordered channels-last buffer for a producer to fill (no
 op either: exact by construction). conv_channels_last_torch.py: cuDNN's convolution on
 channels-last memory (no transposes); upsample_nearest_triton.py: WanUpsample's 2x repeat and
-fp32 round trip in one channels-last pass; both ops under the gate — the descriptors are here;
+fp32 round trip in one channels-last pass; linear_cat_torch.py: two projections written into
+their concatenation (the joint attention value); all three under the gate — the descriptors are here;
 importing this imports neither torch nor triton.
 """
 
@@ -39,4 +40,20 @@ UPSAMPLE_NEAREST2X = OpDescriptor(
     key_note="every shape (a copy: the shape fixes the launch)",
 )
 
-DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X)
+_LC = "ditfuse.kernels.layout.linear_cat_torch"
+
+LINEAR_CAT = OpDescriptor(
+    op="layout.linear_cat",
+    contract=Contract.BIT_EXACT,
+    replaces="cat([linear(x_a), linear(x_b)], dim=1) -> each GEMM writes its rows of the joint buffer (batch 1)",
+    summary="the joint attention value without its cat: the text and image value projections "
+            "write their rows of one [1, S, N] buffer (the same addmm F.linear runs, verified "
+            "bitwise per signature at first sight)",
+    reference="ditfuse.kernels.reference:linear_cat",
+    impls=(Impl(Backend.TORCH, f"{_LC}:linear_cat", frozenset({Capability("cuda", (8, 0))}),
+                f"{_LC}:can_use_linear_cat"),),
+    key=(K("x_a", dims=(0, 1, 2)), K("w_a", dims=(0,)), K("b_a"), K("x_b", dims=(0, 1, 2)), K("w_b"), K("b_b")),
+    key_note="every GEMM shape (cuBLASLt picks its kernel from M, N, K)",
+)
+
+DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, LINEAR_CAT)
