@@ -259,10 +259,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 continue
             handle = None
             fn = step
-            saved_handoff = os.environ.get("DITFUSE_HANDOFF")
-            if prov == "lossless_nohandoff":  # A/B of cross-block fusion (models/handoff.py)
-                os.environ["DITFUSE_HANDOFF"] = "0"
-            if prov in ("lossless", "lossless_nohandoff", "lossless_graph", "high"):
+            saved_env = {k: os.environ.get(k) for k in _AB_ENV}
+            for k, v in _AB_ENV.items():  # the A/B providers' switches (see PROVIDERS)
+                if prov == v[0]:
+                    os.environ[k] = v[1]
+            if prov in ("lossless", "lossless_graph", "high", *(v[0] for v in _AB_ENV.values())):
                 ditfuse.gate.reset()
                 handle = ditfuse.accelerate(
                     model, quality="high" if prov == "high" else "lossless", cuda_graph=(prov == "lossless_graph")
@@ -301,10 +302,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                       f"syncs={syncs or 0} bitwise={mm is None} "
                       f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
             finally:
-                if saved_handoff is None:
-                    os.environ.pop("DITFUSE_HANDOFF", None)
-                else:
-                    os.environ["DITFUSE_HANDOFF"] = saved_handoff
+                for k, v in saved_env.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
                 if handle is not None:
                     handle.unmount()
                 if prov == "compile":
@@ -380,9 +382,12 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_graph", "compile", "high"]
-# lossless_nohandoff (DITFUSE_HANDOFF=0: cross-block fusion off) is the A/B of models/handoff.py: asked for by name.
-DEFAULT_PROVIDERS = [p for p in PROVIDERS if p != "lossless_nohandoff"]
+# A/B providers: lossless with one switch flipped, asked for by name (not in the defaults).
+# lossless_nohandoff: DITFUSE_HANDOFF=0 (cross-block fusion off, models/handoff.py);
+# lossless_linear_cat: DITFUSE_LINEAR_CAT=1 (the joint value's projections into one buffer).
+_AB_ENV = {"DITFUSE_HANDOFF": ("lossless_nohandoff", "0"), "DITFUSE_LINEAR_CAT": ("lossless_linear_cat", "1")}
+PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_linear_cat", "lossless_graph", "compile", "high"]
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("lossless_nohandoff", "lossless_linear_cat")]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
