@@ -92,6 +92,24 @@ def test_recipes_are_bounded(monkeypatch):
     assert r.get(None) is None and r.put(None, 1) == 1 and len(r) <= 3
 
 
+def test_checked_runs_the_predicate_once_and_caches_no_rejection():
+    r = plans.Recipes()
+    calls = []
+
+    def reason(why):
+        calls.append(why)
+        return why
+
+    assert r.checked(("a",), lambda: reason(None), lambda: None) is None  # an empty launch is a recipe
+    assert r.checked(("a",), lambda: reason("never asked"), lambda: 1 / 0) is None
+    assert calls == [None]
+    for _ in range(2):
+        with pytest.raises(UnsupportedInput):
+            r.checked(("b",), lambda: reason("rejected"), lambda: 1 / 0)
+    assert calls == [None, "rejected", "rejected"], "a rejection is not cached"
+    assert r.checked(None, lambda: reason(None), lambda: 7) == 7 and len(r) == 1, "no key: nothing stored"
+
+
 # -- cached path == uncached launch over a sweep of geometries -----------------------------------
 
 

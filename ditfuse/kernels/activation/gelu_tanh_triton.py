@@ -301,7 +301,6 @@ def gelu_tanh_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
 
 
 _CAT_RECIPES = Recipes()
-_EMPTY = object()
 
 
 def _keyed_cat(key: tuple | None, attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
@@ -312,14 +311,8 @@ def _keyed_cat(key: tuple | None, attn: torch.Tensor, mlp_pre: torch.Tensor) -> 
         return torch.ops.ditfuse.gelu_tanh_cat(attn, mlp_pre)
     if key is None:
         key = call_key((attn, mlp_pre))
-    r = _CAT_RECIPES.get(key)
-    if r is None:
-        reason = _cat_reason(attn, mlp_pre)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = _CAT_RECIPES.put(key, act_cat_recipe(attn, mlp_pre, None) or _EMPTY)
-    return act_cat_fire(None if r is _EMPTY else r, _gelu_cat_act, TANH_PTX, attn, mlp_pre, None,
-                        tl_dtype(mlp_pre.dtype))
+    r = _CAT_RECIPES.checked(key, lambda: _cat_reason(attn, mlp_pre), lambda: act_cat_recipe(attn, mlp_pre, None))
+    return act_cat_fire(r, _gelu_cat_act, TANH_PTX, attn, mlp_pre, None, tl_dtype(mlp_pre.dtype))
 
 
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).

@@ -153,12 +153,8 @@ def _keyed_swiglu(key: tuple | None, gate_in: torch.Tensor, up: torch.Tensor,
     if out is None and not use_custom_op():
         if key is None:
             key = call_key((gate_in, up))
-        r = _SWIGLU_RECIPES.get(key)
-        if r is None:
-            reason = _unsupported_reason(gate_in, up, None)
-            if reason is not None:
-                raise UnsupportedInput(reason)
-            r = _SWIGLU_RECIPES.put(key, True)
+        # only the predicate's verdict is kept (its launch arithmetic is a few integer ops)
+        _SWIGLU_RECIPES.checked(key, lambda: _unsupported_reason(gate_in, up, None), lambda: True)
         out = torch.empty(gate_in.shape, dtype=gate_in.dtype, device=gate_in.device)
         _launch(gate_in, up, out)
         return out
@@ -229,7 +225,6 @@ def swiglu_cat(attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> t
 
 _CAT_RECIPES = Recipes()
 _SWIGLU_RECIPES = Recipes()
-_EMPTY = object()
 
 
 def _keyed_cat(key: tuple | None, attn: torch.Tensor, gate_in: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -240,13 +235,8 @@ def _keyed_cat(key: tuple | None, attn: torch.Tensor, gate_in: torch.Tensor, up:
         return torch.ops.ditfuse.swiglu_cat(attn, gate_in, up)
     if key is None:
         key = call_key((attn, gate_in, up))
-    r = _CAT_RECIPES.get(key)
-    if r is None:
-        reason = _cat_reason(attn, gate_in, up)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = _CAT_RECIPES.put(key, act_cat_recipe(attn, gate_in, up) or _EMPTY)
-    return act_cat_fire(None if r is _EMPTY else r, _swiglu_tile, 0, attn, gate_in, up, tl_dtype(gate_in.dtype))
+    r = _CAT_RECIPES.checked(key, lambda: _cat_reason(attn, gate_in, up), lambda: act_cat_recipe(attn, gate_in, up))
+    return act_cat_fire(r, _swiglu_tile, 0, attn, gate_in, up, tl_dtype(gate_in.dtype))
 
 
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).

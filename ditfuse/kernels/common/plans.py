@@ -24,17 +24,20 @@ bench/probes/probe_host_cpu.py, bench/results/host_cpu_round11_cpu.txt).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..env import env
+from ..errors import UnsupportedInput
 
 MAX_ENTRIES = 4096  # geometries per function; a server sees a few per shape; cleared when exceeded
 
 _SCALARS = (bool, int, float, str, torch.dtype)
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+_MISS = object()
 _ENV_SWITCHES = ("TRITON_INTERPRET", "DITFUSE_ROW_KERNEL", "DITFUSE_QK_KERNEL")
 
 
@@ -101,6 +104,18 @@ class Recipes:
                 self._d.clear()
             self._d[key] = recipe
         return recipe
+
+    def checked(self, key: tuple | None, reason: Callable[[], str | None], make: Callable[[], Any]) -> Any:
+        """The recipe under ``key``; on a miss the predicate ``reason()`` first (a string raises
+        :class:`UnsupportedInput`, nothing is cached), then ``make()``, cached (None too: an empty
+        launch is a recipe)."""
+        r = _MISS if key is None else self._d.get(key, _MISS)
+        if r is _MISS:
+            why = reason()
+            if why is not None:
+                raise UnsupportedInput(why)
+            r = self.put(key, make())
+        return r
 
     def clear(self) -> None:
         self._d.clear()

@@ -139,7 +139,6 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
 
 
 _RECIPES = Recipes()
-_EMPTY = object()
 
 
 def _keyed(key: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
@@ -150,13 +149,9 @@ def _keyed(key: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update
         return torch.ops.ditfuse.gate_residual(residual, gate, update)
     if key is None:
         key = call_key((residual, gate, update))
-    r = _RECIPES.get(key)
-    if r is None:
-        reason = _unsupported_reason(residual, gate, update)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = _RECIPES.put(key, _recipe(residual, gate, update) or _EMPTY)
-    return _fire(None if r is _EMPTY else r, residual, gate, update)
+    r = _RECIPES.checked(key, lambda: _unsupported_reason(residual, gate, update),
+                         lambda: _recipe(residual, gate, update))
+    return _fire(r, residual, gate, update)
 
 
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).

@@ -667,12 +667,8 @@ def _ln(x, scale, shift, eps, weight, bias, norm_dtype, exact: bool, key: tuple 
     cache = _RECIPES[False, exact]
     if key is None:
         key = call_key((x, scale, shift, eps, weight, bias, norm_dtype))
-    r = cache.get(key)
-    if r is None:
-        reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = cache.put(key, _recipe(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact))
+    r = cache.checked(key, lambda: _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype),
+                      lambda: _recipe(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact))
     return _fire(r, x, None, None, scale, shift, weight, bias)[1]
 
 
@@ -687,12 +683,9 @@ def _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, 
     cache = _RECIPES[True, exact]
     if key is None:
         key = call_key((residual, gate, update, scale, shift, eps, weight, bias, norm_dtype))
-    r = cache.get(key)
-    if r is None:
-        reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = cache.put(key, _recipe(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact))
+    r = cache.checked(
+        key, lambda: _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update),
+        lambda: _recipe(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact))
     return _fire(r, residual, gate, update, scale, shift, weight, bias)
 
 

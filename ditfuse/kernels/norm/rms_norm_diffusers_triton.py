@@ -435,20 +435,14 @@ def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
 
 
 _RECIPES = {mode: Recipes() for mode in (0, 1, 2)}
-_EMPTY = object()
 
 
 def _cached(mode: int, key: tuple | None, x, residual, gate, scale, w, w2, eps: float):
     """The launch with its predicate and recipe cached per call key (common/plans.py)."""
-    cache = _RECIPES[mode]
-    r = cache.get(key)
-    if r is None:
-        weights = (w,) if mode != 2 else (w, w2)
-        reason = _unsupported_reason(x, residual, gate, scale, weights, eps)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = cache.put(key, _recipe(mode, x, residual, gate, scale, w, w2, eps) or _EMPTY)
-    return _fire(mode, None if r is _EMPTY else r, x, residual, gate, scale, w, w2)
+    weights = (w,) if mode != 2 else (w, w2)
+    r = _RECIPES[mode].checked(key, lambda: _unsupported_reason(x, residual, gate, scale, weights, eps),
+                               lambda: _recipe(mode, x, residual, gate, scale, w, w2, eps))
+    return _fire(mode, r, x, residual, gate, scale, w, w2)
 
 
 # ---- custom ops (one opaque node for torch.compile)

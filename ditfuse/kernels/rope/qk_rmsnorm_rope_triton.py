@@ -922,12 +922,7 @@ def _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k
     cache = _STD_RECIPES[exact]
     if key is None:
         key = call_key(args)
-    r = cache.get(key)
-    if r is None:
-        reason = _unsupported_reason(*args)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = cache.put(key, _recipe(*args, exact))
+    r = cache.checked(key, lambda: _unsupported_reason(*args), lambda: _recipe(*args, exact))
     return _fire(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
 
 
@@ -1147,18 +1142,14 @@ _DIFF_RECIPES = Recipes()
 def _diffusers_call(key, q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
                     txt_freqs, layout: int = 0):
     """The cached launch: the predicate and the recipe once per call key, then views + launch."""
-    r = _DIFF_RECIPES.get(key)
-    if r is None:
-        reason = _diffusers_reason(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight,
-                                   k_txt_weight, txt_freqs)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        img_tab, txt_tab = _complex_tables(freqs, txt_freqs)
-        r = _DIFF_RECIPES.put(key, _recipe(
-            q, k, q_weight, k_weight, img_tab, txt_tab, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
-            rope=2 if freqs is not None else 0, diffusers=_diffusers_params(q, q_txt, CMUL_MODE, layout)))
-    else:
-        img_tab, txt_tab = _complex_tables(freqs, txt_freqs)
+    r = _DIFF_RECIPES.checked(
+        key, lambda: _diffusers_reason(q, k, q_weight, k_weight, freqs, eps, q_txt, k_txt, q_txt_weight,
+                                       k_txt_weight, txt_freqs),
+        lambda: _recipe(q, k, q_weight, k_weight, *_complex_tables(freqs, txt_freqs), eps, q_txt, k_txt,
+                        q_txt_weight, k_txt_weight, rope=2 if freqs is not None else 0,
+                        diffusers=_diffusers_params(q, q_txt, CMUL_MODE, layout)))
+    # the tables are views made per call (tensors, not geometry); the predicate has passed for them
+    img_tab, txt_tab = _complex_tables(freqs, txt_freqs)
     return _fire(r, q, k, q_weight, k_weight, img_tab, txt_tab, q_txt, k_txt, q_txt_weight, k_txt_weight)
 
 
@@ -1350,15 +1341,13 @@ def _keyed_cat(key, q, k, q_weight, k_weight, eps=1e-6, q_txt=None, k_txt=None, 
             q, k, q_weight, k_weight, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight)
     if key is None:
         key = call_key(args)
-    r = _CAT_RECIPES.get(key)
     tr = (lambda t: t.transpose(1, 2) if t is not None else None)
+    # the transposed views only after the predicate has passed (it rejects non-tensors)
+    r = _CAT_RECIPES.checked(
+        key, lambda: _cat_reason(*args),
+        lambda: _recipe(tr(q), tr(k), q_weight, k_weight, None, None, eps, tr(q_txt), tr(k_txt), q_txt_weight,
+                        k_txt_weight, rope=0, diffusers=_diffusers_params(tr(q), tr(q_txt), CMUL_MODE, 1)))
     qi, ki, qt, kt = tr(q), tr(k), tr(q_txt), tr(k_txt)
-    if r is None:
-        reason = _cat_reason(*args)
-        if reason is not None:
-            raise UnsupportedInput(reason)
-        r = _CAT_RECIPES.put(key, _recipe(qi, ki, q_weight, k_weight, None, None, eps, qt, kt, q_txt_weight,
-                                          k_txt_weight, rope=0, diffusers=_diffusers_params(qi, qt, CMUL_MODE, 1)))
     return _fire(r, qi, ki, q_weight, k_weight, None, None, qt, kt, q_txt_weight, k_txt_weight)
 
 
