@@ -43,6 +43,7 @@ from ..contracts.ops import HIGH, LOSSLESS, TIERS, OpSet, close_variant
 from ..contracts.quality import Guard, MountResult, Quality, check_all
 from ..kernels.spec import OpDescriptor
 from ..kernels.env import env
+from ..kernels.layout.linear_cat_torch import one_buffer
 from .handoff import HOOK_PREFIX, NO_LINK, Link, counts, foreign_hook_names, link_chains
 
 logger = logging.getLogger("ditfuse.models")
@@ -175,9 +176,8 @@ def linear_cat_enabled() -> bool:
 
 def linear_cat_applies(x_a: torch.Tensor, x_b: torch.Tensor, n: int) -> bool:
     """A site's pre-check before calling ``layout.linear_cat`` (so the op only sees inputs it
-    takes): the switch is on, batch 1, and the second block of rows starts 256-byte aligned."""
-    return (linear_cat_enabled() and x_a.dim() == 3 and x_a.shape[0] == 1 and x_b.shape[0] == 1
-            and (x_a.shape[1] * n * x_a.element_size()) % 256 == 0)
+    takes): the switch is on, and the op's own shape rule (batch 1, aligned rows) holds."""
+    return linear_cat_enabled() and one_buffer(x_a, x_b, n)
 
 
 def half_precision(module: torch.nn.Module) -> str | None:

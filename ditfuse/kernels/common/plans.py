@@ -39,8 +39,6 @@ _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISS = object()
 _ENV_SWITCHES = ("TRITON_INTERPRET", "DITFUSE_ROW_KERNEL", "DITFUSE_QK_KERNEL")
-
-
 _COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 
 

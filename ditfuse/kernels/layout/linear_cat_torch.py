@@ -27,14 +27,20 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _ALIGN = 256  # bytes: the most alignment cuBLASLt is told about (a fresh allocation has it)
 
 
+def one_buffer(x_a: torch.Tensor, x_b: torch.Tensor, n: int) -> bool:
+    """Whether the two projections' rows can be one buffer's rows as the op writes them: batch 1,
+    and the second block of rows (after ``x_a``'s ``S_a`` rows of ``n`` elements) starts 256-byte
+    aligned, as a fresh allocation does. The predicate's shape rule; sites ask it first."""
+    return (x_a.dim() == 3 and x_b.dim() == 3 and x_a.shape[0] == 1 and x_b.shape[0] == 1
+            and (x_a.shape[1] * n * x_a.element_size()) % _ALIGN == 0)
+
+
 def _unsupported_reason(x_a, w_a, b_a, x_b, w_b, b_b) -> str | None:
     for name, t in (("x_a", x_a), ("w_a", w_a), ("x_b", x_b), ("w_b", w_b)):
         if not isinstance(t, torch.Tensor):
             return f"{name} must be a tensor"
     if x_a.dim() != 3 or x_b.dim() != 3:
         return "inputs must be [B, S, K]"
-    if x_a.shape[0] != 1 or x_b.shape[0] != 1:
-        return f"batch {x_a.shape[0]}: only batch 1 writes each GEMM's rows as one matrix"
     if w_a.dim() != 2 or w_b.dim() != 2 or w_a.shape[0] != w_b.shape[0]:
         return f"weights {tuple(w_a.shape)} / {tuple(w_b.shape)}: two [N, K] with one N"
     if w_a.shape[1] != x_a.shape[2] or w_b.shape[1] != x_b.shape[2]:
@@ -51,8 +57,9 @@ def _unsupported_reason(x_a, w_a, b_a, x_b, w_b, b_b) -> str | None:
         return "dtypes differ or are not bf16/fp16/fp32 (F.linear would promote or reject)"
     if not x_a.is_contiguous() or not x_b.is_contiguous():
         return "an input is not contiguous (F.linear would take another path)"
-    if (x_a.shape[1] * w_a.shape[0] * x_a.element_size()) % _ALIGN:
-        return "the second block of rows would start less than 256-byte aligned (cuBLASLt's heuristic sees it)"
+    if not one_buffer(x_a, x_b, w_a.shape[0]):
+        return (f"batch {x_a.shape[0]}, or a second block of rows not 256-byte aligned: only batch 1 writes each "
+                "GEMM's rows as one matrix, and cuBLASLt's heuristic sees the alignment")
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return "an input requires grad and grad mode is on"
     if torch.is_autocast_enabled("cuda"):
@@ -101,4 +108,4 @@ def linear_cat(x_a: torch.Tensor, w_a: torch.Tensor, b_a: torch.Tensor | None,
     return linear_cat_into(x_a, w_a, b_a, x_b, w_b, b_b)
 
 
-__all__ = ["linear_cat", "can_use_linear_cat", "linear_cat_into"]
+__all__ = ["linear_cat", "can_use_linear_cat", "linear_cat_into", "one_buffer"]

@@ -847,7 +847,7 @@ def _launch(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     a row's arithmetic, so any choice gives the same bits; bench/probes/probe_qk_rmsnorm_rope.py
     sweeps them. ``rope``: 0/1/2 (default: 1 with cos/sin, else 0); ``diffusers``: the NORM=1
     constexprs and factors (:func:`_launch_diffusers`). The public functions cache the recipe
-    per input geometry (:func:`_planned`); this uncached path is for tests and probes."""
+    per input geometry (common/plans.py ``Recipes``); this uncached path is for tests and probes."""
     r = _recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact,
                 rows_per_program, num_warps, rope, diffusers, kernel, lanes_tiling)
     return _fire(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
