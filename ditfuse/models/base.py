@@ -166,6 +166,21 @@ def plain_linear(module: object) -> bool:
             and getattr(module, "_diffusers_hook", None) is None and not hasattr(module, "_hf_hook"))
 
 
+def linear_module(module: object) -> torch.nn.Linear | None:
+    """The ``nn.Linear`` that computes ``module``'s projection: ``module`` itself, or the base layer
+    of a PEFT/LoRA wrapper around one (``get_base_layer()``), else None. For sites that *call* the
+    module (so a LoRA delta is applied by its own forward) and only need to know its shape; a site
+    that reads ``weight`` / ``bias`` directly must ask :func:`plain_linear` instead."""
+    if isinstance(module, torch.nn.Linear):
+        return module
+    get_base = getattr(module, "get_base_layer", None)
+    if callable(get_base) and isinstance(module, torch.nn.Module):
+        base = get_base()
+        if isinstance(base, torch.nn.Linear):
+            return base
+    return None
+
+
 def linear_cat_enabled() -> bool:
     """``DITFUSE_LINEAR_CAT=1``: the joint attention value's two projections write into one buffer
     (``layout.linear_cat``, batch 1). Off by default until a GPU run has measured it: the op is

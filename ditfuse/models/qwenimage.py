@@ -30,7 +30,8 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
-from .base import Adapter, Site, attention_site, diffusers_rmsnorms, linear_cat_applies, plain_linear
+from .base import (Adapter, Site, attention_site, diffusers_rmsnorms, linear_cat_applies, linear_module,
+                   plain_linear)
 from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -216,8 +217,8 @@ def _block_applies(block) -> str | None:
     for name in ("img_mod", "txt_mod"):
         mod = getattr(block, name)
         if not (isinstance(mod, torch.nn.Sequential) and len(mod) == 2 and type(mod[0]) is torch.nn.SiLU
-                and isinstance(mod[1], torch.nn.Linear)):
-            return f"{name} is not Sequential(SiLU, Linear)"
+                and linear_module(mod[1]) is not None):
+            return f"{name} is not Sequential(SiLU, Linear) (a LoRA-wrapped Linear counts)"
     for name in ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"):
         r = plain_layernorm(getattr(block, name))
         if r is not None:

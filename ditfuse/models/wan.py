@@ -204,8 +204,10 @@ def model_forward(
     """WanTransformer3DModel.forward with the output norm + modulate fused. LoRA scales
     (``attention_kwargs``) and gradient checkpointing take diffusers' own forward."""
     if attention_kwargs or (torch.is_grad_enabled() and model.gradient_checkpointing):
+        # by keyword: diffusers' @apply_lora_scale reads the LoRA scale from kwargs only, so a
+        # positional attention_kwargs would silently drop it
         return original(hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image,
-                        return_dict, attention_kwargs)
+                        return_dict=return_dict, attention_kwargs=attention_kwargs)
     from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
     batch_size, num_channels, num_frames, height, width = hidden_states.shape

@@ -38,7 +38,7 @@ from ..kernels.norm import (
     GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE,
     RMS_NORM_DIFFUSERS_SCALE,
 )
-from .base import Adapter, Site, attention_site, diffusers_rmsnorms
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms, linear_module
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_z_image"
@@ -136,15 +136,15 @@ def _block_applies(block) -> str | None:
     if type(ff) is not FeedForward:
         return f"feed_forward is {type(ff).__name__}, not Z-Image's FeedForward"
     for name in ("w1", "w2", "w3"):
-        lin = getattr(ff, name, None)
-        if not isinstance(lin, torch.nn.Linear):
-            return f"feed_forward.{name} is not a Linear"
+        if linear_module(getattr(ff, name, None)) is None:
+            return f"feed_forward.{name} is not a Linear (or a LoRA-wrapped one)"
     if block.modulation:
         mod = getattr(block, "adaLN_modulation", None)
-        if not (isinstance(mod, torch.nn.Sequential) and len(mod) == 1 and isinstance(mod[0], torch.nn.Linear)):
-            return "adaLN_modulation is not Sequential(Linear)"
-        if mod[0].out_features != 4 * block.dim:
-            return f"adaLN_modulation gives {mod[0].out_features} features, not 4 * dim"
+        lin = linear_module(mod[0]) if isinstance(mod, torch.nn.Sequential) and len(mod) == 1 else None
+        if lin is None:
+            return "adaLN_modulation is not Sequential(Linear) (a LoRA-wrapped Linear counts)"
+        if lin.out_features != 4 * block.dim:
+            return f"adaLN_modulation gives {lin.out_features} features, not 4 * dim"
     return None
 
 
