@@ -14,6 +14,18 @@ memory pool about one forward's activations in size, so a server that sees many 
 sizes x resolutions) would otherwise grow without bound. Capturing one more evicts the least
 recently replayed one: its graph and buffers are released, and the signature starts again from
 a single eager call if it comes back.
+
+A graph also bakes in everything about the *model* that its forward read on the host: which
+modules and hooks ran, each parameter's and buffer's address, the attention processors, a LoRA
+adapter's scale and on/off state. So every call first takes the model's state
+(:func:`model_state`: one walk over its modules, ~1-2 ms of Python for FLUX.1's 1279 modules,
+hidden behind the GPU's work in a graph-replayed loop), and when it differs from the state the
+graphs were captured under, all of them are dropped (logged, with the first module that changed)
+and the next calls warm up and capture again: loading, scaling, disabling or fusing a LoRA,
+swapping an attention processor, replacing a parameter or moving the model never replays a
+stale graph. In-place writes into existing weights are not a change: a replay reads the memory.
+A model with foreign hooks (accelerate's offload ``_hf_hook``, diffusers' offload or cache hooks)
+stays eager, logged once: those move weights or decide on the host per call.
 """
 
 from __future__ import annotations
@@ -40,6 +52,64 @@ def _key(bound: dict[str, Any]) -> tuple:
         else:
             parts.append((name, repr(v)))
     return tuple(parts)
+
+
+def model_state(model: torch.nn.Module) -> tuple[list, "tuple[torch.nn.Module, str] | None"]:
+    """(state, refusal) of ``model`` for its CUDA graphs (module docstring).
+
+    ``state`` compares with ``==`` element by element: per module the module itself, its
+    instance ``forward`` (a diffusers or accelerate hook rewrites it), its attention
+    ``processor``, ``training``, its torch hook counts, its parameters' and buffers' data
+    pointers, and for a PEFT tuner layer its scaling, merged and active adapters and disable
+    flag. Objects are compared by identity and held by the state, so a replaced module is never
+    mistaken for a new one at a recycled ``id``. ``refusal``: (module, why) when graphs cannot be
+    used at all."""
+    hooks = torch.nn.modules.module
+    state: list = [len(hooks._global_forward_hooks), len(hooks._global_forward_pre_hooks)]
+    ap = state.append
+    for mod in model.modules():
+        d = mod.__dict__
+        if "_hf_hook" in d:
+            return state, (mod, f"it has an accelerate hook ({type(d['_hf_hook']).__name__}: "
+                                "offloading moves its weights between calls)")
+        reg = d.get("_diffusers_hook")
+        if reg is not None:
+            foreign = [n for n in reg.hooks if not n.startswith("ditfuse.")]
+            if foreign:
+                return state, (mod, f"it has diffusers hooks {foreign} (offloading or caching decide "
+                                    "on the host per call)")
+        ap(mod)
+        ap(d.get("forward"))
+        ap(d.get("processor"))
+        ap(d["training"])
+        ap(len(mod._forward_hooks))
+        ap(len(mod._forward_pre_hooks))
+        for t in mod._parameters.values():
+            ap(None if t is None else t.data_ptr())
+        for t in mod._buffers.values():
+            ap(None if t is None else t.data_ptr())
+        if "scaling" in d and "merged_adapters" in d:  # a PEFT (LoRA) layer
+            ap(tuple(d["scaling"].items()))
+            ap(tuple(d["merged_adapters"]))
+            ap(d.get("_disable_adapters"))
+            ap(repr(d.get("_active_adapter")))
+    return state, None
+
+
+def _module_name(model: torch.nn.Module, target: torch.nn.Module) -> str:
+    for name, mod in model.named_modules():
+        if mod is target:
+            return name or type(model).__name__
+    return type(target).__name__
+
+
+def _first_change(model: torch.nn.Module, old: list, new: list) -> str:
+    """The module whose entry in ``new`` first differs from ``old``, by name (for the log)."""
+    i = next((i for i, (a, b) in enumerate(zip(old, new)) if not (a is b or a == b)), min(len(old), len(new)))
+    for j in range(min(i, len(new) - 1), -1, -1):
+        if isinstance(new[j], torch.nn.Module):
+            return _module_name(model, new[j])
+    return "the model's global hooks"
 
 
 def _clone_out(out: Any) -> Any:
@@ -81,11 +151,51 @@ class GraphRunner:
         self.captures = 0
         self.evictions = 0
         self.parallel_noted = False
+        self.state: list | None = None  # the model state the live graphs were captured under
+        self.state_changes = 0  # times graphs were dropped because the model changed
+        self.refused: str | None = None  # why graphs are off for the model right now (logged once)
+        self._unstable = 0  # state changes in a row without a replay between them
+        self._unstable_noted = False
 
     def invalidate(self) -> None:
         """Drop every captured graph (the forward changed: another quality tier was mounted)."""
         self.entries.clear()
         self.live.clear()
+
+    def state_allows(self, module: torch.nn.Module) -> bool:
+        """Take ``module``'s state; drop every graph if it changed since they were captured.
+        False: graphs cannot be used for it now (foreign hooks), the call runs eagerly."""
+        state, refusal = model_state(module)
+        if refusal is not None:
+            culprit, why = refusal
+            reason = f"{_module_name(module, culprit)}: {why}"
+            if reason != self.refused:
+                self.refused = reason
+                logger.warning("ditfuse: CUDA graphs are off for %s while %s; it runs eagerly",
+                               type(module).__name__, reason)
+            if self.entries:
+                self.invalidate()
+            self.state = None
+            return False
+        if self.refused is not None:
+            logger.info("ditfuse: CUDA graphs are on again for %s", type(module).__name__)
+            self.refused = None
+        if self.state is not None and state != self.state:
+            if self.live or any(e.calls for e in self.entries.values()):
+                logger.info("ditfuse: %s changed since its CUDA graphs were captured (first at %s: a module, "
+                            "hook, attention processor, parameter or LoRA setting): %d graph(s) dropped, "
+                            "the next calls warm up and capture again",
+                            type(module).__name__, _first_change(module, self.state, state), len(self.live))
+            self.invalidate()
+            self.state_changes += 1
+            self._unstable += 1
+            if self._unstable >= 3 and not self._unstable_noted:
+                self._unstable_noted = True
+                logger.warning("ditfuse: %s changes between every call (%s), so no CUDA graph is ever replayed; "
+                               "accelerate(cuda_graph=False) saves the captures", type(module).__name__,
+                               _first_change(module, self.state, state))
+        self.state = state
+        return True
 
     def _make_room(self) -> None:
         """Evict least recently replayed graphs until one more fits under ``max_graphs``."""
@@ -132,6 +242,8 @@ class GraphRunner:
         named = dict(list(bound.arguments.items())[1:])
         if any(isinstance(v, torch.Tensor) and v.device.type != "cuda" for v in named.values()):
             return original(*args, **kwargs)
+        if not self.state_allows(module):
+            return original(*args, **kwargs)
         key = _key(named)
         entry = self.entries.setdefault(key, _Entry())
         if entry.failed is not None:
@@ -150,6 +262,7 @@ class GraphRunner:
             buf.copy_(named[name])
         entry.graph.replay()
         self.replays += 1
+        self._unstable = 0
         return _clone_out(entry.static_out)
 
     def _capture(self, entry: _Entry, original, named: dict[str, Any]) -> None:
