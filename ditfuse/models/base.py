@@ -27,6 +27,7 @@ whatever the fast forwards pass, so no per-family code re-derives them.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -243,6 +244,8 @@ class SiteHook:
         self.ops = ops
         self.fn_ref = None
         self.link: Link = NO_LINK
+        self._guards: list[dict] | None = None  # __dict__s of the submodules it reads directly
+        self.offload_calls = 0  # calls that ran diffusers' forward because of an offload hook
 
     def initialize_hook(self, module):
         return module
@@ -257,16 +260,78 @@ class SiteHook:
         return output
 
     def new_forward(self, module, *args, **kwargs):
+        original = self.fn_ref.original_forward
+        if self._guards is None:
+            self._guards = _read_directly(module)
+        held = _offload_hook(self._guards) or (_accelerate_wrapper(original) and "accelerate's hook runs above it")
+        if held:
+            # A fast forward reads some submodules' weights directly instead of calling them, so
+            # a hook that moves weights in a submodule's forward (sequential or group offload,
+            # layerwise casting) would be skipped: diffusers' forward runs, with every hook.
+            self.offload_calls += 1
+            _note_offload(self.site.name, held)
+            return original(*args, **kwargs)
         if self.site.chained:
-            return self.site.forward(module, self.fn_ref.original_forward, *args, _ops=self.ops, _link=self.link,
-                                     **kwargs)
-        return self.site.forward(module, self.fn_ref.original_forward, *args, _ops=self.ops, **kwargs)
+            return self.site.forward(module, original, *args, _ops=self.ops, _link=self.link, **kwargs)
+        return self.site.forward(module, original, *args, _ops=self.ops, **kwargs)
 
     def reset_state(self, module):
         return module
 
     def __repr__(self) -> str:
         return f"SiteHook({self.site.name}, {self.ops.quality.value})"
+
+
+# diffusers hooks a fast forward keeps: context parallelism's split/gather hooks sit on modules
+# the fast forwards call as modules (a block's inputs, pos_embed, proj_out, rope)
+_KEPT_HOOKS = ("cp_input---", "cp_output---", HOOK_PREFIX)
+# modules the fast forwards only ever call, never read tensors of (layout.linear_cat, the one
+# exception, asks plain_linear per call): a hook on one of them runs as in diffusers
+_CALLED = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
+_offload_noted: set[str] = set()
+
+
+def _read_directly(module: torch.nn.Module) -> list[dict]:
+    """The ``__dict__`` of every submodule of ``module`` whose tensors its site's fast forward
+    may read without calling it (norm weights, modulation tables): those with parameters or
+    buffers of their own that are not a Linear, a convolution or an embedding (or a PEFT wrapper
+    of one), leaving out submodules mounted as sites of their own and what is under them (their
+    own hooks check those)."""
+    out: list[dict] = []
+    stack = [m for m in module._modules.values() if m is not None]
+    while stack:
+        m = stack.pop()
+        reg = m.__dict__.get("_diffusers_hook")
+        if reg is not None and any(isinstance(h, SiteHook) for h in reg.hooks.values()):
+            continue
+        if (m._parameters or m._buffers) and not isinstance(m, _CALLED) and linear_module(m) is None:
+            out.append(m.__dict__)
+        stack.extend(c for c in m._modules.values() if c is not None)
+    return out
+
+
+def _offload_hook(guards: list[dict]) -> str | None:
+    """Why a fast forward must not run now: one of the submodules it reads directly has an
+    accelerate hook or a diffusers hook other than context parallelism's (sequential or
+    leaf-level group offloading, layerwise casting of a norm): the hook moves or casts the
+    weights in that module's own forward, which the fast forward does not call. None when
+    there is none (~0.1 µs per guarded submodule: a FLUX.1 block has none, its attention four)."""
+    for d in guards:
+        if "_hf_hook" in d:
+            return f"a submodule it reads has an accelerate hook ({type(d['_hf_hook']).__name__})"
+        reg = d.get("_diffusers_hook")
+        if reg is not None:
+            for name in reg.hooks:
+                if not name.startswith(_KEPT_HOOKS):
+                    return f"a submodule it reads has the diffusers hook {name!r}"
+    return None
+
+
+def _note_offload(site: str, why: str) -> None:
+    if site not in _offload_noted:
+        _offload_noted.add(site)
+        logger.warning("ditfuse: %s runs diffusers' forward while %s (offloading or a hook that moves "
+                       "or casts weights: the fast forward would skip it); logged once per site", site, why)
 
 
 def _make_hook(site: Site) -> SiteHook:
@@ -313,6 +378,44 @@ def mounted_high(model: torch.nn.Module) -> list[str]:
 # adapters refuse any version but the one they mirror).
 
 
+# accelerate's ``add_hook_to_module`` (``enable_model_cpu_offload``, ``enable_sequential_cpu_offload``,
+# ``cpu_offload``) does not use that registry: it wraps ``module.forward`` in a partial that calls
+# ``module._old_forward``, and ``remove_hook_from_module`` (run by diffusers' ``remove_all_hooks``
+# at every ``enable_model_cpu_offload``, so after every pipeline call with offload on) restores
+# ``module.forward = module._old_forward``. So a registry chain belongs *under* accelerate's
+# wrapper, in ``_old_forward``: there the wrapper moves the weights before our forward runs, the
+# restore puts our chain back as the forward, and a new offload hook wraps it again.
+
+
+def _accelerate_wrapper(f: Any) -> bool:
+    """``f`` is the forward accelerate's ``add_hook_to_module`` installed."""
+    return isinstance(f, functools.partial) and getattr(f.func, "__qualname__", "").startswith("add_hook_to_module.")
+
+
+def _chain_top(f: Any, fn_ref: Any) -> bool:
+    """``f`` is the forward diffusers' ``register_hook`` installed for chain entry ``fn_ref``."""
+    if not isinstance(f, functools.partial):
+        return False
+    return any(getattr(c, "cell_contents", None) is fn_ref for c in (getattr(f.func, "__closure__", None) or ()))
+
+
+def register_on_top(reg: Any, hook: Any, name: str) -> None:
+    """``reg.register_hook(hook, name)`` (the hook wraps the registry's chain), placed under
+    accelerate's wrapper when the module has one (see above)."""
+    mod = reg._module_ref
+    d = mod.__dict__
+    wrapper = d.get("forward")
+    if not (_accelerate_wrapper(wrapper) and "_old_forward" in d):
+        reg.register_hook(hook, name)
+        return
+    mod.forward = d["_old_forward"]
+    try:
+        reg.register_hook(hook, name)
+    finally:
+        mod._old_forward = d["forward"]
+        mod.forward = wrapper
+
+
 def _inner_forward(fn_ref: Any) -> Callable:
     """The forward a hook's chain entry calls below itself."""
     return fn_ref.original_forward if fn_ref.original_forward is not None else fn_ref.forward
@@ -328,12 +431,10 @@ def _set_inner_forward(fn_ref: Any, forward: Callable) -> None:
 def register_innermost(reg: Any, hook: SiteHook, name: str) -> None:
     """Register ``hook`` on ``reg`` (a diffusers HookRegistry) under every hook already there:
     it replaces the module's own forward, and the other hooks keep running around it."""
-    import functools
-
     from diffusers.hooks.hooks import HookFunctionReference
 
     if not reg._fn_refs:
-        reg.register_hook(hook, name)
+        register_on_top(reg, hook, name)
         return
     if name in reg.hooks:
         raise ValueError(f"hook {name} is already registered")
@@ -365,7 +466,15 @@ def remove_hook(reg: Any, name: str) -> None:
     fn_ref = reg._fn_refs[index]
     below = _inner_forward(fn_ref)
     if index == len(reg._hook_order) - 1:
-        reg._module_ref.forward = below
+        mod = reg._module_ref
+        d = mod.__dict__
+        if _chain_top(d.get("forward"), fn_ref):
+            mod.forward = below
+        elif _chain_top(d.get("_old_forward"), fn_ref):  # under accelerate's wrapper
+            mod._old_forward = below
+        # else the module's forward was reset since (accelerate's remove_hook_from_module restores
+        # the forward it wrapped): the chain is off the call path already, and overwriting what is
+        # there now would drop someone else's wrapper
     else:
         _set_inner_forward(reg._fn_refs[index + 1], below)
     reg._module_ref = reg.hooks[name].deinitalize_hook(reg._module_ref)

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from .base import register_on_top, remove_hook
+
 logger = logging.getLogger("ditfuse.cuda_graph")
 
 HOOK_NAME = "ditfuse.cuda_graph"
@@ -298,11 +300,11 @@ def install_graph_runner(model: torch.nn.Module, max_graphs: int = 8) -> GraphRu
         existing.max_graphs = int(max_graphs)
         return existing
     runner = _Runner(model, max_graphs=max_graphs)
-    reg.register_hook(runner, HOOK_NAME)
+    register_on_top(reg, runner, HOOK_NAME)  # under accelerate's wrapper, if the model has one
     return runner
 
 
 def remove_graph_runner(model: torch.nn.Module) -> None:
     reg = getattr(model, "_diffusers_hook", None)
     if reg is not None and reg.get_hook(HOOK_NAME) is not None:
-        reg.remove_hook(HOOK_NAME, recurse=False)
+        remove_hook(reg, HOOK_NAME)  # keeps an accelerate wrapper above it working
