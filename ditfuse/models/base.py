@@ -295,18 +295,18 @@ def _read_directly(module: torch.nn.Module) -> list[dict]:
     """The ``__dict__`` of every submodule of ``module`` whose tensors its site's fast forward
     may read without calling it (norm weights, modulation tables): those with parameters or
     buffers of their own that are not a Linear, a convolution or an embedding (or a PEFT wrapper
-    of one), leaving out submodules mounted as sites of their own and what is under them (their
-    own hooks check those)."""
+    of one). A submodule mounted as a site of its own counts too (a ResnetBlock's fast forward
+    reads its GroupNorm site's weight), but what is under it does not: the parent calls it, and
+    its own hook checks its submodules."""
     out: list[dict] = []
     stack = [m for m in module._modules.values() if m is not None]
     while stack:
         m = stack.pop()
-        reg = m.__dict__.get("_diffusers_hook")
-        if reg is not None and any(isinstance(h, SiteHook) for h in reg.hooks.values()):
-            continue
         if (m._parameters or m._buffers) and not isinstance(m, _CALLED) and linear_module(m) is None:
             out.append(m.__dict__)
-        stack.extend(c for c in m._modules.values() if c is not None)
+        reg = m.__dict__.get("_diffusers_hook")
+        if reg is None or not any(isinstance(h, SiteHook) for h in reg.hooks.values()):
+            stack.extend(c for c in m._modules.values() if c is not None)
     return out
 
 

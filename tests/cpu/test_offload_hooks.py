@@ -201,3 +201,33 @@ def test_layerwise_casting_bitwise(family, norms):
         assert_bitwise_equal(_run(m, inp), ref, f"{family}: layerwise casting ({norms})")
     finally:
         h.unmount()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("order", ["offload_then_accelerate", "accelerate_then_offload"])
+@pytest.mark.parametrize("vae", ["AutoencoderKL", "AutoencoderKLWan"])
+def test_sequential_offload_vae_bitwise(vae, order):
+    """The VAE sites read GroupNorm / RMS_norm weights of submodules that are sites themselves."""
+    from accelerate import cpu_offload
+
+    if vae == "AutoencoderKL":
+        from .test_vae_adapter import _decode, _vae
+
+        data, run = torch.randn(1, 4, 9, 7), _decode
+    else:
+        from .test_wan_vae_adapter import _roundtrip, _vae
+
+        data, run = torch.randn(1, 3, 5, 16, 16), lambda v, x: _roundtrip(v, x)[1]
+    base = run(_vae(), data)
+    v = _vae()
+    if order == "offload_then_accelerate":
+        cpu_offload(v, execution_device=torch.device("cpu"))
+        h = ditfuse.accelerate(v)
+    else:
+        h = ditfuse.accelerate(v)
+        cpu_offload(v, execution_device=torch.device("cpu"))
+    try:
+        assert_bitwise_equal(run(v, data), base, f"{vae}: sequential offload ({order})")
+        assert any(hook.offload_calls for _, _, hook in site_hooks(v))
+    finally:
+        h.unmount()
