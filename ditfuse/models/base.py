@@ -548,9 +548,11 @@ class Adapter:
         from diffusers.hooks import HookRegistry
 
         result = AdapterMount(self.family)
-        by_cls = {s.cls_name: s for s in self.sites}
+        # by class object, not name: diffusers has "Copied from" classes of the same name in other
+        # modules (transformer_wan_animate.WanTransformerBlock), whose forward was never checked
+        by_cls = {s.load_cls(): s for s in self.sites}
         for path, mod in model.named_modules():
-            site = by_cls.get(type(mod).__name__)
+            site = by_cls.get(type(mod))
             if site is None:
                 continue
             path = path or "<root>"

@@ -349,7 +349,7 @@ SITES = (
 
 ADAPTER = Adapter(
     family="flux",
-    model_classes=("FluxTransformer2DModel",),
+    model_classes=("FluxTransformer2DModel", "FluxControlNetModel", "FluxMultiControlNetModel"),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
 )

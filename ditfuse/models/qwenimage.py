@@ -251,7 +251,7 @@ SITES = (
 
 ADAPTER = Adapter(
     family="qwenimage",
-    model_classes=("QwenImageTransformer2DModel",),
+    model_classes=("QwenImageTransformer2DModel", "QwenImageControlNetModel", "QwenImageMultiControlNetModel"),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
 )

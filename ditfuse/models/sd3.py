@@ -249,7 +249,7 @@ SITES = (
 
 ADAPTER = Adapter(
     family="sd3",
-    model_classes=("SD3Transformer2DModel",),
+    model_classes=("SD3Transformer2DModel", "SD3ControlNetModel", "SD3MultiControlNetModel"),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
 )

@@ -304,7 +304,7 @@ SITES = (
 
 ADAPTER = Adapter(
     family="wan",
-    model_classes=("WanTransformer3DModel",),
+    model_classes=("WanTransformer3DModel", "WanVACETransformer3DModel"),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
 )
