@@ -16,6 +16,15 @@ MODEL_HELP = ("'tiny-flux' (built-in image model) or 'tiny-wan' (built-in video 
               "weights: their images and videos are noise. Or a diffusers directory (a WanPipeline makes videos)")
 
 
+def _lora_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("LoRA (needs peft: pip install 'ditfuse[lora]')")
+    g.add_argument("--lora", action="append", default=[], metavar="PATH[:SCALE]",
+                   help="load a LoRA (diffusers/PEFT format: a directory with pytorch_lora_weights.safetensors, or "
+                        "the .safetensors file) at SCALE (default 1); repeat for several")
+    g.add_argument("--fuse-lora", action="store_true",
+                   help="merge the LoRAs into the weights at startup (no per-step LoRA cost; the mix is then fixed)")
+
+
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-flux", help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="what to generate (the tiny presets ignore its meaning)")
@@ -36,6 +45,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")
+    _lora_args(p)
     par = p.add_argument_group("several GPUs (one generation spread over them: diffusers' context parallelism, "
                                "one process per device under torchrun; docs/parallel.md)")
     par.add_argument("--gpus", type=int, default=1, help="GPUs to spread the generation over (cuda:0..N-1)")
@@ -78,6 +88,7 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
                           "or ring (GPUs only)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="serve plain diffusers")
+    _lora_args(p)
     p.add_argument("--cuda-graph", choices=("auto", "on", "off"), default="auto",
                    help="capture each transformer step as a CUDA graph after one eager call per input shape "
                         "(which verifies the kernels) and replay it: bitwise equal, ~1 ms of host time. auto "

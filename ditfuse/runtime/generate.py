@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
     """One generation in this process; ``rank`` (distributed.Rank) when it is one of several."""
     from .params import ParamError, SamplingParams
-    from .presets import PRESET_TABLE, load_model
+    from .presets import PRESET_TABLE, load_model, lora_specs
 
     def out_path(info: Any) -> Path:
         if getattr(args, "out", None) is not None:
@@ -150,7 +150,8 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             make_params(PRESET_TABLE[args.model])
         from .engine import run_batch
 
-        loaded = load_model(args.model, device=args.device if rank is None else rank.device, dtype=args.dtype)
+        loaded = load_model(args.model, device=args.device if rank is None else rank.device, dtype=args.dtype,
+                            loras=lora_specs(args), fuse_lora=getattr(args, "fuse_lora", False))
         params = make_params(loaded)
         if rank is not None:
             from .distributed import enable_context_parallel
@@ -166,6 +167,8 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         print(f"parallel: context parallelism ({rank.plan.mode}) over {rank.world} ranks "
               f"({', '.join(rank.plan.devices)}) on {', '.join(parallel)}; rank 0 writes the output")
     print(f"model: {loaded.name} ({type(loaded.pipe).__name__})")
+    for lora in loaded.loras:
+        print(f"LoRA: {lora}")
     if loaded.note:
         print(f"NOTE: {loaded.note}")
     if args.no_accelerate:

@@ -115,10 +115,72 @@ class LoadedModel:
     default_frames: int | None = None
     default_steps: int | None = None
     default_guidance: float | None = None
+    loras: tuple[str, ...] = ()  # what --lora loaded, for the startup lines ("path (scale 0.8)")
 
     @property
     def is_video(self) -> bool:
         return self.kind == "video"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """One ``--lora PATH[:SCALE]``: a LoRA in diffusers/PEFT format (a directory with
+    ``pytorch_lora_weights.safetensors``, or the .safetensors file itself) and its weight."""
+
+    path: str
+    scale: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "LoraSpec":
+        """``PATH`` or ``PATH:SCALE`` (the part after the last colon is a scale only if it is a
+        number, so a path with colons still works)."""
+        head, sep, tail = text.rpartition(":")
+        if sep and head:
+            try:
+                return cls(head, float(tail))
+            except ValueError:
+                pass
+        return cls(text, 1.0)
+
+    def describe(self) -> str:
+        return f"{self.path} (scale {self.scale:g})"
+
+
+def lora_specs(args: Any) -> list[LoraSpec]:
+    """The ``--lora`` options of parsed ``args`` (none when the command has no such option)."""
+    return [LoraSpec.parse(t) for t in getattr(args, "lora", None) or ()]
+
+
+def apply_loras(pipe: Any, loras: "list[LoraSpec] | tuple[LoraSpec, ...]", fuse: bool = False) -> tuple[str, ...]:
+    """Load ``loras`` into ``pipe`` as diffusers does (``load_lora_weights`` per LoRA, then
+    ``set_adapters`` with their scales); ``fuse``: merge them into the weights and drop the
+    adapter layers (``fuse_lora`` + ``unload_lora_weights``): no per-step LoRA cost, one fixed mix.
+    Returns their descriptions. ValueError for a missing file, a pipeline without LoRA support,
+    or no ``peft`` (diffusers' LoRA backend)."""
+    if not loras:
+        return ()
+    if not hasattr(pipe, "load_lora_weights"):
+        raise ValueError(f"{type(pipe).__name__} does not load LoRA weights (no load_lora_weights)")
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ValueError("--lora needs peft (diffusers' LoRA backend): pip install 'ditfuse[lora]'")
+    names = []
+    for i, lora in enumerate(loras):
+        path = Path(lora.path).expanduser()
+        if not path.exists():
+            raise ValueError(f"LoRA {lora.path!r} does not exist")
+        name = f"ditfuse_lora_{i}"
+        if path.is_file():
+            pipe.load_lora_weights(str(path.parent), weight_name=path.name, adapter_name=name)
+        else:
+            pipe.load_lora_weights(str(path), adapter_name=name)
+        names.append(name)
+    pipe.set_adapters(names, adapter_weights=[lora.scale for lora in loras])
+    if fuse:
+        pipe.fuse_lora(adapter_names=names)
+        pipe.unload_lora_weights()
+    return tuple(lora.describe() + (", fused" if fuse else "") for lora in loras)
 
 
 def cache_dir() -> Path:
@@ -337,8 +399,17 @@ def _from_pretrained(path: Path, torch_dtype: Any) -> Any:
     return pipe
 
 
-def load_model(model: str, device: str | None = None, dtype: str | Any | None = None) -> LoadedModel:
-    """Load a preset (built and cached on first use) or a local diffusers directory."""
+def load_model(model: str, device: str | None = None, dtype: str | Any | None = None,
+               loras: "list[LoraSpec] | tuple[LoraSpec, ...]" = (), fuse_lora: bool = False) -> LoadedModel:
+    """Load a preset (built and cached on first use) or a local diffusers directory, with
+    ``loras`` loaded into it (:func:`apply_loras`)."""
+    loaded = _load_model(model, device, dtype)
+    if loras:
+        loaded.loras = apply_loras(loaded.pipe, loras, fuse=fuse_lora)
+    return loaded
+
+
+def _load_model(model: str, device: str | None, dtype: str | Any | None) -> LoadedModel:
     device = device or default_device()
     torch_dtype = resolve_dtype(dtype, device)
     if model in PRESET_TABLE:

@@ -575,6 +575,8 @@ def build_engine(
     parallel_mode: str = "ulysses",
     cuda_graph: "bool | str" = False,
     max_cuda_graphs: int = 4,
+    loras: "tuple[Any, ...] | list[Any]" = (),
+    fuse_lora: bool = False,
     **engine_kwargs: Any,
 ) -> tuple[Engine, str]:
     """Load ``model``, mount ditfuse (unless ``accelerate=False``), wrap it in an Engine.
@@ -590,13 +592,16 @@ def build_engine(
     (:class:`~ditfuse.runtime.workers.ContextPool`, attention ``parallel_mode``), one lane whose
     every batch runs on all of them. Raises WorkerStartupError (a RuntimeError) if a worker cannot start.
 
+    ``loras`` (presets.LoraSpec) are loaded into the pipeline (each worker's) before it is
+    accelerated; ``fuse_lora`` merges them into the weights.
+
     Returns the engine and the acceleration summary (for logging)."""
     from .presets import cuda_graphs_for, load_model
 
     if devices is not None and len(devices) > 1:
         from .workers import ContextPool, WorkerPool
 
-        graphs = dict(cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs)
+        graphs = dict(cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs, loras=tuple(loras), fuse_lora=fuse_lora)
         if parallel == "context":
             pool = ContextPool(model, devices, mode=parallel_mode, dtype=dtype, accelerate=accelerate,
                                default_quality=default_quality, **graphs, **(worker_options or {}))
@@ -615,7 +620,7 @@ def build_engine(
     if devices is not None:
         device = devices[0]
 
-    loaded = load_model(model, device=device, dtype=dtype)
+    loaded = load_model(model, device=device, dtype=dtype, loras=loras, fuse_lora=fuse_lora)
     handle = None
     summary = "nothing (acceleration disabled)"
     if accelerate:
@@ -626,6 +631,7 @@ def build_engine(
         summary = handle.report().summary()
         if cuda_graph == "auto" and not graphs:
             summary += "\nCUDA graphs: off for a video model (--cuda-graph auto; --cuda-graph on captures them)"
+    summary = "".join(f"LoRA: {lora}\n" for lora in loaded.loras) + summary
     engine = Engine(loaded, handle, default_quality=default_quality, **engine_kwargs)
     return engine, summary
 
@@ -679,6 +685,8 @@ def _worker_threads(devices: list[str]) -> int | None:
 def run(args: Any) -> int:
     import sys
 
+    from .presets import lora_specs
+
     store = None
     engine = None
     try:
@@ -703,6 +711,8 @@ def run(args: Any) -> int:
             default_quality=args.default_quality,
             cuda_graph="off" if getattr(args, "no_cuda_graph", False) else getattr(args, "cuda_graph", "auto"),
             max_cuda_graphs=getattr(args, "max_cuda_graphs", 4),
+            loras=lora_specs(args),
+            fuse_lora=getattr(args, "fuse_lora", False),
             max_batch_size=args.max_batch_size,
             batch_wait_ms=args.batch_wait_ms,
             quality_switch_wait_ms=args.quality_switch_wait_ms,

@@ -213,6 +213,9 @@ class WorkerSpec:
     # presets.cuda_graphs_for, resolved once the worker has loaded the model)
     cuda_graph: "bool | str" = False
     max_cuda_graphs: int = 4
+    # presets.LoraSpec each (plain frozen dataclasses: they pickle), and --fuse-lora
+    loras: tuple = ()
+    fuse_lora: bool = False
 
 
 def _resolve(path: str) -> Callable[..., Any]:
@@ -256,7 +259,8 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
 
             rank, world, init_method, _mode = spec.group
             join_group(rank, world, load_device, init_method)
-        loaded = load_model(spec.model, device=load_device, dtype=spec.dtype)
+        loaded = load_model(spec.model, device=load_device, dtype=spec.dtype, loras=spec.loras,
+                            fuse_lora=spec.fuse_lora)
         if spec.group is not None:
             from .distributed import enable_context_parallel
 
@@ -272,6 +276,7 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
                                 cuda_graph=cuda_graphs_for(spec.cuda_graph, loaded),
                                 max_cuda_graphs=spec.max_cuda_graphs)
             summary = handle.report().summary()
+        summary = "".join(f"LoRA: {lora}\n" for lora in loaded.loras) + summary
     except BaseException as e:  # noqa: BLE001 - every startup failure is reported, then we exit
         _send(conn, ("failed", type(e).__name__, str(e), traceback.format_exc()))
         return
@@ -578,6 +583,8 @@ class WorkerPool:
         stop_timeout_s: float = 30.0,
         cuda_graph: "bool | str" = False,
         max_cuda_graphs: int = 4,
+        loras: tuple = (),
+        fuse_lora: bool = False,
     ) -> None:
         if not devices:
             raise ValueError("WorkerPool needs at least one device")
@@ -591,7 +598,8 @@ class WorkerPool:
         self.model = model
         self.specs = [
             WorkerSpec(i, model, d, dtype, accelerate, default_quality, threads, runner, env_items,
-                       cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs)
+                       cuda_graph=cuda_graph, max_cuda_graphs=max_cuda_graphs, loras=tuple(loras),
+                       fuse_lora=fuse_lora)
             for i, d in enumerate(self.devices)
         ]
         self.start_timeout_s = float(start_timeout_s)
