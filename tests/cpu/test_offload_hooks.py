@@ -44,23 +44,28 @@ def _run(m, inp):
     return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one latent per sample
 
 
+def _offloaded_and_accelerated(m, order: str):
+    """Sequential CPU offload (execution on the CPU) and ditfuse, in ``order``; the handle."""
+    from accelerate import cpu_offload
+
+    if order == "offload_then_accelerate":
+        cpu_offload(m, execution_device=torch.device("cpu"))
+        return ditfuse.accelerate(m)
+    h = ditfuse.accelerate(m)
+    cpu_offload(m, execution_device=torch.device("cpu"))
+    return h
+
+
 @pytest.mark.slow  # tiny models, reference chains: a few seconds each on 2 cores
 @pytest.mark.parametrize("order", ["offload_then_accelerate", "accelerate_then_offload"])
 @pytest.mark.parametrize("family", list(BUILDS))
 def test_sequential_offload_bitwise(family, order, caplog):
-    from accelerate import cpu_offload
-
     plain = BUILDS[family](torch.bfloat16)
     inp = _case_inputs(family, plain, 1)
     base = _run(plain, inp)
     m = BUILDS[family](torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="ditfuse.models"):
-        if order == "offload_then_accelerate":
-            cpu_offload(m, execution_device=torch.device("cpu"))
-            h = ditfuse.accelerate(m)
-        else:
-            h = ditfuse.accelerate(m)
-            cpu_offload(m, execution_device=torch.device("cpu"))
+        h = _offloaded_and_accelerated(m, order)
         assert h.report().components[0].status == "mounted"
         assert_bitwise_equal(_run(m, inp), base, f"{family}: sequential offload ({order})")
         assert_bitwise_equal(_run(m, inp), base, f"{family}: second call")
@@ -208,8 +213,6 @@ def test_layerwise_casting_bitwise(family, norms):
 @pytest.mark.parametrize("vae", ["AutoencoderKL", "AutoencoderKLWan"])
 def test_sequential_offload_vae_bitwise(vae, order):
     """The VAE sites read GroupNorm / RMS_norm weights of submodules that are sites themselves."""
-    from accelerate import cpu_offload
-
     if vae == "AutoencoderKL":
         from .test_vae_adapter import _decode, _vae
 
@@ -220,12 +223,7 @@ def test_sequential_offload_vae_bitwise(vae, order):
         data, run = torch.randn(1, 3, 5, 16, 16), lambda v, x: _roundtrip(v, x)[1]
     base = run(_vae(), data)
     v = _vae()
-    if order == "offload_then_accelerate":
-        cpu_offload(v, execution_device=torch.device("cpu"))
-        h = ditfuse.accelerate(v)
-    else:
-        h = ditfuse.accelerate(v)
-        cpu_offload(v, execution_device=torch.device("cpu"))
+    h = _offloaded_and_accelerated(v, order)
     try:
         assert_bitwise_equal(run(v, data), base, f"{vae}: sequential offload ({order})")
         assert any(hook.offload_calls for _, _, hook in site_hooks(v))

@@ -57,34 +57,27 @@ def _flux(cls_name):
         controlnet_mode=[torch.tensor([1]), torch.tensor([2])])
 
 
-def _sd3(cls_name):
+def _image_controlnet(family: str, cls: str, **extra):
+    """A ``cls`` ControlNet of ``family``'s tiny config (its own blocks, random weights)."""
     import diffusers
 
-    fam = families.get("sd3")
+    fam = families.get(family)
     cfg = fam.config("tiny")
     torch.manual_seed(0)
     t = fam.load_class()(**cfg)
-    cn = diffusers.SD3ControlNetModel(**_kwargs_for(diffusers.SD3ControlNetModel, dict(cfg, extra_conditioning_channels=0)))
+    cn_cls = getattr(diffusers, cls)
+    cn = cn_cls(**_kwargs_for(cn_cls, dict(cfg, **extra)))
     inp = fam.make_inputs(t, 1, "64x48", device="cpu", dtype=torch.float32, txt_tokens=7)
     inp = {k: v for k, v in inp.items() if k in inspect.signature(cn.forward).parameters}
-    inp["controlnet_cond"] = torch.randn_like(inp["hidden_states"])
-    inp["conditioning_scale"] = 0.7
-    return cn, inp
+    return cn, dict(inp, controlnet_cond=torch.randn_like(inp["hidden_states"]), conditioning_scale=0.7)
+
+
+def _sd3(cls_name):
+    return _image_controlnet("sd3", cls_name, extra_conditioning_channels=0)
 
 
 def _qwen(cls_name):
-    import diffusers
-
-    fam = families.get("qwenimage")
-    cfg = fam.config("tiny")
-    torch.manual_seed(0)
-    t = fam.load_class()(**cfg)
-    cn = diffusers.QwenImageControlNetModel(**_kwargs_for(diffusers.QwenImageControlNetModel, cfg))
-    inp = fam.make_inputs(t, 1, "64x48", device="cpu", dtype=torch.float32, txt_tokens=7)
-    inp = {k: v for k, v in inp.items() if k in inspect.signature(cn.forward).parameters}
-    inp["controlnet_cond"] = torch.randn_like(inp["hidden_states"])
-    inp["conditioning_scale"] = 0.7
-    return cn, inp
+    return _image_controlnet("qwenimage", cls_name)
 
 
 def _vace(cls_name):
