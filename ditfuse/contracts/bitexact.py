@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.compare import Mismatch, compare_outputs
+from ..kernels.compare import Mismatch, compare_outputs, layout_mismatch
 from ..kernels.env import env
 from ..kernels.errors import UnsupportedInput
 
@@ -155,6 +155,8 @@ class BitExactGate:
         self._key_locks: dict[tuple[str, Hashable], threading.Lock] = {}
         self._verified: dict[str, set[Hashable]] = {}
         self._disabled: dict[str, str] = {}
+        # signatures whose kernel output had eager's values in another layout: eager runs them
+        self._eager_only: dict[str, set[Hashable]] = {}
         self._fallbacks: list[Fallback] = []
         self._calls: dict[str, Counter] = {}
         self._unsupported_seen: set[tuple[str, str]] = set()
@@ -168,6 +170,7 @@ class BitExactGate:
             self._key_locks.clear()
             self._verified.clear()
             self._disabled.clear()
+            self._eager_only.clear()
             self._fallbacks.clear()
             self._calls.clear()
             self._unsupported_seen.clear()
@@ -214,7 +217,7 @@ class BitExactGate:
         **kwargs: Any,
     ) -> Any:
         """Run ``kernel(*args, **kwargs)`` under the bit-exact contract; see the module docstring."""
-        if op in self._disabled:
+        if op in self._disabled or signature in self._eager_only.get(op, ()):
             self._count(op, "reference")
             return reference(*args, **kwargs)
         mode = verify_mode()
@@ -251,6 +254,14 @@ class BitExactGate:
         self._count(op, "kernel")
         return out
 
+    def _note_layout(self, op: str, signature: Hashable, why: str) -> None:
+        self._count(op, "layout")
+        with self._lock:
+            self._eager_only.setdefault(op, set()).add(signature)
+        self._fallback(op, signature, f"output layout differs from eager's: {why}")
+        logger.warning("ditfuse: %s runs eager for inputs like %r: its output layout differs from eager's (%s)",
+                       op, signature, why)
+
     def _note_unsupported(self, op: str, signature: Hashable, e: UnsupportedInput) -> None:
         self._count(op, "unsupported")
         key = (op, e.reason)
@@ -285,6 +296,14 @@ class BitExactGate:
         self._count(op, "reference")
         mismatch: Mismatch | None = compare_outputs(k_out, r_out, name=op)
         if mismatch is None:
+            layout = layout_mismatch(k_out, r_out, name=op)
+            if layout is not None:
+                # Equal values in another memory layout: what reads them next may round
+                # differently, so this signature runs eager; the kernel stays on for the others.
+                if strict:
+                    raise BitExactMismatch(f"layout differs for signature {signature!r}: {layout}")
+                self._note_layout(op, signature, layout)
+                return r_out
             with self._lock:
                 self._verified.setdefault(op, set()).add(signature)
             return r_out

@@ -135,6 +135,24 @@ def compare_outputs(actual: Any, expected: Any, name: str = "output") -> Mismatc
     return None
 
 
+def effective_strides(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    """(dim, stride) of every dim of size > 1: where the elements are in memory. A size-1 dim's
+    stride addresses nothing (torch's own contiguity checks skip it)."""
+    return tuple((d, st) for d, (n, st) in enumerate(zip(t.shape, t.stride())) if n > 1)
+
+
+def layout_mismatch(actual: Any, expected: Any, name: str = "output") -> str | None:
+    """Where the outputs' memory layouts differ (equal values in another layout change the bits
+    of what reads them next: a GEMM picks its kernel by its operands' strides), or None."""
+    for i, (a, e) in enumerate(zip(_as_list(actual), _as_list(expected))):
+        if isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor):
+            if effective_strides(a) != effective_strides(e):
+                label = name if not isinstance(expected, (tuple, list)) else f"{name}[{i}]"
+                return (f"{label}: strides {tuple(a.stride())} where eager's output has {tuple(e.stride())} "
+                        f"(shape {tuple(e.shape)})")
+    return None
+
+
 def assert_bitwise_equal(actual: Any, expected: Any, name: str = "output") -> None:
     """Assert bitwise equality (see module doc); the message gives count, first indices and
     values, and how NaN/Inf placement differs."""

@@ -212,3 +212,41 @@ def test_assert_bitwise_equal_reports_details():
     assert first_mismatch(a, a.clone()) is None
     with pytest.raises(AssertionError, match="shape/dtype"):
         assert_bitwise_equal(a, a.float())
+
+
+def test_equal_values_in_another_layout_run_that_signature_eager(g, caplog):
+    """A kernel with eager's values but not eager's strides (SD3's transposed residual stream
+    written back contiguous): what reads the result next may round differently, so that
+    signature runs eager from then on; the op is not disabled, other signatures keep the kernel."""
+    def eager(x):  # elementwise: keeps x's layout
+        return x * 2 + 1
+
+    def contiguous_kernel(x):
+        return (x * 2 + 1).contiguous()
+
+    kern, ref = Counting(contiguous_kernel), Counting(eager)
+    xt = torch.randn(8, 4).t()  # transposed
+    with caplog.at_level(logging.WARNING, logger="ditfuse.gate"):
+        out = g.call("t.layout", ("transposed",), kern, ref, xt)
+    assert out.stride() == xt.stride() and torch.equal(out, eager(xt))  # eager's result, eager's layout
+    assert any("layout differs" in r.getMessage() for r in caplog.records)
+    assert not g.is_disabled("t.layout")
+    out2 = g.call("t.layout", ("transposed",), kern, ref, xt)
+    assert out2.stride() == xt.stride() and kern.calls == 1  # eager from now on for this signature
+    x = torch.randn(4, 8)  # contiguous: the same layout either way
+    for _ in range(3):
+        g.call("t.layout", ("contiguous",), kern, ref, x)
+    assert kern.calls == 4
+    rep = g.report()
+    assert rep.calls["t.layout"]["layout"] == 1 and rep.verified["t.layout"] == [("contiguous",)]
+    assert [f.signature for f in rep.fallbacks] == [("transposed",)]
+
+
+def test_size_one_dims_do_not_count_as_layout(g):
+    """A size-1 dim's stride addresses nothing: [1, S, D] with stride 0 vs S*D in dim 0 is the
+    same layout."""
+    x = torch.randn(1, 5, 3)
+    odd = torch.empty_strided((1, 5, 3), (999, 3, 1))
+    kern = Counting(lambda x: odd.copy_(x * 2 + 1))
+    g.call("t.size1", ("s",), kern, ref_fn, x)
+    assert g.report().calls["t.size1"].get("layout", 0) == 0 and g.report().verified["t.size1"] == [("s",)]

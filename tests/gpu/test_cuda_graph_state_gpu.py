@@ -41,20 +41,19 @@ def test_graphs_follow_lora_and_parameter_changes():
     with torch.no_grad():
         h = ditfuse.accelerate(m, cuda_graph=True)
     runner = h._graphs["FluxTransformer2DModel"]
+    def new_proj_out(x):  # before the LoRA: a LoRA-wrapped proj_out has no weight of its own
+        torch.manual_seed(11)
+        x.proj_out.weight = torch.nn.Parameter(torch.randn_like(x.proj_out.weight) * 0.02)
+
     try:
-        base = stage("plain", lambda x: None)
+        stage("plain", lambda x: None)
         assert (runner.captures, runner.state_changes) == (1, 0)
+        base = stage("proj_out replaced", new_proj_out)
         lora = stage("LoRA loaded", lambda x: _lora(x, 3))
         assert not torch.equal(lora, base)
         stage("LoRA weight 0.5", lambda x: x.set_adapters(["default"], weights=[0.5]))
         off = stage("LoRA disabled", lambda x: x.disable_adapters())
         assert_bitwise_equal(off, base, "LoRA disabled vs no LoRA")
-
-        def new_proj_out(x):
-            torch.manual_seed(11)
-            x.proj_out.weight = torch.nn.Parameter(torch.randn_like(x.proj_out.weight) * 0.02)
-
-        stage("proj_out replaced", new_proj_out)
         # each change dropped the graph once and captured a new one, which then replayed
         assert runner.state_changes == 4 and runner.captures == 5 and runner.replays >= 5
     finally:

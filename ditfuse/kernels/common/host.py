@@ -171,3 +171,21 @@ def use_custom_op() -> bool:
     (it must see one opaque node with a fake implementation); eager calls and CUDA-graph capture
     launch directly, which saves the custom-op dispatch (~10 µs a call) on every step."""
     return torch.compiler.is_compiling()
+
+
+def in_eager_layout(result: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """``result``, which a kernel wrote contiguous, in the memory layout eager gives the
+    elementwise op whose first operand is ``first`` (same shape): TensorIterator's output takes
+    the stride order of its first operand, so ``residual + gate * update`` on a transposed
+    residual (SD3's stream after PatchEmbed's ``flatten(2).transpose(1, 2)``) is transposed too.
+    The values are the same either way, but what reads them next may round differently in
+    another layout (a GEMM picks its kernel by its operands' strides), and the gate compares
+    layouts. ``result`` itself when ``first`` is contiguous (no cost); else one copy into
+    ``empty_like(first)``."""
+    if first.is_contiguous() or first.shape != result.shape:
+        return result
+    like = torch.empty_like(first, dtype=result.dtype)
+    if like.stride() == result.stride():
+        return result
+    like.copy_(result)
+    return like

@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from ..common.elementwise import broadcast_3d, fits_int32, load_f32, tile, tile_rows_cols
-from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, promote, tl_dtype, use_custom_op
+from ..common.host import (cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, in_eager_layout, promote, tl_dtype,
+                           use_custom_op)
 from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
@@ -108,7 +109,7 @@ def _fire(r: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: t
     # int32 addressing depends on the storages' sizes, which the geometry key does not hold
     i64 = not fits_int32(residual, gate, update, out)
     _gate_residual_kernel[grid](residual, gate, update, out, *scalars, I64=i64, **consts)
-    return out
+    return in_eager_layout(out, residual)
 
 
 def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ from ditfuse.kernels.common.host import (
     SUPPORTED_DTYPES,
     device_reason,
     grad_reason,
+    in_eager_layout,
     held_steps,
     promote,
     rows_per_program,
@@ -592,11 +593,17 @@ def _fire(r: _Recipe, x, gate, update, scale, shift, weight, bias) -> tuple[torc
         compiled = _ln_warp_kernel[grid](*ptrs, *scalars, **kw)
         # the binary's shuffle layout is checked before its result is used
         if warp_layout_ok(compiled, "norm.layernorm_modulate"):
-            return h, out
+            return _eager_h(r, h, x), out
         # refused: the 128-thread kernel below rewrites h and out completely
     grid, scalars, kw = r.block
     _ln_kernel[grid](*ptrs, *scalars, **kw)
-    return h, out
+    return _eager_h(r, h, x), out
+
+
+def _eager_h(r: _Recipe, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The residual sum in eager's layout (that of ``residual``, its first operand); the
+    normalised output is contiguous in eager too (LayerNorm writes a contiguous result)."""
+    return h if r.res == _NO_RES else in_eager_layout(h, residual)
 
 
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,

@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.host import (cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, interpreter_on,
+from ..common.host import (cdiv, next_pow2, SUPPORTED_DTYPES, device_reason, grad_reason, in_eager_layout, interpreter_on,
                            tl_dtype, use_custom_op)
 from ..common.plans import Recipes, call_key
 from ..common.warp import lane_layout_ok
@@ -1321,8 +1321,8 @@ def qk_rmsnorm_diffusers_cat(
 
     q, k: [B, H, S_img, D] (transposed views of the [B, S, H*D] projections or any strides with
     the head dim innermost); q_txt, k_txt: [B, H, S_txt, D] or None (attn2: no text); weights:
-    [D] in the input dtype or None. Returns contiguous (q_joint, k_joint), each
-    [B, H, S_img + S_txt, D]. Raises :class:`UnsupportedInput` exactly where
+    [D] in the input dtype or None. Returns (q_joint, k_joint), each [B, H, S_img + S_txt, D]:
+    contiguous, or without text in the layout of q / k (eager's, see ``in_eager_layout``). Raises :class:`UnsupportedInput` exactly where
     :func:`can_use_qk_rmsnorm_diffusers_cat` is False.
     """
     return _keyed_cat(None, q, k, q_weight, k_weight, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
@@ -1348,7 +1348,12 @@ def _keyed_cat(key, q, k, q_weight, k_weight, eps=1e-6, q_txt=None, k_txt=None, 
         lambda: _recipe(tr(q), tr(k), q_weight, k_weight, None, None, eps, tr(q_txt), tr(k_txt), q_txt_weight,
                         k_txt_weight, rope=0, diffusers=_diffusers_params(tr(q), tr(q_txt), CMUL_MODE, 1)))
     qi, ki, qt, kt = tr(q), tr(k), tr(q_txt), tr(k_txt)
-    return _fire(r, qi, ki, q_weight, k_weight, None, None, qt, kt, q_txt_weight, k_txt_weight)
+    q_out, k_out = _fire(r, qi, ki, q_weight, k_weight, None, None, qt, kt, q_txt_weight, k_txt_weight)
+    if q_txt is None:
+        # attn2 (no text): eager's RMSNorm is elementwise on q / k and keeps their layout (the
+        # transposed projections); with text, eager's cat writes a contiguous result as we do
+        return in_eager_layout(q_out, q), in_eager_layout(k_out, k)
+    return q_out, k_out
 
 
 qk_rmsnorm_diffusers_cat.keyed = _keyed_cat
