@@ -55,3 +55,26 @@ def test_sd3_qk_without_text_keeps_the_projection_layout():
     want = ref.qk_rmsnorm_diffusers_cat(q, k, w, w, 1e-6)
     for a, e, src in zip(got, want, (q, k)):
         assert effective_strides(a) == effective_strides(e) == effective_strides(src)
+
+
+def test_gate_routes_a_layout_difference_to_eager_for_that_signature_only():
+    """A kernel whose output is contiguous where eager keeps channels-last (group_norm_silu on a
+    channels-last AutoencoderKL): the gate hands that signature to eager, and the op stays on
+    for NCHW inputs (docs/numerics.md, "Layout counts too")."""
+    from ditfuse.contracts.bitexact import BitExactGate
+    from ditfuse.kernels.compare import layout_mismatch
+    from ditfuse.kernels.norm.group_norm_silu_triton import group_norm_silu
+
+    torch.manual_seed(3)
+    x_cl = torch.randn(2, 16, 9, 7).to(memory_format=torch.channels_last)
+    w, b = torch.randn(16), torch.randn(16)
+    k_out, r_out = group_norm_silu(x_cl, 4, w, b, 1e-6, True), ref.group_norm_silu(x_cl, 4, w, b, 1e-6, True)
+    assert k_out.is_contiguous() and r_out.is_contiguous(memory_format=torch.channels_last)
+    assert layout_mismatch(k_out, r_out) is not None
+    g = BitExactGate()
+    g.is_compiling = g.is_capturing = lambda: False
+    # eager's values written contiguous: what the kernel does, minus the CPU's summation order
+    contiguous_eager = lambda *a: ref.group_norm_silu(*a).contiguous()  # noqa: E731
+    out = g.call("t.gn", ("cl",), contiguous_eager, ref.group_norm_silu, x_cl, 4, w, b, 1e-6, True)
+    assert out.is_contiguous(memory_format=torch.channels_last) and not g.is_disabled("t.gn")
+    assert g.report().calls["t.gn"]["layout"] == 1
