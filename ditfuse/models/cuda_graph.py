@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from .base import register_on_top, remove_hook
+from .handoff import foreign_hook_names
 
 logger = logging.getLogger("ditfuse.cuda_graph")
 
@@ -74,12 +75,10 @@ def model_state(model: torch.nn.Module) -> tuple[list, "tuple[torch.nn.Module, s
         if "_hf_hook" in d:
             return state, (mod, f"it has an accelerate hook ({type(d['_hf_hook']).__name__}: "
                                 "offloading moves its weights between calls)")
-        reg = d.get("_diffusers_hook")
-        if reg is not None:
-            foreign = [n for n in reg.hooks if not n.startswith("ditfuse.")]
-            if foreign:
-                return state, (mod, f"it has diffusers hooks {foreign} (offloading or caching decide "
-                                    "on the host per call)")
+        foreign = foreign_hook_names(mod)
+        if foreign:
+            return state, (mod, f"it has diffusers hooks {foreign} (offloading or caching decide "
+                                "on the host per call)")
         ap(mod)
         ap(d.get("forward"))
         ap(d.get("processor"))

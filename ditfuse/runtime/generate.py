@@ -167,8 +167,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         print(f"parallel: context parallelism ({rank.plan.mode}) over {rank.world} ranks "
               f"({', '.join(rank.plan.devices)}) on {', '.join(parallel)}; rank 0 writes the output")
     print(f"model: {loaded.name} ({type(loaded.pipe).__name__})")
-    for lora in loaded.loras:
-        print(f"LoRA: {lora}")
+    print(loaded.lora_lines(), end="")
     if loaded.note:
         print(f"NOTE: {loaded.note}")
     if args.no_accelerate:

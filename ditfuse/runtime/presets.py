@@ -121,6 +121,10 @@ class LoadedModel:
     def is_video(self) -> bool:
         return self.kind == "video"
 
+    def lora_lines(self) -> str:
+        """One ``LoRA: ...`` line per loaded LoRA (startup summaries)."""
+        return "".join(f"LoRA: {lora}\n" for lora in self.loras)
+
 
 @dataclass(frozen=True)
 class LoraSpec:

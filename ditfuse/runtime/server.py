@@ -631,7 +631,7 @@ def build_engine(
         summary = handle.report().summary()
         if cuda_graph == "auto" and not graphs:
             summary += "\nCUDA graphs: off for a video model (--cuda-graph auto; --cuda-graph on captures them)"
-    summary = "".join(f"LoRA: {lora}\n" for lora in loaded.loras) + summary
+    summary = loaded.lora_lines() + summary
     engine = Engine(loaded, handle, default_quality=default_quality, **engine_kwargs)
     return engine, summary
 

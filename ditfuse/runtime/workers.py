@@ -276,7 +276,7 @@ def _worker_main(spec: WorkerSpec, conn: Any, stop: Any) -> None:
                                 cuda_graph=cuda_graphs_for(spec.cuda_graph, loaded),
                                 max_cuda_graphs=spec.max_cuda_graphs)
             summary = handle.report().summary()
-        summary = "".join(f"LoRA: {lora}\n" for lora in loaded.loras) + summary
+        summary = loaded.lora_lines() + summary
     except BaseException as e:  # noqa: BLE001 - every startup failure is reported, then we exit
         _send(conn, ("failed", type(e).__name__, str(e), traceback.format_exc()))
         return
