@@ -4,7 +4,8 @@ For every registered bit-exact kernel (loaded through ``ditfuse.kernels.registry
 a kernel that fails to import or to run is skipped with a printed note) at the FLUX image shape
 [1, 4608, 3072] and the large shape [2, 32760, 5120] (bf16), and Wan's chains (fp32 modulation,
 FP32LayerNorm, RMSNorm over all heads + RoPE) at the Wan2.1-1.3B video shape [1, 32760, 1536]
-(480x832, 81 frames; ``wan2`` is its CFG batch of 2):
+(480x832, 81 frames; ``wan2`` is its CFG batch of 2); ``flux2``: FLUX.2's SwiGLU chains; ``sd3``:
+SD3.5-large's joint value cat (``layout.head_cat``):
 
 - providers: ``eager`` (the ditfuse.kernels.reference chain), ``compile`` (torch.compile of the same
   chain, dynamic=False), ``ours`` (the registered kernel);
@@ -22,7 +23,7 @@ FP32LayerNorm, RMSNorm over all heads + RoPE) at the Wan2.1-1.3B video shape [1,
 
 Writes long-format CSV to --out (default bench/results/kernels_h200.csv) and prints a table.
 
-    python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large,wan,wan2]
+    python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large,wan,wan2,flux2,sd3]
                                   [--no-compile] [--timing flush,graph]
 """
 
@@ -45,7 +46,7 @@ from ditfuse.kernels import reference as ref  # noqa: E402
 from ditfuse.kernels.compare import compare_outputs  # noqa: E402
 
 SHAPES = {"image": (1, 4608, 3072), "large": (2, 32760, 5120), "wan": (1, 32760, 1536), "wan2": (2, 32760, 1536),
-          "flux2": (1, 4608, 6144)}
+          "flux2": (1, 4608, 6144), "sd3": (1, 4096 + 333, 2432)}
 HEADS = {3072: 24, 5120: 40}
 S_TXT = 512
 DT = torch.bfloat16
@@ -143,10 +144,23 @@ def make_flux2_cases(B: int, S: int, D: int) -> list[Case]:
     return cases
 
 
+def make_sd3_cases(B: int, S: int, D: int) -> list[Case]:
+    """SD3.5-large's joint value: ``cat([v, v_txt], dim=2)`` of the two value projections viewed
+    [B, H, S, 64] (transposed views), 4096 image + 333 text tokens."""
+    s_txt, hd = 333, 64
+    s_img, H = S - s_txt, D // hd
+    v = _rand((B, s_img, D)).view(B, s_img, H, hd).transpose(1, 2)
+    vt = _rand((B, s_txt, D)).view(B, s_txt, H, hd).transpose(1, 2)
+    return [Case("layout.head_cat", "layout.head_cat", f"{B}x{H}x({s_img}+{s_txt})x{hd}", (v, vt), ref.head_cat,
+                 lambda k: k, 2 * _nbytes(v, vt))]
+
+
 def make_cases(shape_name: str) -> list[Case]:
     B, S, D = SHAPES[shape_name]
     if shape_name.startswith("wan"):
         return make_wan_cases(B, S, D)
+    if shape_name == "sd3":
+        return make_sd3_cases(B, S, D)
     if shape_name == "flux2":
         return make_flux2_cases(B, S, D)
     label = "x".join(map(str, (B, S, D)))

@@ -354,7 +354,13 @@ def linear_cat(x_a: torch.Tensor, w_a: torch.Tensor, b_a: torch.Tensor | None,
     return torch.cat([F.linear(x_a, w_a, b_a), F.linear(x_b, w_b, b_b)], dim=1)
 
 
-__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat"]
+def head_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SD3's joint value (``JointAttnProcessor2_0``): the image and text values, each a
+    ``[B, H, S, D]`` transposed view of its projection, joined along the sequence (image first)."""
+    return torch.cat([a, b], dim=2)
+
+
+__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat", "head_cat"]
 
 
 # ----------------------------------------------------------------------------- image families

@@ -3,7 +3,8 @@
 ``JointTransformerBlock`` is FLUX.1's dual block with SD3's details: image and text streams each
 run adaLN-Zero (``layernorm_modulate``), joint attention (``JointAttnProcessor2_0``: the processor's code,
 with SD3.5's per-head diffusers RMSNorm on q/k/q_txt/k_txt and the image-first q/k cats as one op,
-``qk_rmsnorm_diffusers_cat``, writing the joint [B, H, S, D]; v's cat, SDPA and the projections
+``qk_rmsnorm_diffusers_cat``, writing the joint [B, H, S, D]; v's cat of two transposed views in
+one copy pass, ``head_cat``, where aten runs a non-vectorized cat; SDPA and the projections
 stay the processor's; SD3 without QK norm keeps diffusers' attention: nothing to fuse), the
 gated residual fused with norm2 + modulate (``gate_residual_layernorm_modulate``), the tanh-GELU
 FeedForward (diffusers' own) and the FF gated residual (``gate_residual``). SD3.5-medium's dual
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.layout import HEAD_CAT
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
@@ -63,8 +65,9 @@ def attention_forward(
     **kwargs: Any,
 ):
     """Attention + JointAttnProcessor2_0 line for line, with the four RMSNorms and the q/k cats
-    as one gated op (``qk_rmsnorm_diffusers_cat``) writing the joint [B, H, S_img + S_txt, D];
-    the v cat, ``F.scaled_dot_product_attention`` and the output projections are the processor's."""
+    as one gated op (``qk_rmsnorm_diffusers_cat``) writing the joint [B, H, S_img + S_txt, D] and
+    the v cat as another (``head_cat``, a copy); ``F.scaled_dot_product_attention`` and the output
+    projections are the processor's."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
     if type(attn.processor) is not JointAttnProcessor2_0 or attention_mask is not None or kwargs:
@@ -93,7 +96,7 @@ def attention_forward(
         q_txt, k_txt, q_txt_weight, k_txt_weight,
     )
     if encoder_hidden_states is not None:
-        value = torch.cat([value, v_txt], dim=2)
+        value = _ops.head_cat(value, v_txt)
 
     hidden_states = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
     hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
@@ -240,9 +243,9 @@ SITES = (
         chained=True,
     ),
     attention_site(
-        "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT,), _attn_applies,
+        "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT, HEAD_CAT), _attn_applies,
         "attention (JointAttnProcessor2_0, SD3.5 QK RMSNorm): the four RMSNorms + image-first "
-        "q/k cats in one pass (attn and attn2)",
+        "q/k cats in one pass (attn and attn2), the v cat in one copy pass",
     ),
     norm_out_site("sd3", high=False),
 )

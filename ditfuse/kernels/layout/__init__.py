@@ -5,7 +5,8 @@ own; pad_channels_last_triton.py: a zero-bordered channels-last buffer for a pro
 op either: exact by construction). conv_channels_last_torch.py: cuDNN's convolution on
 channels-last memory (no transposes); upsample_nearest_triton.py: WanUpsample's 2x repeat and
 fp32 round trip in one channels-last pass; linear_cat_torch.py: two projections written into
-their concatenation (the joint attention value); all three under the gate — the descriptors are here;
+their concatenation (the joint attention value); head_cat_triton.py: SD3's joint value, two
+transposed [B, H, S, D] views joined along the sequence in one copy pass; all four under the gate — the descriptors are here;
 importing this imports neither torch nor triton.
 """
 
@@ -56,4 +57,17 @@ LINEAR_CAT = OpDescriptor(
     key_note="every GEMM shape (cuBLASLt picks its kernel from M, N, K)",
 )
 
-DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, LINEAR_CAT)
+HEAD_CAT = OpDescriptor(
+    op="layout.head_cat",
+    contract=Contract.BIT_EXACT,
+    replaces="cat([a, b], dim=2) of two [B, H, S, D] transposed views (aten's non-vectorized cat) -> one copy pass",
+    summary="the joint attention value of SD3's processor: the image and text values, transposed "
+            "views of their projections, copied head row by head row into the contiguous "
+            "[B, H, S_img + S_txt, D] (a copy: bit-exact by construction)",
+    reference="ditfuse.kernels.reference:head_cat",
+    impls=(triton_impl("layout.head_cat_triton", "head_cat"),),
+    key=(K("a"), K("b")),
+    key_note="dtype and stride class (a copy: no size changes the bits)",
+)
+
+DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, LINEAR_CAT, HEAD_CAT)
