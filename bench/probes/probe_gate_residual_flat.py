@@ -49,6 +49,19 @@ def _flat_const_kernel(res_ptr, gate_ptr, upd_ptr, out_ptr, N, sgb, sgd, D: tl.c
 
 
 @triton.jit
+def _flat_sample_kernel(res_ptr, gate_ptr, upd_ptr, out_ptr, SD, sgb, sgd, D: tl.constexpr,
+                        DTYPE: tl.constexpr, P_DT: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
+                        EVICT: tl.constexpr):
+    # grid (blocks per sample, B): the sample is the program's, so only D is a constant (one
+    # compile per model width, not per token count) and the gate offset is (offs % D) * sgd
+    b = tl.program_id(1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base = b * SD
+    _flat_body(res_ptr + base, gate_ptr + b * sgb, upd_ptr + base, out_ptr + base, offs, SD, (offs % D) * sgd,
+               DTYPE, P_DT, EVEN, EVICT)
+
+
+@triton.jit
 def _flat_body(res_ptr, gate_ptr, upd_ptr, out_ptr, offs, N, gate_off, DTYPE: tl.constexpr, P_DT: tl.constexpr,
                EVEN: tl.constexpr, EVICT: tl.constexpr):
     if EVEN:
@@ -134,6 +147,15 @@ def main() -> None:
                 BLOCK_R=br, BLOCK_D=bd, num_warps=w, **consts)
             return out
         variants["tiled 2048 col-first grid"] = colfirst
+        for block, warps in ((1024, 4), (2048, 8)):
+            for evict in (False, True):
+                def per_sample(block=block, warps=warps, evict=evict):
+                    out = torch.empty_like(x)
+                    _flat_sample_kernel[(triton.cdiv(S * D, block), B)](
+                        x, g, u, out, S * D, sg[0], sg[2], D=D, BLOCK=block, EVEN=(S * D) % block == 0,
+                        EVICT=evict, num_warps=warps, **consts)
+                    return out
+                variants[f"flat per-sample {block} {warps}w{' evict' if evict else ''}"] = per_sample
         for const in (False, True):
             for block, warps in ((512, 8), (1024, 4), (1024, 8), (2048, 8)):
                 for evict in (False, True):
