@@ -21,6 +21,7 @@ from ..common.host import (cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, i
                            use_custom_op)
 from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
+from ..env import env
 from ..errors import UnsupportedInput
 
 
@@ -45,6 +46,48 @@ def _gate_residual_kernel(
     prod = rround(g * u, P_DT)  # eager op 1: gate[:, None] * update
     out = round_to(res + prod, DTYPE)  # eager op 2: residual + product (fp32 opmath), stored
     tl.store(out_ptr + (b * sob + s * sos) + c, out, mask=mask)
+
+
+# The flat kernel's tile (H200 sweep: bench/probes/probe_gate_residual_flat.py). The flat path
+# is on unless DITFUSE_GATE_RESIDUAL_FLAT=0 (read once per call geometry: recipes are cached).
+_FLAT_BLOCK, _FLAT_WARPS = 1024, 4
+
+
+def _flat_enabled() -> bool:
+    return env("DITFUSE_GATE_RESIDUAL_FLAT", "1") != "0"
+
+
+@triton.jit
+def _gate_residual_flat_kernel(
+    res_ptr, gate_ptr, upd_ptr, out_ptr,
+    SD, sgb, sgd,
+    D: tl.constexpr,
+    DTYPE: tl.constexpr,
+    P_DT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EVEN: tl.constexpr,
+    I64: tl.constexpr = True,
+):
+    # _gate_residual_kernel's arithmetic over one sample's flat index (grid: blocks per sample x
+    # B) for contiguous residual / update / out and a gate broadcast over tokens: no per-row
+    # division, no mask when the block divides S * D, the gate column a remainder by the
+    # compile-time width (one compile per model width, not per token count)
+    b = tl.program_id(1)
+    if I64:
+        b = b.to(tl.int64)
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    else:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base = b * SD
+    mask = None if EVEN else offs < SD
+    res = load_f32(res_ptr + base + offs, mask)
+    u = load_f32(upd_ptr + base + offs, mask)
+    g = load_f32(gate_ptr + b * sgb + (offs % D) * sgd, mask)
+    out = round_to(res + rround(g * u, P_DT), DTYPE)
+    if EVEN:
+        tl.store(out_ptr + base + offs, out)
+    else:
+        tl.store(out_ptr + base + offs, out, mask=mask)
 
 
 def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> str | None:
@@ -88,6 +131,12 @@ def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
     sr, su = residual.stride(), update.stride()
     sg = broadcast_3d(gate, (B, S, D))
     assert sg is not None
+    consts = dict(DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
+                  enable_fp_fusion=False)
+    if sg[1] == 0 and residual.is_contiguous() and update.is_contiguous() and _flat_enabled():
+        sd = S * D
+        return (_gate_residual_flat_kernel, (cdiv(sd, _FLAT_BLOCK), B), (sd, sg[0], sg[2]),
+                dict(consts, D=D, BLOCK=_FLAT_BLOCK, EVEN=sd % _FLAT_BLOCK == 0, num_warps=_FLAT_WARPS))
     # 2048 elements per program (8 warps, 8 per thread): 97.7 % of copy bandwidth at Wan's
     # [1, 32760, 1536] vs 87.7 % with 8192, and never slower elsewhere (H200 sweep,
     # bench/results/probe_gate_residual_tile_h200.csv)
@@ -96,19 +145,17 @@ def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
     grid = (cdiv(R, block_r), cdiv(D, block_d))
     # out is contiguous [B, S, D]: strides (S * D, D, 1)
     scalars = (R, S, D, sr[0], sr[1], sr[2], sg[0], sg[1], sg[2], su[0], su[1], su[2], S * D, D)
-    consts = dict(DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
-                  BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps, enable_fp_fusion=False)
-    return grid, scalars, consts
+    return _gate_residual_kernel, grid, scalars, dict(consts, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
 
 
 def _fire(r: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
     out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     if r is None:
         return out
-    grid, scalars, consts = r
+    kernel, grid, scalars, consts = r
     # int32 addressing depends on the storages' sizes, which the geometry key does not hold
     i64 = not fits_int32(residual, gate, update, out)
-    _gate_residual_kernel[grid](residual, gate, update, out, *scalars, I64=i64, **consts)
+    kernel[grid](residual, gate, update, out, *scalars, I64=i64, **consts)
     return in_eager_layout(out, residual)
 
 
