@@ -48,13 +48,14 @@ def _gate_residual_kernel(
     tl.store(out_ptr + (b * sob + s * sos) + c, out, mask=mask)
 
 
-# The flat kernel's tile (H200 sweep: bench/probes/probe_gate_residual_flat.py). The flat path
-# is on unless DITFUSE_GATE_RESIDUAL_FLAT=0 (read once per call geometry: recipes are cached).
+# The flat kernel's tile: torch.compile's pointwise default (1024 elements, 4 warps). Off until a
+# GPU run has timed it against the tile kernel (bench/probes/probe_gate_residual_flat.py sweeps
+# both); DITFUSE_GATE_RESIDUAL_FLAT=1 turns it on (read once per call geometry: recipes are cached).
 _FLAT_BLOCK, _FLAT_WARPS = 1024, 4
 
 
 def _flat_enabled() -> bool:
-    return env("DITFUSE_GATE_RESIDUAL_FLAT", "1") != "0"
+    return env("DITFUSE_GATE_RESIDUAL_FLAT", "0") not in ("", "0")
 
 
 @triton.jit
