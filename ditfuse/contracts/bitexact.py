@@ -157,6 +157,8 @@ class BitExactGate:
         self._disabled: dict[str, str] = {}
         # signatures whose kernel output had eager's values in another layout: eager runs them
         self._eager_only: dict[str, set[Hashable]] = {}
+        # ops whose output layout is their own by design (OpDescriptor.own_layout): values only
+        self._own_layout: set[str] = set()
         self._fallbacks: list[Fallback] = []
         self._calls: dict[str, Counter] = {}
         self._unsupported_seen: set[tuple[str, str]] = set()
@@ -177,6 +179,12 @@ class BitExactGate:
 
     def is_disabled(self, op: str) -> bool:
         return op in self._disabled
+
+    def owns_layout(self, op: str) -> None:
+        """Compare ``op``'s outputs by value only: its layout differs from eager's by design and
+        the sites calling it own that layout (``OpDescriptor.own_layout``; kept across reset)."""
+        with self._lock:
+            self._own_layout.add(op)
 
     def is_verified(self, op: str, signature: Hashable) -> bool:
         return signature in self._verified.get(op, ())
@@ -296,7 +304,7 @@ class BitExactGate:
         self._count(op, "reference")
         mismatch: Mismatch | None = compare_outputs(k_out, r_out, name=op)
         if mismatch is None:
-            layout = layout_mismatch(k_out, r_out, name=op)
+            layout = None if op in self._own_layout else layout_mismatch(k_out, r_out, name=op)
             if layout is not None:
                 # Equal values in another memory layout: what reads them next may round
                 # differently, so this signature runs eager; the kernel stays on for the others.

@@ -142,6 +142,8 @@ class GatedOp(_RegisteredOp):
         super().__init__(descriptor)
         self._binder: _KeyBinder | None = None
         self._sigs: dict[tuple, Hashable] = {}
+        if descriptor.own_layout:
+            gate.owns_layout(descriptor.op)
 
     def signature(self, *args: Any, **kwargs: Any) -> Hashable:
         if self._binder is None:

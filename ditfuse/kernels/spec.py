@@ -197,6 +197,10 @@ class OpDescriptor:
     key_note says why the other dims are left out.
     impls: the kernels, one per backend.
     lossless: for a CLOSE op, the bit-exact op it stands in for under quality="high".
+    own_layout: the output's memory layout is part of what the op does, not eager's (a
+    convolution on channels-last memory writes channels-last where its reference writes
+    contiguous): the gate then compares values only, and every site calling the op keeps that
+    layout inside its own region and hands eager's layout back where the region ends.
     """
 
     op: str
@@ -209,6 +213,7 @@ class OpDescriptor:
     key: tuple[KeyArg, ...] = ()
     key_note: str = ""
     lossless: "OpDescriptor | None" = None
+    own_layout: bool = False
 
     def __post_init__(self) -> None:
         domain, dot, name = self.op.partition(".")

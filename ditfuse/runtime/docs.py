@@ -134,7 +134,7 @@ def render() -> str:
         "DITFUSE_HANDOFF=1|0                               # cross-block fusion (default 1; models/handoff.py)",
         "DITFUSE_POS_CACHE=1|0                             # FLUX.1/FLUX.2 RoPE tables reused across steps (default 1; models/pos_cache.py)",
         "DITFUSE_LINEAR_CAT=0|1                            # joint value projections written into one buffer (default 0 until measured; layout.linear_cat)",
-        "DITFUSE_GATE_RESIDUAL_FLAT=0|1                    # gated residual's flat per-sample launch where it applies (default 0 until timed on a GPU)",
+        "DITFUSE_GATE_RESIDUAL_FLAT=1|0                    # gated residual's flat per-sample launch where it applies (default 1)",
         "```",
         "",
         "```python",

@@ -78,3 +78,32 @@ def test_gate_routes_a_layout_difference_to_eager_for_that_signature_only():
     out = g.call("t.gn", ("cl",), contiguous_eager, ref.group_norm_silu, x_cl, 4, w, b, 1e-6, True)
     assert out.is_contiguous(memory_format=torch.channels_last) and not g.is_disabled("t.gn")
     assert g.report().calls["t.gn"]["layout"] == 1
+
+
+def test_an_op_owning_its_layout_is_compared_by_value():
+    """``layout.conv_channels_last`` writes channels-last by design (the Wan VAE's decoder site
+    keeps the decode channels-last and returns it contiguous); its reference, NCHW's way, writes
+    contiguous. The gate compares such an op's values only (OpDescriptor.own_layout): round 12's
+    stride check had sent every Wan VAE convolution back to eager (found by the round-13 GPU run)."""
+    from ditfuse.contracts import ops  # noqa: F401  (registers the descriptors with the gate)
+    from ditfuse.contracts.bitexact import BitExactGate, gate
+    from ditfuse.kernels.layout import CONV_CHANNELS_LAST
+
+    assert CONV_CHANNELS_LAST.own_layout and "layout.conv_channels_last" in gate._own_layout
+    torch.manual_seed(4)
+    x_cl = torch.randn(2, 8, 6, 5).to(memory_format=torch.channels_last)
+    w, b = torch.randn(4, 8, 3, 3), torch.randn(4)
+    ref_conv = lambda x, w, b: torch.nn.functional.conv2d(x.contiguous(), w, b, 1, 1)  # noqa: E731
+    cl_conv = lambda x, w, b: ref_conv(x, w, b).contiguous(memory_format=torch.channels_last)  # noqa: E731
+    for owned in (True, False):
+        g = BitExactGate()
+        g.is_compiling = g.is_capturing = lambda: False
+        if owned:
+            g.owns_layout("t.conv")
+        g.call("t.conv", ("sig",), cl_conv, ref_conv, x_cl, w, b)
+        rep = g.report()
+        assert bool(rep.verified.get("t.conv")) is owned
+        assert rep.calls["t.conv"].get("layout", 0) == (0 if owned else 1)
+        # a verified owned signature then runs the kernel, in its own layout
+        out = g.call("t.conv", ("sig",), cl_conv, ref_conv, x_cl, w, b)
+        assert out.is_contiguous(memory_format=torch.channels_last) is owned

@@ -1,5 +1,5 @@
-"""modulate.gate_residual's flat per-sample launch (DITFUSE_GATE_RESIDUAL_FLAT=1; off by default
-until timed on a GPU) under the Triton interpreter: the same bits as eager and as the tile kernel,
+"""modulate.gate_residual's flat per-sample launch (on by default since round 13's H100 probe;
+DITFUSE_GATE_RESIDUAL_FLAT=0 turns it off) under the Triton interpreter: the same bits as eager and as the tile kernel,
 taken exactly where it applies (contiguous residual and update, a gate broadcast over tokens)."""
 
 from __future__ import annotations
@@ -61,7 +61,11 @@ def test_tile_kernel_elsewhere(flat, case):
     assert_bitwise_equal(gr.gate_residual(x, g, u), ref.gate_residual(x, g, u), case)
 
 
-def test_off_by_default(monkeypatch):
-    monkeypatch.delenv("DITFUSE_GATE_RESIDUAL_FLAT", raising=False)
+@pytest.mark.parametrize("value,kernel", [(None, "_gate_residual_flat_kernel"), ("0", "_gate_residual_kernel")])
+def test_default_and_switch(monkeypatch, value, kernel):
+    if value is None:
+        monkeypatch.delenv("DITFUSE_GATE_RESIDUAL_FLAT", raising=False)
+    else:
+        monkeypatch.setenv("DITFUSE_GATE_RESIDUAL_FLAT", value)
     x, u, g = _t((1, 8, 32), torch.bfloat16, 1), _t((1, 8, 32), torch.bfloat16, 2), _t((1, 32), torch.bfloat16, 3)
-    assert gr._recipe(x, g, u)[0] is gr._gate_residual_kernel
+    assert gr._recipe(x, g, u)[0] is getattr(gr, kernel)

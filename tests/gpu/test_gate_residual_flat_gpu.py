@@ -1,5 +1,5 @@
-"""modulate.gate_residual's flat per-sample launch (DITFUSE_GATE_RESIDUAL_FLAT=1, off by default
-until timed) on CUDA: bitwise against the eager chain at Wan's and FLUX's shapes (fp32 [B, 1, D]
+"""modulate.gate_residual's flat per-sample launch (the default where it applies;
+DITFUSE_GATE_RESIDUAL_FLAT=0 turns it off) on CUDA: bitwise against the eager chain at Wan's and FLUX's shapes (fp32 [B, 1, D]
 and bf16 [B, D] gates), widths 1536 / 3072 / 5120 / 3077, tokens 1 / 17 / 4608 / 32760, batch 1 and
 2, with NaN / Inf / -0.0 in every operand."""
 

@@ -26,6 +26,9 @@ CONV_CHANNELS_LAST = OpDescriptor(
     key=(K("x", dims=(0,), tail_shape=True), K("weight", dims=(0,), tail_shape=True), K("bias"),
          K("stride", value=True), K("padding", value=True)),
     key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
+    # channels-last out by design (the reference, NCHW's way, writes contiguous); the Wan VAE's
+    # decoder site keeps the decode channels-last and returns it contiguous, as eager does
+    own_layout=True,
 )
 
 UPSAMPLE_NEAREST2X = OpDescriptor(

@@ -48,14 +48,16 @@ def _gate_residual_kernel(
     tl.store(out_ptr + (b * sob + s * sos) + c, out, mask=mask)
 
 
-# The flat kernel's tile: torch.compile's pointwise default (1024 elements, 4 warps). Off until a
-# GPU run has timed it against the tile kernel (bench/probes/probe_gate_residual_flat.py sweeps
-# both); DITFUSE_GATE_RESIDUAL_FLAT=1 turns it on (read once per call geometry: recipes are cached).
+# The flat kernel's tile: 1024 elements, 4 warps (torch.compile's pointwise default). On an H100
+# (bench/results/probe_gate_residual_flat_round13_h100.log) it moved 100.2 / 101.2 / 95.7 / 101.8 %
+# of copy bandwidth at [1|2, 32760, 1536] (fp32 gate), [1, 4608, 3072] and [2, 32760, 5120]
+# against the tile kernel's 97.4 / 98.6 / 94.0 / 98.5 and torch.compile's 100.3 / 101.1 / 95.5 /
+# 101.8. DITFUSE_GATE_RESIDUAL_FLAT=0 keeps the tile kernel (read once per call geometry).
 _FLAT_BLOCK, _FLAT_WARPS = 1024, 4
 
 
 def _flat_enabled() -> bool:
-    return env("DITFUSE_GATE_RESIDUAL_FLAT", "0") not in ("", "0")
+    return env("DITFUSE_GATE_RESIDUAL_FLAT", "1") not in ("", "0")
 
 
 @triton.jit
