@@ -5,7 +5,7 @@ run adaLN-Zero (``layernorm_modulate``), joint attention (``JointAttnProcessor2_
 with SD3.5's per-head diffusers RMSNorm on q/k/q_txt/k_txt and the image-first q/k cats as one op,
 ``qk_rmsnorm_diffusers_cat``, writing the joint [B, H, S, D]; v's cat of two transposed views in
 one copy pass, ``head_cat``, where aten runs a non-vectorized cat; SDPA and the projections
-stay the processor's; SD3 without QK norm keeps diffusers' attention: nothing to fuse), the
+stay the processor's; SD3 without QK norm: its q / k / v cats through ``head_cat``), the
 gated residual fused with norm2 + modulate (``gate_residual_layernorm_modulate``), the tanh-GELU
 FeedForward (diffusers' own) and the FF gated residual (``gate_residual``). SD3.5-medium's dual
 attention blocks (``SD35AdaLayerNormZeroX``: one LayerNorm, two modulations) add attn2 with its
@@ -44,7 +44,12 @@ def _attn_applies(attn) -> str | None:
     if type(attn.processor) is not JointAttnProcessor2_0:
         return f"processor is {type(attn.processor).__name__}, not JointAttnProcessor2_0"
     if attn.norm_q is None and attn.norm_k is None:
-        return "no QK norm (SD3's qk_norm=None): nothing to fuse, the cats stay diffusers'"
+        # SD3 (qk_norm=None): the q / k / v cats of the joint attention are all there is to fuse
+        if attn.add_q_proj is None:
+            return "no QK norm and no text stream: nothing to fuse"
+        if getattr(attn, "norm_added_q", None) is not None or getattr(attn, "norm_added_k", None) is not None:
+            return "text QK norm without image QK norm"
+        return None
     names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.add_q_proj is not None else ())
     reason = diffusers_rmsnorms(attn, names)
     if reason:
@@ -70,7 +75,8 @@ def attention_forward(
     projections are the processor's."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
-    if type(attn.processor) is not JointAttnProcessor2_0 or attention_mask is not None or kwargs:
+    if (type(attn.processor) is not JointAttnProcessor2_0 or attention_mask is not None or kwargs
+            or (attn.norm_q is None and encoder_hidden_states is None)):
         return original(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
     F = torch.nn.functional
     residual = hidden_states
@@ -90,11 +96,15 @@ def attention_forward(
         q_txt = attn.add_q_proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
         k_txt = attn.add_k_proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
         v_txt = attn.add_v_proj(encoder_hidden_states).view(batch_size, -1, attn.heads, head_dim).transpose(1, 2)
-        q_txt_weight, k_txt_weight = attn.norm_added_q.weight, attn.norm_added_k.weight
-    query, key = _ops.qk_rmsnorm_diffusers_cat(
-        query, key, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
-        q_txt, k_txt, q_txt_weight, k_txt_weight,
-    )
+    if attn.norm_q is None:  # SD3 without QK norm: the cats of the transposed views, one copy pass each
+        query, key = _ops.head_cat(query, q_txt), _ops.head_cat(key, k_txt)
+    else:
+        if encoder_hidden_states is not None:
+            q_txt_weight, k_txt_weight = attn.norm_added_q.weight, attn.norm_added_k.weight
+        query, key = _ops.qk_rmsnorm_diffusers_cat(
+            query, key, attn.norm_q.weight, attn.norm_k.weight, attn.norm_q.eps,
+            q_txt, k_txt, q_txt_weight, k_txt_weight,
+        )
     if encoder_hidden_states is not None:
         value = _ops.head_cat(value, v_txt)
 
@@ -244,8 +254,8 @@ SITES = (
     ),
     attention_site(
         "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT, HEAD_CAT), _attn_applies,
-        "attention (JointAttnProcessor2_0, SD3.5 QK RMSNorm): the four RMSNorms + image-first "
-        "q/k cats in one pass (attn and attn2), the v cat in one copy pass",
+        "attention (JointAttnProcessor2_0): SD3.5's four QK RMSNorms + image-first q/k cats in one "
+        "pass (attn and attn2), the v cat in one copy pass; SD3 without QK norm: the q/k/v cats",
     ),
     norm_out_site("sd3", high=False),
 )

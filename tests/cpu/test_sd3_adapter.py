@@ -35,7 +35,7 @@ def _run(m, inp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,blocks,attns", [("sd35", 3, 4), ("sd3", 2, 0)])
+@pytest.mark.parametrize("name,blocks,attns", [("sd35", 3, 4), ("sd3", 2, 2)])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_mount_unmount_outputs_bitwise_unchanged(name, blocks, attns, batch):
     m = _model(name)
@@ -48,11 +48,8 @@ def test_mount_unmount_outputs_bitwise_unchanged(name, blocks, attns, batch):
     # sd35: every attn and block 0's attn2; sd3 (no QK norm): attention not mounted, with a reason
     assert sorted(s for _, s in rep.sites) == (["sd3.attention"] * attns + ["sd3.joint_block"] * blocks
                                                + ["sd3.norm_out"] * 2)
-    if name == "sd3":
-        assert [p for p, _ in rep.skipped_sites] == [f"transformer_blocks.{i}.attn" for i in range(blocks)]
-        assert all("no QK norm" in r for _, r in rep.skipped_sites), rep.skipped_sites
-    else:
-        assert not rep.skipped_sites
+    # sd3 (no QK norm): the attention site mounts too, for its q / k / v cats (layout.head_cat)
+    assert not rep.skipped_sites
     assert_bitwise_equal(_run(m, inp), base, "accelerated")
     inp2 = _inputs(m, batch=batch, txt=13, hw=(32, 80))
     h.unmount()
@@ -103,14 +100,11 @@ def test_fast_forwards_match_diffusers_call_for_call(name):
             site = by_cls.get(type(mod).__name__)
             if site is None:
                 continue
-            if site.name == "sd3.attention" and name == "sd3":
-                assert "no QK norm" in site.applies(mod)
-                continue
             assert site.applies(mod) is None, site.applies(mod)
             orig = mod.forward
             saved.append((mod, orig))
             mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        attns = 0 if name == "sd3" else len(m.transformer_blocks) + 1  # + block 0's attn2
+        attns = len(m.transformer_blocks) + (0 if name == "sd3" else 1)  # sd35: + block 0's attn2
         assert len(saved) == len(m.transformer_blocks) + 2 + attns
         try:
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {name} {dtype}")
@@ -194,3 +188,21 @@ def test_qk_op_runs_in_every_attention_bf16(batch):
     # every attention call went through the gate: each first sight is verify (+ reference), then kernel
     assert calls.get("verify", 0) + calls.get("kernel", 0) == len(seen), calls
     assert calls.get("kernel", 0) >= 2, calls
+
+
+def test_sd3_without_qk_norm_runs_its_three_cats_through_head_cat():
+    """SD3 (qk_norm None): the attention site mounts for the joint attention's q / k / v cats of
+    transposed views (``layout.head_cat``, three per attention), bitwise diffusers."""
+    m = _model("sd3")
+    inp = _inputs(m, batch=2, txt=9)
+    base = _run(m, inp)
+    ditfuse.gate.reset()
+    h = ditfuse.accelerate(m)
+    try:
+        assert_bitwise_equal(_run(m, inp), base, "sd3 without QK norm")
+        calls = ditfuse.gate.report().calls
+    finally:
+        h.unmount()
+    c = calls.get("layout.head_cat", {})
+    assert c.get("kernel", 0) + c.get("verify", 0) == 3 * len(m.transformer_blocks), calls  # a call is one of the two
+    assert not calls.get("rope.qk_rmsnorm_diffusers_cat")

@@ -21,9 +21,9 @@ def _run(config, batch, size, layers=None, txt=333):
     inp = SD3.make_inputs(m, batch, size, device=DEV, txt_tokens=txt)
     ops = ADAPTER.ops()
     if not any(getattr(a, "norm_q", None) is not None for a in m.modules()):
-        # SD3 (qk_norm None): sd3.attention is not mounted (nothing to fuse), so neither of its
-        # ops runs; SD3.5 configs must run both verified, with no fallback, in every attention
-        ops = tuple(op for op in ops if op not in ("rope.qk_rmsnorm_diffusers_cat", "layout.head_cat"))
+        # SD3 (qk_norm None): sd3.attention runs only its q / k / v cats (layout.head_cat); SD3.5
+        # configs must run rope.qk_rmsnorm_diffusers_cat verified, with no fallback, too
+        ops = tuple(op for op in ops if op != "rope.qk_rmsnorm_diffusers_cat")
     compare_accelerated(m, inp, ops, f"sd3 {config} B={batch} {size} txt={txt}")
 
 
