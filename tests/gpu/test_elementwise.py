@@ -15,6 +15,7 @@ import torch
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.errors import UnsupportedInput
+from tests.support.specials import with_specials
 
 WIDTHS = (3072, 1536, 2048, 2240, 4096, 5120, 3077)
 TOKENS = (1, 17, 512, 4096, 4608)
@@ -30,12 +31,7 @@ def k():
     return type("K", (), dict(gate_residual=staticmethod(gate_residual), gelu_tanh=staticmethod(gelu_tanh)))
 
 
-def _specials(t: torch.Tensor) -> torch.Tensor:
-    flat = t.view(-1)
-    n = flat.numel()
-    for i, v in zip((0, n // 3, n // 2, n - 1), (float("nan"), float("inf"), float("-inf"), -0.0)):
-        flat[i] = v
-    return t
+_specials = with_specials
 
 
 def _rand(shape, dtype, scale=1.0, specials=True):

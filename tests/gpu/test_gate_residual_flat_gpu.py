@@ -13,14 +13,7 @@ import torch
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.compare import compare_outputs
 from ditfuse.kernels.modulate import gate_residual_triton as gr
-
-
-def _specials(t: torch.Tensor) -> torch.Tensor:
-    flat = t.view(-1)
-    n = flat.numel()
-    for i, v in zip((0, n // 3, n // 2, n - 1), (float("nan"), float("inf"), float("-inf"), -0.0)):
-        flat[i] = v
-    return t
+from tests.support.specials import with_specials
 
 
 @pytest.mark.parametrize("wan", [True, False], ids=["wan-fp32-gate", "flux-bf16-gate"])
@@ -33,10 +26,10 @@ def test_flat_matches_eager(monkeypatch, wan):
         for D, S, B in itertools.product((1536, 3072, 5120, 3077), (1, 17, 4608, 32760), (1, 2)):
             if S == 32760 and D != 1536:
                 continue
-            x = _specials(torch.randn(B, S, D, generator=gen, device="cuda").to(torch.bfloat16))
-            u = _specials(torch.randn(B, S, D, generator=gen, device="cuda").to(torch.bfloat16))
+            x = with_specials(torch.randn(B, S, D, generator=gen, device="cuda").to(torch.bfloat16))
+            u = with_specials(torch.randn(B, S, D, generator=gen, device="cuda").to(torch.bfloat16))
             gshape, gdt = ((B, 1, D), torch.float32) if wan else ((B, D), torch.bfloat16)
-            g = _specials(torch.randn(gshape, generator=gen, device="cuda").to(gdt))
+            g = with_specials(torch.randn(gshape, generator=gen, device="cuda").to(gdt))
             assert gr._recipe(x, g, u)[0] is gr._gate_residual_flat_kernel
             mm = compare_outputs(gr.gate_residual(x, g, u), ref.gate_residual(x, g, u), f"B={B} S={S} D={D}")
             if mm is not None:
