@@ -69,3 +69,18 @@ def test_default_and_switch(monkeypatch, value, kernel):
         monkeypatch.setenv("DITFUSE_GATE_RESIDUAL_FLAT", value)
     x, u, g = _t((1, 8, 32), torch.bfloat16, 1), _t((1, 8, 32), torch.bfloat16, 2), _t((1, 32), torch.bfloat16, 3)
     assert gr._recipe(x, g, u)[0] is getattr(gr, kernel)
+
+
+def test_switch_is_part_of_the_call_key(monkeypatch):
+    """DITFUSE_GATE_RESIDUAL_FLAT is in the geometry key (plans._ENV_SWITCHES): flipping it picks
+    the other launch for the same tensors without clearing the cached recipes."""
+    from ditfuse.kernels.common.plans import call_key
+
+    x, u, g = _t((1, 8, 32), torch.bfloat16, 1), _t((1, 8, 32), torch.bfloat16, 2), _t((1, 32), torch.bfloat16, 3)
+    keys = []
+    for value in ("1", "0"):
+        monkeypatch.setenv("DITFUSE_GATE_RESIDUAL_FLAT", value)
+        keys.append(call_key((x, g, u)))
+        assert_bitwise_equal(gr.gate_residual(x, g, u), ref.gate_residual(x, g, u), f"switch {value}")
+    assert keys[0] != keys[1]
+    assert {gr._RECIPES.get(k)[0] for k in keys} == {gr._gate_residual_flat_kernel, gr._gate_residual_kernel}

@@ -7,9 +7,9 @@ strides, dtype, device and data-pointer alignment (mod 16 bytes: all that any pr
 kernel specialisation looks at), ``requires_grad`` in grad mode, the conj/neg bits of complex
 tensors; the values of the non-tensor arguments with their types (``eps=1`` and ``eps=1.0`` are
 different keys); and the process state they read (grad mode, ``TRITON_INTERPRET``, the
-``DITFUSE_ROW_KERNEL`` / ``DITFUSE_QK_KERNEL`` switches). A kernel module keeps its launch
-*recipes* in a :class:`Recipes` per :func:`call_key` and runs its predicate only when it makes a
-new one; what is not geometry (the data pointers themselves, storage sizes for 32-bit
+``DITFUSE_ROW_KERNEL`` / ``DITFUSE_QK_KERNEL`` / ``DITFUSE_GATE_RESIDUAL_FLAT`` switches). A
+kernel module keeps its launch *recipes* in a :class:`Recipes` per :func:`call_key` and runs its
+predicate only when it makes a new one; what is not geometry (the data pointers themselves, storage sizes for 32-bit
 addressing, a compiled binary's layout verdict) is still read on every call.
 
 The gate's op (contracts/ops.py ``GatedOp``) computes the key once per call and hands it to the
@@ -38,7 +38,7 @@ _SCALARS = (bool, int, float, str, torch.dtype)
 _STRIDED = torch.strided
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _MISS = object()
-_ENV_SWITCHES = ("TRITON_INTERPRET", "DITFUSE_ROW_KERNEL", "DITFUSE_QK_KERNEL")
+_ENV_SWITCHES = ("TRITON_INTERPRET", "DITFUSE_ROW_KERNEL", "DITFUSE_QK_KERNEL", "DITFUSE_GATE_RESIDUAL_FLAT")
 _COMPLEX = frozenset((torch.complex32, torch.complex64, torch.complex128))
 
 

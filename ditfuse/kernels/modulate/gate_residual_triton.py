@@ -52,7 +52,7 @@ def _gate_residual_kernel(
 # (bench/results/probe_gate_residual_flat_round13_h100.log) it moved 100.2 / 101.2 / 95.7 / 101.8 %
 # of copy bandwidth at [1|2, 32760, 1536] (fp32 gate), [1, 4608, 3072] and [2, 32760, 5120]
 # against the tile kernel's 97.4 / 98.6 / 94.0 / 98.5 and torch.compile's 100.3 / 101.1 / 95.5 /
-# 101.8. DITFUSE_GATE_RESIDUAL_FLAT=0 keeps the tile kernel (read once per call geometry).
+# 101.8. DITFUSE_GATE_RESIDUAL_FLAT=0 keeps the tile kernel (a switch in the call key, plans.py).
 _FLAT_BLOCK, _FLAT_WARPS = 1024, 4
 
 
