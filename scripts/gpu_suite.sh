@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|wanvae|flux|wan|flux2|sd3|qwenimage|zimage|drift|parallel|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|wanvae|flux|wan|flux2|sd3|qwenimage|zimage|drift|parallel|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -9,8 +9,8 @@
 #   tests    the GPU tests (tests/gpu, bitwise)                                   -> suite.log
 #   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
 #   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
-#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes, AutoencoderKL decode -> group_norm_h200.csv,
-#            vae_decode_h200.csv; and wanvae
+#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes, then vaekl and wanvae -> group_norm_h200.csv
+#   vaekl    AutoencoderKL decode (1024x1024, 2048x2048) + breakdown -> vae_{decode,breakdown}_h200.csv
 #   wanvae   AutoencoderKLWan decode (480x832x17) + breakdown -> wan_vae_{decode,breakdown}_h200.csv
 #   flux     FLUX.1-dev-size step (ditfuse bench flux)                            -> flux_{step,breakdown}_h200.csv
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
@@ -73,7 +73,10 @@ want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${A
 want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
 if want vae; then
   run_phase group_norm "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${GN_ARGS:-}
-  run_phase vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --out "$OUT/vae_decode_h200.csv" ${VAE_ARGS:-}
+fi
+if want vae || want vaekl; then
+  run_phase vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --out "$OUT/vae_decode_h200.csv" \
+    --breakdown "$OUT/vae_breakdown_h200.csv" ${VAE_ARGS:-}
 fi
 if want vae || want wanvae; then
   run_phase wan_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model wan --out "$OUT/wan_vae_decode_h200.csv" \
