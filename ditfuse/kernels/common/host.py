@@ -177,7 +177,8 @@ def in_eager_layout(result: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
     """``result``, which a kernel wrote contiguous, in the memory layout eager gives the
     elementwise op whose first operand is ``first`` (same shape): TensorIterator's output takes
     the stride order of its first operand, so ``residual + gate * update`` on a transposed
-    residual (SD3's stream after PatchEmbed's ``flatten(2).transpose(1, 2)``) is transposed too.
+    residual (the SD3 ControlNet's stream after PatchEmbed's ``flatten(2).transpose(1, 2)``; the
+    SD3 transformer makes its stream contiguous) is transposed too.
     The values are the same either way, but what reads them next may round differently in
     another layout (a GEMM picks its kernel by its operands' strides), and the gate compares
     layouts. ``result`` itself when ``first`` is contiguous (no cost); else one copy into
