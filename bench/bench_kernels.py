@@ -146,13 +146,17 @@ def make_flux2_cases(B: int, S: int, D: int) -> list[Case]:
 
 def make_sd3_cases(B: int, S: int, D: int) -> list[Case]:
     """SD3.5-large's joint value: ``cat([v, v_txt], dim=2)`` of the two value projections viewed
-    [B, H, S, 64] (transposed views), 4096 image + 333 text tokens."""
+    [B, H, S, 64] (transposed views), 4096 image + 333 text tokens; and the attention output's
+    ``transpose(1, 2).reshape(B, S, H * 64)`` of SDPA's contiguous [B, H, S, 64]."""
     s_txt, hd = 333, 64
     s_img, H = S - s_txt, D // hd
     v = _rand((B, s_img, D)).view(B, s_img, H, hd).transpose(1, 2)
     vt = _rand((B, s_txt, D)).view(B, s_txt, H, hd).transpose(1, 2)
+    o = _rand((B, H, S, hd))  # SDPA's heads-first output, back in token rows after attention
     return [Case("layout.head_cat", "layout.head_cat", f"{B}x{H}x({s_img}+{s_txt})x{hd}", (v, vt), ref.head_cat,
-                 lambda k: k, 2 * _nbytes(v, vt))]
+                 lambda k: k, 2 * _nbytes(v, vt)),
+            Case("layout.heads_to_tokens", "layout.heads_to_tokens", f"{B}x{H}x{S}x{hd}", (o,), ref.heads_to_tokens,
+                 lambda k: k, 2 * _nbytes(o))]
 
 
 def make_cases(shape_name: str) -> list[Case]:

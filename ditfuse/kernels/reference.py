@@ -360,7 +360,15 @@ def head_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.cat([a, b], dim=2)
 
 
-__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat", "head_cat"]
+def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """SD3's attention output (``JointAttnProcessor2_0``): SDPA's heads-first ``[B, H, S, D]``
+    back in token rows, ``[B, S, H * D]`` (a copy unless heads and head dim merge as a view)."""
+    B, H, S, D = x.shape
+    return x.transpose(1, 2).reshape(B, S, H * D)
+
+
+__all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat", "head_cat",
+            "heads_to_tokens"]
 
 
 # ----------------------------------------------------------------------------- image families

@@ -4,8 +4,10 @@
 run adaLN-Zero (``layernorm_modulate``), joint attention (``JointAttnProcessor2_0``: the processor's code,
 with SD3.5's per-head diffusers RMSNorm on q/k/q_txt/k_txt and the image-first q/k cats as one op,
 ``qk_rmsnorm_diffusers_cat``, writing the joint [B, H, S, D]; v's cat of two transposed views in
-one copy pass, ``head_cat``, where aten runs a non-vectorized cat; SDPA and the projections
-stay the processor's; SD3 without QK norm: its q / k / v cats through ``head_cat``), the
+one copy pass, ``head_cat``, where aten runs a non-vectorized cat; SDPA's heads-first output
+back in token rows, ``heads_to_tokens``, where aten runs a non-vectorized strided copy; SDPA and
+the projections stay the processor's; SD3 without QK norm: its q / k / v cats through
+``head_cat``), the
 gated residual fused with norm2 + modulate (``gate_residual_layernorm_modulate``), the tanh-GELU
 FeedForward (diffusers' own) and the FF gated residual (``gate_residual``). SD3.5-medium's dual
 attention blocks (``SD35AdaLayerNormZeroX``: one LayerNorm, two modulations) add attn2 with its
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
-from ..kernels.layout import HEAD_CAT
+from ..kernels.layout import HEAD_CAT, HEADS_TO_TOKENS
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
@@ -71,8 +73,9 @@ def attention_forward(
 ):
     """Attention + JointAttnProcessor2_0 line for line, with the four RMSNorms and the q/k cats
     as one gated op (``qk_rmsnorm_diffusers_cat``) writing the joint [B, H, S_img + S_txt, D] and
-    the v cat as another (``head_cat``, a copy); ``F.scaled_dot_product_attention`` and the output
-    projections are the processor's."""
+    the v cat as another (``head_cat``, a copy), SDPA's output back in token rows as a third
+    (``heads_to_tokens``, a copy); ``F.scaled_dot_product_attention`` and the output projections
+    are the processor's."""
     from diffusers.models.attention_processor import JointAttnProcessor2_0
 
     if (type(attn.processor) is not JointAttnProcessor2_0 or attention_mask is not None or kwargs
@@ -109,7 +112,11 @@ def attention_forward(
         value = _ops.head_cat(value, v_txt)
 
     hidden_states = F.scaled_dot_product_attention(query, key, value, dropout_p=0.0, is_causal=False)
-    hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
+    if attn.heads > 1 and head_dim > 1 and hidden_states.stride(1) != head_dim * hidden_states.stride(3):
+        # the processor's transpose + reshape copies SDPA's heads-first output into token rows
+        hidden_states = _ops.heads_to_tokens(hidden_states)
+    else:  # heads and head dim merge: eager's reshape is a view
+        hidden_states = hidden_states.transpose(1, 2).reshape(batch_size, -1, attn.heads * head_dim)
     hidden_states = hidden_states.to(query.dtype)
 
     if encoder_hidden_states is not None:
@@ -253,9 +260,10 @@ SITES = (
         chained=True,
     ),
     attention_site(
-        "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT, HEAD_CAT), _attn_applies,
+        "sd3.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_CAT, HEAD_CAT, HEADS_TO_TOKENS), _attn_applies,
         "attention (JointAttnProcessor2_0): SD3.5's four QK RMSNorms + image-first q/k cats in one "
-        "pass (attn and attn2), the v cat in one copy pass; SD3 without QK norm: the q/k/v cats",
+        "pass (attn and attn2), the v cat in one copy pass; SD3 without QK norm: the q/k/v cats; "
+        "SDPA's output back in token rows in one copy pass",
     ),
     norm_out_site("sd3", high=False),
 )

@@ -93,3 +93,83 @@ def test_rejections(case):
     with pytest.raises(UnsupportedInput):
         with torch.enable_grad():
             hc.head_cat(a, b)
+
+
+# -- layout.heads_to_tokens: SDPA's heads-first output back in token rows (the same kernel) ------
+
+
+def _heads_first(b, h, s, d, dtype, seed):
+    """SDPA's output: a contiguous [B, H, S, D]."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, h, s, d, generator=g).to(dtype)
+
+
+def _check_tokens(x):
+    got = hc.heads_to_tokens(x)
+    want = ref.heads_to_tokens(x)
+    assert want.data_ptr() != x.data_ptr(), "eager's reshape was a view: not a case for the op"
+    assert_bitwise_equal(got, want, "heads_to_tokens")
+    assert got.stride() == want.stride(), (got.stride(), want.stride())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("b,h,s,d", [
+    (1, 2, 2, 2),           # the smallest shape eager copies (one token merges as a view)
+    (1, 3, 13, 48),         # primes, a non-power-of-two head
+    (2, 5, 65, 64),         # CFG batch, one row past a 64-row block
+    (1, 38, 129, 64),       # SD3.5-large's heads, a prime-ish token count
+    (2, 2, 9, 300),         # a head wider than one 256 column block
+])
+def test_heads_to_tokens_bitwise(dtype, b, h, s, d):
+    _check_tokens(_heads_first(b, h, s, d, dtype, 11))
+
+
+@pytest.mark.parametrize("case", ["sliced tokens", "batch-strided", "empty"])
+def test_heads_to_tokens_other_strides(case):
+    x = _heads_first(2, 3, 12, 32, torch.bfloat16, 12)
+    if case == "sliced tokens":  # every other token: a token stride of its own
+        x = x[:, :, ::2]
+    elif case == "batch-strided":  # one sample of a larger batch dim (B stride > H*S*D)
+        x = _heads_first(4, 3, 12, 32, torch.bfloat16, 13)[::2]
+    elif case == "empty":
+        x = x[:, :, :0]
+    if x.numel():
+        _check_tokens(x)
+    else:
+        got = hc.heads_to_tokens(x)
+        assert got.shape == (2, 0, 96) and got.is_contiguous()
+
+
+def test_heads_to_tokens_nan_inf_payloads_copied():
+    x = _heads_first(1, 2, 9, 16, torch.bfloat16, 14)
+    x.view(torch.int16)[0, 1, 4, :4] = torch.tensor([0x7FC1, -0x0001, 0x7F80, -0x0080], dtype=torch.int16)
+    got, want = hc.heads_to_tokens(x), ref.heads_to_tokens(x)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("case", ["3-D", "one head", "head dim 1", "one token", "sequence-major",
+                                  "strided head dim", "int dtype", "grad"])
+def test_heads_to_tokens_rejections(case):
+    x = _heads_first(1, 2, 5, 8, torch.float32, 15)
+    if case == "3-D":
+        x = x[0]
+    elif case == "one head":  # eager's reshape merges a single head as a view
+        x = _heads_first(1, 1, 5, 8, torch.float32, 15)
+    elif case == "head dim 1":
+        x = _heads_first(1, 2, 5, 1, torch.float32, 15)
+    elif case == "one token":  # the head stride equals D: eager's reshape is a view
+        x = _heads_first(1, 2, 1, 8, torch.float32, 15)
+        assert ref.heads_to_tokens(x).data_ptr() == x.data_ptr()
+    elif case == "sequence-major":  # [B, S, H, D] memory viewed heads-first: eager's reshape is a view
+        x = torch.randn(1, 5, 2, 8).transpose(1, 2)
+        assert ref.heads_to_tokens(x).data_ptr() == x.data_ptr()
+    elif case == "strided head dim":
+        x = _heads_first(1, 2, 5, 16, torch.float32, 15)[..., ::2]
+    elif case == "int dtype":
+        x = x.to(torch.int32)
+    elif case == "grad":
+        x.requires_grad_(True)
+    assert not hc.can_use_heads_to_tokens(x)
+    with pytest.raises(UnsupportedInput):
+        with torch.enable_grad():
+            hc.heads_to_tokens(x)

@@ -206,3 +206,7 @@ def test_sd3_without_qk_norm_runs_its_three_cats_through_head_cat():
     c = calls.get("layout.head_cat", {})
     assert c.get("kernel", 0) + c.get("verify", 0) == 3 * len(m.transformer_blocks), calls  # a call is one of the two
     assert not calls.get("rope.qk_rmsnorm_diffusers_cat")
+    # SDPA's heads-first output back in token rows: one copy per attention (CPU SDPA writes it
+    # contiguous [B, H, S, D], as cuDNN does for contiguous q)
+    t = calls.get("layout.heads_to_tokens", {})
+    assert t.get("kernel", 0) + t.get("verify", 0) == len(m.transformer_blocks), calls

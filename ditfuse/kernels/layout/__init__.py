@@ -6,7 +6,8 @@ op either: exact by construction). conv_channels_last_torch.py: cuDNN's convolut
 channels-last memory (no transposes); upsample_nearest_triton.py: WanUpsample's 2x repeat and
 fp32 round trip in one channels-last pass; linear_cat_torch.py: two projections written into
 their concatenation (the joint attention value); head_cat_triton.py: SD3's joint value, two
-transposed [B, H, S, D] views joined along the sequence in one copy pass; all four under the gate — the descriptors are here;
+transposed [B, H, S, D] views joined along the sequence in one copy pass, and the attention output's
+heads-first -> token-rows copy (the same kernel); all five under the gate — the descriptors are here;
 importing this imports neither torch nor triton.
 """
 
@@ -73,4 +74,17 @@ HEAD_CAT = OpDescriptor(
     key_note="dtype and stride class (a copy: no size changes the bits)",
 )
 
-DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, LINEAR_CAT, HEAD_CAT)
+HEADS_TO_TOKENS = OpDescriptor(
+    op="layout.heads_to_tokens",
+    contract=Contract.BIT_EXACT,
+    replaces="x.transpose(1, 2).reshape(B, S, H * D) of SDPA's heads-first output (aten's non-vectorized strided copy) -> one copy pass",
+    summary="the joint attention output of SD3's processor back in token rows: each head row of "
+            "the contiguous [B, H, S, D] copied to its place in the contiguous [B, S, H * D] "
+            "(a copy: bit-exact by construction; the head_cat kernel with the output's strides)",
+    reference="ditfuse.kernels.reference:heads_to_tokens",
+    impls=(triton_impl("layout.head_cat_triton", "heads_to_tokens"),),
+    key=(K("x"),),
+    key_note="dtype and stride class (a copy: no size changes the bits)",
+)
+
+DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, LINEAR_CAT, HEAD_CAT, HEADS_TO_TOKENS)

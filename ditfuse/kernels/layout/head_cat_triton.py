@@ -1,18 +1,25 @@
-"""Two heads-first views joined along the sequence, bit-exact (a copy) vs torch 2.11 CUDA eager::
+"""Head-row copies of the joint attention's [B, H, S, D] tensors, bit-exact (copies) vs torch 2.11
+CUDA eager::
 
-    out = torch.cat([a, b], dim=2)      a: [B, H, S_a, D], b: [B, H, S_b, D]  ->  out: [B, H, S_a + S_b, D]
+    head_cat:         out = torch.cat([a, b], dim=2)           a: [B, H, S_a, D], b: [B, H, S_b, D]
+    heads_to_tokens:  out = x.transpose(1, 2).reshape(B, S, H * D)              x: [B, H, S, D]
 
-SD3's ``JointAttnProcessor2_0`` builds the joint value this way from ``to_v(x).view(B, S, H,
+SD3's ``JointAttnProcessor2_0`` builds the joint value with the cat, from ``to_v(x).view(B, S, H,
 D).transpose(1, 2)`` and the text stream's ``add_v_proj``: both inputs are transposed views
 (D contiguous, heads interleaved), the output is contiguous (torch.cat's output format is the
 inputs' suggested format, which for these strides is the contiguous one). On such inputs aten
 runs its non-vectorized ``CatArrayBatchedCopy`` (2-byte elements one by one): 2.29 ms for the 38
-calls of an SD3.5-large step on an H100, about a quarter of copy bandwidth. This kernel moves
-each token's D-element head row as a whole (its D elements are contiguous on both sides).
+calls of an SD3.5-large step on an H100, about a quarter of copy bandwidth. After attention, the
+processor turns SDPA's contiguous heads-first output back into token rows with the transpose +
+reshape: aten's generic strided copy (``direct_copy_kernel``, not vectorized), ~28 µs per call at
+SD3.5-large's [1, 38, 4429, 64] on the H100, 38 calls a step. Both are one kernel here: it moves
+each token's D-element head row as a whole (its D elements are contiguous on both sides), from
+any [B, H, S] strides to the output's.
 
-A copy: the bits and NaN payloads go through unchanged, whatever the dtype (no arithmetic, no
-conversion). The output is contiguous, as eager's is; inputs whose layout would make eager's cat
-write another format (channels-last-like 4-D strides) are refused.
+Copies: the bits and NaN payloads go through unchanged, whatever the dtype (no arithmetic, no
+conversion). The outputs are contiguous, as eager's are; inputs whose layout would make eager's
+cat write another format (channels-last-like 4-D strides) are refused, and so is an input whose
+transpose + reshape eager returns as a view (no copy to remove).
 """
 
 from __future__ import annotations
@@ -29,11 +36,13 @@ from ..errors import UnsupportedInput
 
 @triton.jit
 def _head_cat_kernel(a_ptr, b_ptr, out_ptr, H, SA, SB, D,
-                     sa0, sa1, sa2, sb0, sb1, sb2,
+                     sa0, sa1, sa2, sb0, sb1, sb2, so0, so1, so2,
                      NBA, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, I64: tl.constexpr):
     """Program (p, bh, db): rows ``p * BLOCK_S ..`` of a (p < NBA) or of b (p - NBA), sample and
     head ``bh = b * H + h``, head columns ``db * BLOCK_D ..``; each program reads from one input
-    only, so the choice is a scalar branch."""
+    only, so the choice is a scalar branch. Row ``s`` of head ``h`` of sample ``n`` goes to
+    ``out + n * so0 + h * so1 + s * so2`` (b's rows after a's: ``s = SA + s_b``); D is
+    contiguous in the output. ``SB = 0``: a single input (heads_to_tokens)."""
     p = tl.program_id(0)
     bh = tl.program_id(1)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -43,18 +52,18 @@ def _head_cat_kernel(a_ptr, b_ptr, out_ptr, H, SA, SB, D,
         rows = rows.to(tl.int64)
     n = bh // H
     h = bh - n * H
-    S = SA + SB
     dmask = (d < D)[None, :]
+    base = out_ptr + (n * so0 + h * so1)
     if p < NBA:
         s = p * BLOCK_S + rows
         m = (s < SA)[:, None] & dmask
         v = tl.load(a_ptr + (n * sa0 + h * sa1) + s[:, None] * sa2 + d[None, :], mask=m)
-        dst = out_ptr + (bh * S + s)[:, None] * D + d[None, :]
+        dst = base + s[:, None] * so2 + d[None, :]
     else:
         s = (p - NBA) * BLOCK_S + rows
         m = (s < SB)[:, None] & dmask
         v = tl.load(b_ptr + (n * sb0 + h * sb1) + s[:, None] * sb2 + d[None, :], mask=m)
-        dst = out_ptr + (bh * S + SA + s)[:, None] * D + d[None, :]
+        dst = base + (SA + s)[:, None] * so2 + d[None, :]
     tl.store(dst, v, mask=m)
 
 
@@ -98,7 +107,9 @@ def _recipe(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
     nba = cdiv(SA, block_s)
     grid = (nba + cdiv(SB, block_s), B * H, cdiv(D, block_d))
     sa, sb = a.stride(), b.stride()
-    return grid, (H, SA, SB, D, sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], nba), \
+    S = SA + SB
+    # out: a new contiguous [B, H, S, D]
+    return grid, (H, SA, SB, D, sa[0], sa[1], sa[2], sb[0], sb[1], sb[2], H * S * D, S * D, D, nba), \
         dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
 
 
@@ -149,4 +160,92 @@ def head_cat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
 head_cat.keyed = _keyed
 
-__all__ = ["head_cat", "can_use_head_cat"]
+
+def _tokens_reason(x) -> str | None:
+    if not isinstance(x, torch.Tensor):
+        return "input must be a tensor"
+    if x.dim() != 4:
+        return f"input must be 4-D [B, H, S, D] (got {x.dim()}-D)"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"dtype {x.dtype} is not bf16, fp16 or fp32"
+    reason = device_reason(x) or grad_reason(x)
+    if reason:
+        return reason
+    B, H, S, D = x.shape
+    if D > 1 and x.stride(3) != 1:
+        return "the head dim is not contiguous"
+    if H == 1 or D == 1 or x.stride(1) == D * x.stride(3):
+        # heads and head dim merge without a copy: eager's reshape returns a view of x
+        return "eager's transpose + reshape is a view here (nothing to copy)"
+    return None
+
+
+def can_use_heads_to_tokens(x: torch.Tensor) -> bool:
+    """True when :func:`heads_to_tokens` reproduces ``x.transpose(1, 2).reshape(B, S, H * D)``
+    with the copy eager makes: a 4-D bf16/fp16/fp32 tensor with its last dim contiguous whose
+    heads and head dim eager cannot merge into a view (SDPA's heads-first output), on CUDA (CPU
+    only under TRITON_INTERPRET=1), no grad required in grad mode."""
+    return _tokens_reason(x) is None
+
+
+def _tokens_recipe(x: torch.Tensor) -> tuple | None:
+    B, H, S, D = x.shape
+    if B * H * S * D == 0:
+        return None
+    block_d = min(next_pow2(D), 256)
+    block_s = max(1, min(4096 // block_d, next_pow2(S)))
+    nba = cdiv(S, block_s)
+    sx = x.stride()
+    # out: a new contiguous [B, S, H * D], i.e. [B, H, S, D] with strides (S*H*D, D, H*D, 1)
+    return (nba, B * H, cdiv(D, block_d)), (H, S, 0, D, sx[0], sx[1], sx[2], 0, 0, 0, S * H * D, D, H * D, nba), \
+        dict(BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4)
+
+
+def _tokens_fire(r: tuple | None, x: torch.Tensor) -> torch.Tensor:
+    B, H, S, D = x.shape
+    out = torch.empty((B, S, H * D), dtype=x.dtype, device=x.device)
+    if r is None:
+        return out
+    grid, scalars, consts = r
+    _head_cat_kernel[grid](x, x, out, *scalars, I64=not fits_int32(x, out), **consts)
+    return out
+
+
+@torch.library.custom_op("ditfuse::heads_to_tokens", mutates_args=())
+def _heads_to_tokens_op(x: torch.Tensor) -> torch.Tensor:
+    return _tokens_fire(_tokens_recipe(x), x)
+
+
+@_heads_to_tokens_op.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    B, H, S, D = x.shape
+    return x.new_empty((B, S, H * D))
+
+
+_TOKENS_RECIPES = Recipes()
+
+
+def _keyed_tokens(key: tuple | None, x: torch.Tensor) -> torch.Tensor:
+    if use_custom_op():
+        reason = _tokens_reason(x)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        return torch.ops.ditfuse.heads_to_tokens(x)
+    if key is None:
+        key = call_key((x,))
+    r = _TOKENS_RECIPES.checked(key, lambda: _tokens_reason(x), lambda: _tokens_recipe(x))
+    return _tokens_fire(r, x)
+
+
+def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``x.transpose(1, 2).reshape(B, S, H * D)`` of a heads-first [B, H, S, D] tensor (D
+    contiguous; SDPA's output) into a new contiguous [B, S, H * D]: the copy eager's reshape makes,
+    bitwise equal by construction. Raises :class:`UnsupportedInput` exactly where
+    :func:`can_use_heads_to_tokens` is False (also where eager's reshape is a view). Runs as the
+    custom op ``ditfuse::heads_to_tokens`` under torch.compile tracing."""
+    return _keyed_tokens(None, x)
+
+
+heads_to_tokens.keyed = _keyed_tokens
+
+__all__ = ["head_cat", "can_use_head_cat", "heads_to_tokens", "can_use_heads_to_tokens"]
