@@ -73,8 +73,10 @@ def resnet_forward(block, original, input_tensor: torch.Tensor, temb: torch.Tens
 def _resnet_applies(block: Any) -> str | None:
     if type(block.nonlinearity) is not torch.nn.SiLU:
         return f"nonlinearity is {type(block.nonlinearity).__name__}, not SiLU"
-    if block.time_embedding_norm not in ("default",):
-        return f"time_embedding_norm={block.time_embedding_norm!r} (the VAE's is 'default')"
+    if block.time_embedding_norm == "scale_shift":
+        # without a time embedding diffusers raises for scale_shift; "default" and the decoder's
+        # "group" (UpDecoderBlock2D passes the Decoder's norm_type) both run norm2 -> SiLU then
+        return "time_embedding_norm='scale_shift' (needs a time embedding; the VAE has none)"
     for name in ("norm1", "norm2"):
         r = _group_norm_applies(getattr(block, name))
         if r is not None:

@@ -44,6 +44,39 @@ def test_decode_on_reference_chains_equals_diffusers(batch, monkeypatch):
     assert_bitwise_equal(_decode(vae, z), base, "after unmount")
 
 
+def test_every_resnet_block_mounts_its_fused_site():
+    """The decoder's up blocks build their ResnetBlock2Ds with time_embedding_norm="group" (the
+    Decoder's norm_type) and the mid block with "default": without a time embedding both run
+    norm -> SiLU, so every ResnetBlock2D takes the fused site (rounds 5-13 skipped the up blocks'
+    twelve of the FLUX.1 VAE decoder's fourteen, leaving their SiLU eager); nothing is skipped."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    vae = _vae()
+    kinds = {m.time_embedding_norm for m in vae.modules() if isinstance(m, ResnetBlock2D)}
+    assert kinds == {"default", "group"}, kinds
+    h = ditfuse.accelerate(vae)
+    try:
+        rep = h.report().components[0]
+        assert not rep.skipped_sites, rep.skipped_sites
+        n = sum(isinstance(m, ResnetBlock2D) for m in vae.modules())
+        assert sum(s == "vae.resnet" for _, s in rep.sites) == n
+    finally:
+        h.unmount()
+
+
+def test_scale_shift_resnet_keeps_diffusers_forward():
+    """A ResnetBlock2D with time_embedding_norm="scale_shift" and no time embedding raises in
+    diffusers' forward; the fused site does not take it (the report says why)."""
+    from ditfuse.models.autoencoder_kl import _resnet_applies
+    from diffusers.models.resnet import ResnetBlock2D
+
+    block = ResnetBlock2D(in_channels=8, out_channels=8, temb_channels=None, groups=4,
+                          time_embedding_norm="scale_shift")
+    assert "scale_shift" in _resnet_applies(block)
+    assert _resnet_applies(ResnetBlock2D(in_channels=8, out_channels=8, temb_channels=None, groups=4,
+                                         time_embedding_norm="group")) is None
+
+
 def test_tiled_and_sliced_decode_on_reference_chains(monkeypatch):
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     vae = _vae()
