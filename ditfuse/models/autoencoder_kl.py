@@ -7,7 +7,10 @@ while spreading the chains over many SMs (kernels/norm/group_norm_silu_triton.py
 SiLU that follows every ResnetBlock2D norm. Sites:
 
 - ``ResnetBlock2D``: ``norm1 -> nonlinearity`` and ``norm2 -> nonlinearity`` each become one
-  fused call; convolutions, up/down sampling and the residual stay diffusers' own.
+  fused call; on CUDA ``conv2`` runs without its bias and ``modulate.conv_bias_residual`` adds
+  the bias and the residual in one pass (aten adds a cuDNN convolution's bias in a broadcast pass
+  of its own, then the block adds the residual, then divides by ``output_scale_factor``, which
+  is 1: an exact copy, skipped); convolutions, up/down sampling and conv1's bias stay diffusers'.
 - ``GroupNorm`` (every other one: the decoder's ``conv_norm_out`` before ``conv_act``, the
   mid-block attention's ``group_norm``): the GroupNorm alone, same kernel with ``silu=False``.
 
@@ -22,8 +25,9 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.modulate import CONV_BIAS_RESIDUAL
 from ..kernels.norm import GROUP_NORM_SILU
-from .base import Adapter, Site
+from .base import Adapter, Site, plain_module
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 
@@ -62,12 +66,30 @@ def resnet_forward(block, original, input_tensor: torch.Tensor, temb: torch.Tens
     hidden_states = _ops.group_norm_silu(hidden_states, block.norm2.num_groups, block.norm2.weight, block.norm2.bias,
                                          block.norm2.eps, True)
     hidden_states = block.dropout(hidden_states)
+    if _tail_applies(block, hidden_states):
+        if block.conv_shortcut is not None:
+            input_tensor = block.conv_shortcut(input_tensor)
+        conv = block.conv2
+        out = _ops.conv_bias_residual(hidden_states, conv.weight, conv.bias, input_tensor, conv.stride, conv.padding,
+                                      conv.dilation, conv.groups)
+        # r(y / 1.0) is y for every y (NaN payloads aside, which bit-exactness does not count):
+        # eager's division by output_scale_factor = 1 is a copy pass, skipped
+        return out if block.output_scale_factor == 1.0 else out / block.output_scale_factor
     hidden_states = block.conv2(hidden_states)
     if block.conv_shortcut is not None:
         if block.training:
             input_tensor = input_tensor.contiguous()
         input_tensor = block.conv_shortcut(input_tensor)
     return (input_tensor + hidden_states) / block.output_scale_factor
+
+
+def _tail_applies(block, hidden_states: torch.Tensor) -> bool:
+    """conv2 + the residual as one op (``modulate.conv_bias_residual``): on CUDA (aten's CPU
+    convolutions add the bias inside, so the split would not be eager's there), conv2 a plain
+    biased zero-padded Conv2d nothing hooks (the op reads its weight), inference."""
+    conv = block.conv2
+    return (hidden_states.is_cuda and not block.training and plain_module(conv, torch.nn.Conv2d)
+            and conv.bias is not None and conv.padding_mode == "zeros")
 
 
 def _resnet_applies(block: Any) -> str | None:
@@ -90,9 +112,10 @@ SITES = (
         cls="diffusers.models.resnet:ResnetBlock2D",
         params=("self", "input_tensor", "temb", "args", "kwargs"),
         forward=resnet_forward,
-        ops=(GROUP_NORM_SILU,),
+        ops=(GROUP_NORM_SILU, CONV_BIAS_RESIDUAL),
         applies=_resnet_applies,
-        description="ResnetBlock2D: norm1 + SiLU and norm2 + SiLU, each one GroupNorm+SiLU kernel",
+        description="ResnetBlock2D: norm1 + SiLU and norm2 + SiLU, each one GroupNorm+SiLU kernel; "
+                    "conv2's bias and the residual add in one pass",
     ),
     Site(
         name="vae.group_norm",

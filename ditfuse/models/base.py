@@ -159,12 +159,18 @@ def diffusers_rmsnorms(module: torch.nn.Module, names: tuple[str, ...], width: i
     return None
 
 
-def plain_linear(module: object) -> bool:
-    """``module`` is a plain ``nn.Linear`` whose forward nothing intercepts (no torch hooks, no
-    diffusers or accelerate hook, not a PEFT/LoRA wrapper): its output is ``F.linear(x, weight,
-    bias)``, so a fast forward may use its weight and bias directly."""
-    return (type(module) is torch.nn.Linear and not module._forward_hooks and not module._forward_pre_hooks
+def plain_module(module: object, cls: type) -> bool:
+    """``module`` is exactly a ``cls`` whose forward nothing intercepts (no torch hooks, no
+    diffusers or accelerate hook, not a PEFT/LoRA wrapper), so a fast forward may use its weight
+    and bias directly instead of calling it."""
+    return (type(module) is cls and not module._forward_hooks and not module._forward_pre_hooks
             and getattr(module, "_diffusers_hook", None) is None and not hasattr(module, "_hf_hook"))
+
+
+def plain_linear(module: object) -> bool:
+    """``module`` is a plain ``nn.Linear`` (:func:`plain_module`): its output is ``F.linear(x,
+    weight, bias)``, so a fast forward may use its weight and bias directly."""
+    return plain_module(module, torch.nn.Linear)
 
 
 def linear_module(module: object) -> torch.nn.Linear | None:
@@ -285,8 +291,9 @@ class SiteHook:
 # diffusers hooks a fast forward keeps: context parallelism's split/gather hooks sit on modules
 # the fast forwards call as modules (a block's inputs, pos_embed, proj_out, rope)
 _KEPT_HOOKS = ("cp_input---", "cp_output---", HOOK_PREFIX)
-# modules the fast forwards only ever call, never read tensors of (layout.linear_cat, the one
-# exception, asks plain_linear per call): a hook on one of them runs as in diffusers
+# modules the fast forwards only ever call, never read tensors of (layout.linear_cat and
+# AutoencoderKL's conv2 + residual, the exceptions, ask plain_module per call): a hook on one of
+# them runs as in diffusers
 _CALLED = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
 _offload_noted: set[str] = set()
 
@@ -679,7 +686,7 @@ def capture_admission_batches(
 
 __all__ = [
     "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
-    "capture_admission_batches", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear",
+    "capture_admission_batches", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
     "linear_cat_applies",
     "site_hooks", "TIERS",
 ]

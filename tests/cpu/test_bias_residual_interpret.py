@@ -39,8 +39,67 @@ def test_rejections():
     x = _rand((1, 8, 2, 3, 4), torch.bfloat16, 4).contiguous(memory_format=torch.channels_last_3d)
     b = _rand((8,), torch.bfloat16, 5)
     assert br.can_use_bias_residual(x, b, x)
-    for args in ((x.contiguous(), b, x.contiguous()),  # NCDHW: channels not innermost
+    assert br.can_use_bias_residual(x.contiguous(), b, x.contiguous())  # NCDHW both: the NCHW walk
+    for args in ((x.contiguous(), b, x),  # x NCDHW, h channels-last
                  (x, b, x.contiguous()),  # h in another layout
+                 (x[:, :, :, ::2], b, x[:, :, :, ::2]),  # neither dense
                  (x, b.float(), x),  # dtype mix: eager would promote
                  (x, b[:4], x)):
         assert not br.can_use_bias_residual(*args)
+
+
+@pytest.mark.parametrize("shape", [(1, 8, 5, 7), (2, 13, 3, 1), (2, 3, 1, 1), (2, 5, 2, 3, 4), (3, 7, 11)],
+                         ids=["4d", "4d-b2-prime-w1", "1x1", "5d", "3d"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_nchw_walk_matches_eager_adds(shape, dtype):
+    """Contiguous NC... tensors (AutoencoderKL's NCHW decode): the channel of flat index i is
+    ``(i // HW) % C``; NaN / Inf / -0 go through eager's two adds."""
+    x = _rand(shape, dtype, 6)
+    x.view(-1)[:4] = torch.tensor([float("nan"), float("-inf"), -0.0, 65000.0]).to(dtype)
+    h = _rand(shape, dtype, 7)
+    b = _rand((shape[1],), dtype, 8)
+    assert br.can_use_bias_residual(x, b, h)
+    got = br.bias_residual(x, b, h)
+    assert got.is_contiguous()
+    mm = compare_outputs(got, ref.bias_residual(x, b, h), f"NCHW {shape} {dtype}")
+    assert mm is None, str(mm)
+
+
+@pytest.mark.parametrize("case", [dict(k=3, stride=1, padding=1, cin=6, cout=6, hw=(9, 7)),
+                                  dict(k=3, stride=1, padding=1, cin=8, cout=4, hw=(5, 5), batch=2),
+                                  dict(k=1, stride=1, padding=0, cin=5, cout=5, hw=(1, 13))],
+                         ids=["3x3", "3x3-b2-narrowing", "1x1"])
+def test_conv_bias_residual_is_its_composition(case):
+    """On the CPU the op is checked against its own definition, ``bias_residual(conv2d(x, w,
+    bias=None), bias, h)`` (aten's CPU convolutions add the bias inside the convolution, so CPU
+    eager ``h + conv2d(x, w, b)`` is not the chain it reproduces; the CUDA comparison with eager is
+    tests/gpu/test_vae_gpu.py's and the gate's)."""
+    dtype = torch.bfloat16
+    x = _rand((case.get("batch", 1), case["cin"], *case["hw"]), dtype, 9)
+    w = _rand((case["cout"], case["cin"], case["k"], case["k"]), dtype, 10) * 0.1
+    b = _rand((case["cout"],), dtype, 11)
+    y = torch.nn.functional.conv2d(x, w, None, case["stride"], case["padding"])
+    h = _rand(tuple(y.shape), dtype, 12)
+    args = (x, w, b, h, (case["stride"],) * 2, (case["padding"],) * 2, (1, 1), 1)
+    assert br.can_use_conv_bias_residual(*args)
+    got = br.conv_bias_residual(*args)
+    mm = compare_outputs(got, ref.bias_residual(y, b, h), f"conv_bias_residual {case}")
+    assert mm is None, str(mm)
+
+
+def test_conv_bias_residual_rejections():
+    from ditfuse.kernels.errors import UnsupportedInput
+
+    x = _rand((1, 4, 6, 6), torch.bfloat16, 13)
+    w = _rand((4, 4, 3, 3), torch.bfloat16, 14)
+    b = _rand((4,), torch.bfloat16, 15)
+    h = _rand((1, 4, 6, 6), torch.bfloat16, 16)
+    geo = ((1, 1), (1, 1), (1, 1), 1)
+    assert br.can_use_conv_bias_residual(x, w, b, h, *geo)
+    for bad in ((x.contiguous(memory_format=torch.channels_last), w, b, h),  # not NCHW
+                (x, w, b.float(), h),  # dtype mix
+                (x[0], w, b, h),  # 3-D input
+                (x, w, b[:2], h)):  # bias not [out_channels]
+        assert not br.can_use_conv_bias_residual(*bad, *geo)
+    with pytest.raises(UnsupportedInput, match="shape"):  # padding 0: a 4x4 output against a 6x6 h
+        br.conv_bias_residual(x, w, b, h, (1, 1), (0, 0), (1, 1), 1)

@@ -77,6 +77,55 @@ def test_scale_shift_resnet_keeps_diffusers_forward():
                                          time_embedding_norm="group")) is None
 
 
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_resnet_tail_on_reference_chain_equals_diffusers(scale, monkeypatch):
+    """conv2 + residual as modulate.conv_bias_residual (a CUDA path; forced here) on its reference
+    chain: the decode equals diffusers' bitwise, so the site passes the op diffusers' operands
+    (conv2's input and parameters, the shortcut's output) and skipping the division by
+    output_scale_factor = 1 changes no bit; every decoder ResnetBlock2D took the branch."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from ditfuse.models import autoencoder_kl as akl
+
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")  # every op runs its reference (eager's chain)
+    taken = []
+    monkeypatch.setattr(akl, "_tail_applies", lambda block, hidden_states: taken.append(block) or True)
+    vae = _vae()
+    for m in vae.decoder.modules():
+        if isinstance(m, ResnetBlock2D):
+            m.output_scale_factor = scale  # 1: the division is skipped; else it runs after the op
+    z = torch.randn(2, 4, 9, 7)
+    base = _decode(vae, z)
+    h = ditfuse.accelerate(vae)
+    try:
+        assert_bitwise_equal(_decode(vae, z), base, f"decode with the fused resnet tail, scale {scale}")
+    finally:
+        h.unmount()
+    decoder_resnets = [m for m in vae.decoder.modules() if isinstance(m, ResnetBlock2D)]
+    assert len(taken) == len(decoder_resnets) and {id(b) for b in taken} == {id(b) for b in decoder_resnets}
+
+
+def test_resnet_tail_applies_only_where_it_is_eager():
+    from types import SimpleNamespace
+
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from ditfuse.models.autoencoder_kl import _tail_applies
+
+    block = ResnetBlock2D(in_channels=8, out_channels=8, temb_channels=None, groups=4).eval()
+    on_cuda, on_cpu = SimpleNamespace(is_cuda=True), torch.zeros(1)
+    assert _tail_applies(block, on_cuda)
+    assert not _tail_applies(block, on_cpu)  # aten's CPU convolutions add the bias inside
+    block.train()
+    assert not _tail_applies(block, on_cuda)
+    block.eval()
+    handle = block.conv2.register_forward_hook(lambda *a: None)  # the op would skip the hook
+    assert not _tail_applies(block, on_cuda)
+    handle.remove()
+    block.conv2.padding_mode = "reflect"
+    assert not _tail_applies(block, on_cuda)
+
+
 def test_tiled_and_sliced_decode_on_reference_chains(monkeypatch):
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     vae = _vae()

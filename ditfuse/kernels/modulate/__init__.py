@@ -26,4 +26,18 @@ BIAS_RESIDUAL = OpDescriptor(
     key_note="elementwise: only the channel count (the bias index) matters",
 )
 
-DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL)
+CONV_BIAS_RESIDUAL = OpDescriptor(
+    op="modulate.conv_bias_residual",
+    contract=Contract.BIT_EXACT,
+    replaces="r(h + r(conv2d(x) + bias[c])) -> the convolution without its bias, then bias + residual in one NCHW pass",
+    summary="AutoencoderKL's ResnetBlock2D tail: conv2 without the separate bias pass aten makes "
+            "(a broadcast add TensorIterator cannot vectorize), its bias and the residual add in "
+            "one pass (verified with the convolution at first sight of each signature)",
+    reference="ditfuse.kernels.reference:conv_bias_residual",
+    impls=(triton_impl("modulate.bias_residual_triton", "conv_bias_residual"),),
+    key=(K("x", dims=(0,), tail_shape=True), K("weight", dims=(0,), tail_shape=True), K("bias"), K("h"),
+         K("stride", value=True), K("padding", value=True), K("dilation", value=True), K("groups", value=True)),
+    key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
+)
+
+DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL)

@@ -9,8 +9,14 @@ memory; here one read of x and h, one write. Each add is computed in fp32 and ro
 dtype (round-to-nearest-even) as eager's bf16/fp16 adds are; launched with fp-fusion off (adds
 only: nothing to contract, kept for uniformity).
 
-x, h and the output share one dense layout with the channels innermost (channels-last, or any
-[..., C] tensor): the kernel walks them as ``[N, C]`` rows. See :func:`can_use_bias_residual`.
+x, h and the output share one dense layout: channels innermost (channels-last, or any [..., C]
+tensor; the Wan VAE's decode), walked as ``[N, C]`` rows, or contiguous NC... (AutoencoderKL's
+NCHW decode), walked with the channel ``(i // HW) % C``. See :func:`can_use_bias_residual`.
+
+:func:`conv_bias_residual` puts the convolution in front: ``r(r(conv(x) + bias[c]) + h)`` with
+``F.conv2d(..., bias=None)`` (the same cuDNN call aten makes before its own bias pass), so the gate
+compares the whole chain, convolution included, with eager's ``h + conv2d(x, w, b)`` at first
+sight of each signature.
 """
 
 from __future__ import annotations
@@ -27,11 +33,15 @@ from ..errors import UnsupportedInput
 BLOCK = 4096
 
 
-@triton.jit(do_not_specialize=["C"])
-def _bias_residual_kernel(x_ptr, b_ptr, h_ptr, out_ptr, n, C, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["C", "HW"])
+def _bias_residual_kernel(x_ptr, b_ptr, h_ptr, out_ptr, n, C, HW, DTYPE: tl.constexpr, BLOCK: tl.constexpr,
+                          NCHW: tl.constexpr = False):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     m = i < n
-    c = (i % C).to(tl.int32)
+    if NCHW:  # contiguous [N, C, *spatial]: HW elements per channel plane
+        c = ((i // HW) % C).to(tl.int32)
+    else:  # channels innermost
+        c = (i % C).to(tl.int32)
     v = rround(load_f32(x_ptr + i, m) + load_f32(b_ptr + c, m), DTYPE)
     tl.store(out_ptr + i, round_to(v + load_f32(h_ptr + i, m), DTYPE), mask=m)
 
@@ -54,8 +64,8 @@ def _unsupported_reason(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) ->
         return f"bias must be [C] for an x of shape [N, C, ...], got {tuple(bias.shape)} / {tuple(x.shape)}"
     if h.shape != x.shape:
         return "h must have x's shape"
-    if not _channels_innermost(x) or not _channels_innermost(h):
-        return "x and h must both be dense with their channels innermost (channels-last memory)"
+    if not (_channels_innermost(x) and _channels_innermost(h)) and not (x.is_contiguous() and h.is_contiguous()):
+        return "x and h must both be dense with their channels innermost (channels-last memory) or both contiguous"
     if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
         return "CUDA autocast is on"
     return None
@@ -64,8 +74,8 @@ def _unsupported_reason(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) ->
 def can_use_bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> bool:
     """True when :func:`bias_residual` takes these arguments. Rejected: non-tensors; not one device
     (CUDA, or CPU under TRITON_INTERPRET=1); grad required with grad mode on; dtypes not one of
-    bf16/fp16/fp32 for all three; bias not ``[C]``; h not of x's shape; x or h not dense with its
-    channels innermost; CUDA autocast on."""
+    bf16/fp16/fp32 for all three; bias not ``[C]``; h not of x's shape; x and h not both dense with
+    their channels innermost and not both contiguous; CUDA autocast on."""
     return _unsupported_reason(x, bias, h) is None
 
 
@@ -73,9 +83,13 @@ def _launch(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tenso
     out = torch.empty_like(x)
     n = x.numel()
     if n:
-        _bias_residual_kernel[(cdiv(n, BLOCK),)](x, bias.contiguous(), h, out, n, x.shape[1],
-                                                        DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, num_warps=8,
-                                                        enable_fp_fusion=False)
+        # channels innermost takes that walk even when x is also contiguous ([N, C], or 1x1 spatial:
+        # both walks give every element its channel there)
+        nchw = not _channels_innermost(x) or not _channels_innermost(h)
+        C = x.shape[1]
+        _bias_residual_kernel[(cdiv(n, BLOCK),)](x, bias.contiguous(), h, out, n, C, n // (x.shape[0] * C) if nchw else 1,
+                                                 DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, NCHW=nchw, num_warps=8,
+                                                 enable_fp_fusion=False)
     return out
 
 
@@ -101,4 +115,53 @@ def bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch
     return _launch(x, bias, h)
 
 
-__all__ = ["bias_residual", "can_use_bias_residual"]
+def _conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str | None:
+    if not all(isinstance(t, torch.Tensor) for t in (x, weight, bias, h)):
+        return "x, weight, bias and h must be tensors"
+    if x.dim() != 4 or weight.dim() != 4:
+        return f"x and weight must be 4-D (Conv2d), got {x.dim()}-D and {weight.dim()}-D"
+    if not (x.dtype == weight.dtype == bias.dtype == h.dtype):
+        return f"dtypes {x.dtype}/{weight.dtype}/{bias.dtype}/{h.dtype} differ"
+    if x.device.type == "cuda" and not torch.backends.cudnn.enabled:
+        return "cuDNN is disabled (aten's other convolution paths may add the bias inside)"
+    if not x.is_contiguous() or not h.is_contiguous():
+        return "x and h must be contiguous (NCHW): the decode this serves is NCHW"
+    r = device_reason(x, weight, bias, h) or grad_reason(x, weight, bias, h)
+    if r is not None:
+        return r
+    if bias.dim() != 1 or bias.shape[0] != weight.shape[0]:
+        return f"bias {tuple(bias.shape)} is not [out_channels] of weight {tuple(weight.shape)}"
+    if x.device.type == "cuda" and torch.is_autocast_enabled("cuda"):
+        return "CUDA autocast is on"
+    return None
+
+
+def can_use_conv_bias_residual(x, weight, bias, h, stride, padding, dilation, groups) -> bool:
+    """True when :func:`conv_bias_residual` takes these arguments: 4-D contiguous (NCHW) x and h,
+    a 4-D weight and a ``[out_channels]`` bias, all one dtype, cuDNN enabled, one device (CUDA, or
+    CPU under TRITON_INTERPRET=1), no grad in grad mode, no CUDA autocast. Whether the result equals
+    eager's is the gate's first-sight comparison (the output shape must also match h's: checked
+    after the convolution)."""
+    return _conv_reason(x, weight, bias, h, stride, padding, dilation, groups) is None
+
+
+def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, h: torch.Tensor,
+                       stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                       groups: int) -> torch.Tensor:
+    """``h + F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` (a ResnetBlock2D's
+    ``conv2`` and residual) as ``r(r(conv2d(x, weight) + bias[c]) + h)``: cuDNN's convolution
+    without the bias (aten's ``_convolution`` runs exactly this call and then
+    ``output.add_(bias.reshape(1, C, 1, 1))``, ConvShared.cpp), then the bias and the residual in
+    one pass (:func:`bias_residual`, NCHW walk). Bit-exact vs torch 2.11 CUDA eager where the
+    gate's first sight says so. Raises :class:`UnsupportedInput` where
+    :func:`can_use_conv_bias_residual` is False or the convolution's output shape is not h's."""
+    reason = _conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    y = torch.nn.functional.conv2d(x, weight, None, tuple(stride), tuple(padding), tuple(dilation), groups)
+    if y.shape != h.shape:
+        raise UnsupportedInput(f"convolution output {tuple(y.shape)} is not h's shape {tuple(h.shape)} (eager would broadcast)")
+    return bias_residual(y, bias, h)
+
+
+__all__ = ["bias_residual", "can_use_bias_residual", "conv_bias_residual", "can_use_conv_bias_residual"]
