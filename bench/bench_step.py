@@ -238,6 +238,18 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     breakdown: list[dict[str, Any]] = []
     providers = args.providers
+    stem = f"{fam.name}{'' if args.config == 'dev' else '_' + args.config}_step_{args.tag}"
+    csv_path = out_dir / f"{stem}.csv"
+
+    def write_breakdown() -> None:
+        if not breakdown:
+            return
+        cats = sorted({k for b in breakdown for k in b} - {"provider", "batch"})
+        with (out_dir / f"{stem.replace('_step_', '_breakdown_')}.csv").open("w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=["provider", "batch", *cats])
+            w.writeheader()
+            for b in breakdown:
+                w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()})
 
     for batch in args.batches:
         inp = fam.make_inputs(model, batch, size, **({} if args.txt_tokens is None else {"txt_tokens": args.txt_tokens}))
@@ -249,16 +261,29 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             host: list[float] = []
             times, ref_out = time_steps(step, args.steps, args.warmup, host)
             ref_out = ref_out.clone()
-        results = {"eager": (times, True, 0.0, host)}
+
+        def record(prov, times, bitwise, rel, host):
+            rows.append(
+                dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
+                     txt_tokens=txt, median_ms=round(statistics.median(times), 3),
+                     min_ms=round(min(times), 3), host_ms=round(statistics.median(host), 3),
+                     steps=len(times), bitwise_equal=bitwise,
+                     rel_diff_vs_eager=f"{rel:.3e}", **meta)
+            )
+            # after every provider: a phase that runs out of time keeps what it measured
+            with csv_path.open("w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=list(rows[0]))
+                w.writeheader()
+                w.writerows(rows)
+
+        record("eager", times, True, 0.0, host)
         with torch.no_grad():
             syncs = sync_points(step)
         print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms "
               f"(host enqueue {statistics.median(host):.1f} ms, {min(host):.1f}-{max(host):.1f}) "
               f"syncs={syncs or 0}", flush=True)
 
-        for prov in providers:
-            if prov == "eager":
-                continue
+        def measure(prov):
             handle = None
             fn = step
             saved_env = {k: os.environ.get(k) for k in _AB_ENV}
@@ -289,7 +314,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     syncs = sync_points(fn) if prov != "compile" else "n/a"
                 mm = first_mismatch(out, ref_out)
                 rel = relative_l2(out, ref_out)
-                results[prov] = (times, mm is None, rel, host)
+                record(prov, times, mm is None, rel, host)
                 extra = ""
                 if handle is not None:
                     rep = ditfuse.gate.report()
@@ -314,41 +339,33 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if prov == "compile":
                     del cm
                     torch._dynamo.reset()
-        # Profiles last: a torch.profiler session leaves host-side overhead behind that slowed the
-        # next host-bound measurement (FLUX B=1: 155.6 ms vs 129.5 ms for the same lossless path).
+
+        for prov in providers:
+            if prov not in ("eager", "compile"):
+                measure(prov)
+        # Profiles after the timed providers: a torch.profiler session leaves host-side overhead
+        # behind that slowed the next host-bound measurement (FLUX B=1: 155.6 ms vs 129.5 ms for the
+        # same lossless path); before torch.compile, whose compilation can run out the phase's time
+        # (the FLUX.1 and SD3.5 breakdowns of round 14 were lost that way). The CUDA-graph provider
+        # is profiled too: one replay's kernels, to compare with the plain lossless step's.
         if args.profile and batch == args.batches[0]:
-            for prov in ["eager"] + [p for p in ("lossless", "high") if p in providers]:
-                handle = None if prov == "eager" else ditfuse.accelerate(model, quality=prov)
+            for prov in ["eager"] + [p for p in ("lossless", "lossless_graph", "high") if p in providers]:
+                handle = None if prov == "eager" else ditfuse.accelerate(
+                    model, quality="high" if prov == "high" else "lossless", cuda_graph=(prov == "lossless_graph"))
                 try:
                     with torch.no_grad():
+                        if prov == "lossless_graph":
+                            step()  # first sight (verify), then the capture; profile_breakdown warms once more
                         breakdown.append({"provider": prov, "batch": batch,
                                           **profile_breakdown(step, f"{fam.name} B={batch} {prov}")})
                 finally:
                     if handle is not None:
                         handle.unmount()
-        for prov, (times, bitwise, rel, host) in results.items():
-            rows.append(
-                dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
-                     txt_tokens=txt, median_ms=round(statistics.median(times), 3),
-                     min_ms=round(min(times), 3), host_ms=round(statistics.median(host), 3),
-                     steps=len(times), bitwise_equal=bitwise,
-                     rel_diff_vs_eager=f"{rel:.3e}", **meta)
-            )
+            write_breakdown()
+        if "compile" in providers:
+            measure("compile")
         torch.cuda.empty_cache()
 
-    stem = f"{fam.name}{'' if args.config == 'dev' else '_' + args.config}_step_{args.tag}"
-    csv_path = out_dir / f"{stem}.csv"
-    with csv_path.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    if breakdown:
-        cats = sorted({k for b in breakdown for k in b} - {"provider", "batch"})
-        with (out_dir / f"{stem.replace('_step_', '_breakdown_')}.csv").open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["provider", "batch", *cats])
-            w.writeheader()
-            for b in breakdown:
-                w.writerow({k: (round(v, 3) if isinstance(v, float) else v) for k, v in b.items()})
     _plot(rows, out_dir / f"{stem}.png")
     print("\nprovider          batch  median ms  bitwise  rel diff")
     for r in rows:
