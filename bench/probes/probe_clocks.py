@@ -1,6 +1,8 @@
 """GPU probe: SM clock and board power while a family's steps run back to back, eager vs
 ditfuse lossless (issue 13: the same cuBLAS/cuDNN kernels run 5-11 % longer inside the lossless
-FLUX step than inside the eager one; a power-limited clock would explain it).
+FLUX step than inside the eager one; a power-limited clock would explain it). Round 14 added the
+CUDA-graph replay of the lossless step: on an H100 graphs ran slower than the plain lossless step
+for FLUX.2 and Qwen-Image, and SD3.5's graph step did not move when copy kernels went away.
 
 A thread samples ``nvidia-smi --query-gpu=clocks.sm,power.draw,clocks_event_reasons.active``
 every ~50 ms while ``--steps`` steps run without synchronisation between them; per provider it
@@ -9,6 +11,8 @@ and the throttle-reason bitmask seen most often (0x4 SW power cap, 0x20 SW therm
 thermal, 0x80 HW power brake; 0x1 idle).
 
     PYTHONPATH=. python3 bench/probes/probe_clocks.py --family flux [--steps 20]
+
+Providers, in order: eager, lossless, lossless_graph, eager again (drift check).
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ def main() -> None:
     fam = families.get(args.family)
     model = fam.build(args.config, load="pretrained")
     inp = fam.make_inputs(model, 1, fam.default_size)
-    for prov in ("eager", "lossless", "eager"):
-        h = ditfuse.accelerate(model) if prov == "lossless" else None
+    for prov in ("eager", "lossless", "lossless_graph", "eager"):
+        # lossless_graph: the same step replayed from a CUDA graph (no host gaps between kernels)
+        h = ditfuse.accelerate(model, cuda_graph=(prov == "lossless_graph")) if prov != "eager" else None
         try:
             with torch.no_grad():
                 for _ in range(3):
