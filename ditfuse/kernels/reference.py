@@ -347,6 +347,12 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return h + F.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
 
 
+def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: tuple[int, int],
+              padding: tuple[int, int], dilation: tuple[int, int], groups: int) -> torch.Tensor:
+    """A biased ``nn.Conv2d`` (zero padding) as eager runs it."""
+    return F.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
 def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        stride: tuple[int, ...], padding: tuple[int, ...]) -> torch.Tensor:
     """``F.conv2d`` / ``F.conv3d`` as the NCHW / NCDHW model runs it: contiguous input and weight
@@ -376,7 +382,7 @@ def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat", "head_cat",
-            "heads_to_tokens", "conv_bias_residual"]
+            "heads_to_tokens", "conv_bias_residual", "conv_bias"]
 
 
 # ----------------------------------------------------------------------------- image families

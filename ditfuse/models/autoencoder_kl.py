@@ -10,7 +10,10 @@ SiLU that follows every ResnetBlock2D norm. Sites:
   fused call; on CUDA ``conv2`` runs without its bias and ``modulate.conv_bias_residual`` adds
   the bias and the residual in one pass (aten adds a cuDNN convolution's bias in a broadcast pass
   of its own, then the block adds the residual, then divides by ``output_scale_factor``, which
-  is 1: an exact copy, skipped); convolutions, up/down sampling and conv1's bias stay diffusers'.
+  is 1: an exact copy, skipped); up/down sampling stays diffusers'.
+- ``Conv2d`` (every other biased one, on CUDA: conv_in, conv1, the shortcuts, the up/down
+  samplers' convolutions, conv_out): ``modulate.conv_bias``, cuDNN's convolution and then its
+  bias in one vectorized pass instead of aten's broadcast add.
 - ``GroupNorm`` (every other one: the decoder's ``conv_norm_out`` before ``conv_act``, the
   mid-block attention's ``group_norm``): the GroupNorm alone, same kernel with ``silu=False``.
 
@@ -25,9 +28,10 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
-from ..kernels.modulate import CONV_BIAS_RESIDUAL
+from ..kernels.modulate import CONV_BIAS, CONV_BIAS_RESIDUAL
 from ..kernels.norm import GROUP_NORM_SILU
-from .base import Adapter, Site, plain_module
+from .base import Adapter, Site
+from .handoff import foreign_hook_names
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 
@@ -83,13 +87,43 @@ def resnet_forward(block, original, input_tensor: torch.Tensor, temb: torch.Tens
     return (input_tensor + hidden_states) / block.output_scale_factor
 
 
+def _plain_conv(conv: Any) -> bool:
+    """A biased zero-padded ``nn.Conv2d`` whose forward nothing but ditfuse's own site intercepts
+    (no torch, accelerate or other diffusers hook): its output is ``F.conv2d(x, weight, bias, ...)``,
+    so an op may read its weight and bias instead of calling it."""
+    return (type(conv) is torch.nn.Conv2d and conv.bias is not None and conv.padding_mode == "zeros"
+            and not conv._forward_hooks and not conv._forward_pre_hooks and not hasattr(conv, "_hf_hook")
+            and not foreign_hook_names(conv))
+
+
 def _tail_applies(block, hidden_states: torch.Tensor) -> bool:
     """conv2 + the residual as one op (``modulate.conv_bias_residual``): on CUDA (aten's CPU
     convolutions add the bias inside, so the split would not be eager's there), conv2 a plain
-    biased zero-padded Conv2d nothing hooks (the op reads its weight), inference."""
-    conv = block.conv2
-    return (hidden_states.is_cuda and not block.training and plain_module(conv, torch.nn.Conv2d)
-            and conv.bias is not None and conv.padding_mode == "zeros")
+    biased zero-padded Conv2d (the op reads its weight), inference."""
+    return hidden_states.is_cuda and not block.training and _plain_conv(block.conv2)
+
+
+def conv_forward(conv, original, input: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:  # noqa: A002
+    """nn.Conv2d.forward on CUDA as ``modulate.conv_bias``: the convolution, then its bias in one
+    vectorized pass (aten's is a broadcast add it cannot vectorize). Elsewhere: the module's own
+    forward (aten's CPU convolutions add the bias inside)."""
+    if not _conv_on_op(input):
+        return original(input)
+    return _ops.conv_bias(input, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, conv.groups)
+
+
+def _conv_on_op(input: torch.Tensor) -> bool:  # noqa: A002
+    return input.is_cuda
+
+
+def _conv_applies(conv: Any) -> str | None:
+    if type(conv) is not torch.nn.Conv2d:
+        return f"{type(conv).__name__} is not torch.nn.Conv2d"
+    if conv.bias is None:
+        return "no bias (nothing to fuse)"
+    if conv.padding_mode != "zeros":
+        return f"padding_mode={conv.padding_mode!r} (the op pads with zeros, as F.conv2d does)"
+    return None
 
 
 def _resnet_applies(block: Any) -> str | None:
@@ -116,6 +150,15 @@ SITES = (
         applies=_resnet_applies,
         description="ResnetBlock2D: norm1 + SiLU and norm2 + SiLU, each one GroupNorm+SiLU kernel; "
                     "conv2's bias and the residual add in one pass",
+    ),
+    Site(
+        name="vae.conv",
+        cls="torch.nn:Conv2d",
+        params=("self", "input"),
+        forward=conv_forward,
+        ops=(CONV_BIAS,),
+        applies=_conv_applies,
+        description="every biased Conv2d (CUDA): cuDNN's convolution, then its bias in one vectorized pass",
     ),
     Site(
         name="vae.group_norm",

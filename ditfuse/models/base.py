@@ -291,9 +291,9 @@ class SiteHook:
 # diffusers hooks a fast forward keeps: context parallelism's split/gather hooks sit on modules
 # the fast forwards call as modules (a block's inputs, pos_embed, proj_out, rope)
 _KEPT_HOOKS = ("cp_input---", "cp_output---", HOOK_PREFIX)
-# modules the fast forwards only ever call, never read tensors of (layout.linear_cat and
-# AutoencoderKL's conv2 + residual, the exceptions, ask plain_module per call): a hook on one of
-# them runs as in diffusers
+# modules the fast forwards only ever call, never read tensors of (the exceptions ask per call
+# whether anything hooks the module: layout.linear_cat's plain_linear, AutoencoderKL's conv2 +
+# residual through autoencoder_kl._plain_conv): a hook on one of them runs as in diffusers
 _CALLED = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d, torch.nn.Embedding)
 _offload_noted: set[str] = set()
 

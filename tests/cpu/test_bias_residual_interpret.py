@@ -103,3 +103,26 @@ def test_conv_bias_residual_rejections():
         assert not br.can_use_conv_bias_residual(*bad, *geo)
     with pytest.raises(UnsupportedInput, match="shape"):  # padding 0: a 4x4 output against a 6x6 h
         br.conv_bias_residual(x, w, b, h, (1, 1), (0, 0), (1, 1), 1)
+
+
+@pytest.mark.parametrize("case", [dict(k=3, s=1, p=1, cin=6, cout=5, hw=(9, 7)),
+                                  dict(k=3, s=2, p=0, cin=4, cout=4, hw=(11, 8), batch=2),
+                                  dict(k=1, s=1, p=0, cin=5, cout=3, hw=(1, 13))],
+                         ids=["3x3", "3x3-stride2-b2", "1x1"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_conv_bias_is_its_composition(case, dtype):
+    """modulate.conv_bias on the CPU against its definition, ``conv2d(x, w, bias=None)`` then
+    eager's broadcast ``add_(bias.reshape(1, C, 1, 1))`` (CPU eager ``conv2d(x, w, b)`` adds the
+    bias inside the convolution, so it is not the chain; the CUDA comparison is the GPU test's)."""
+    x = _rand((case.get("batch", 1), case["cin"], *case["hw"]), dtype, 17)
+    w = _rand((case["cout"], case["cin"], case["k"], case["k"]), dtype, 18) * 0.1
+    b = _rand((case["cout"],), dtype, 19)
+    b[0] = float("inf")
+    geo = ((case["s"],) * 2, (case["p"],) * 2, (1, 1), 1)
+    assert br.can_use_conv_bias(x, w, b, *geo)
+    got = br.conv_bias(x, w, b, *geo)
+    y = torch.nn.functional.conv2d(x, w, None, *geo)
+    mm = compare_outputs(got, y.add_(b.reshape(1, -1, 1, 1)), f"conv_bias {case} {dtype}")
+    assert mm is None, str(mm)
+    assert not br.can_use_conv_bias(x.contiguous(memory_format=torch.channels_last), w, b, *geo) or x.shape[2:] == (1, 1)
+    assert not br.can_use_conv_bias(x, w, b.float() if dtype != torch.float32 else b.half(), *geo)

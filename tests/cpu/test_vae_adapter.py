@@ -37,7 +37,7 @@ def test_decode_on_reference_chains_equals_diffusers(batch, monkeypatch):
         rep = h.report().components[0]
         assert rep.status == "mounted" and rep.adapter == "autoencoder_kl"
         sites = {s for _, s in rep.sites}
-        assert sites == {"vae.resnet", "vae.group_norm"}
+        assert sites == {"vae.resnet", "vae.group_norm", "vae.conv"}
         assert_bitwise_equal(_decode(vae, z), base, "decode")
     finally:
         h.unmount()
@@ -103,6 +103,31 @@ def test_resnet_tail_on_reference_chain_equals_diffusers(scale, monkeypatch):
         h.unmount()
     decoder_resnets = [m for m in vae.decoder.modules() if isinstance(m, ResnetBlock2D)]
     assert len(taken) == len(decoder_resnets) and {id(b) for b in taken} == {id(b) for b in decoder_resnets}
+
+
+def test_conv_site_on_reference_chain_equals_diffusers(monkeypatch):
+    """Every biased Conv2d through modulate.conv_bias (a CUDA path; forced here) on its reference
+    chain: the decode equals diffusers' bitwise (the site hands the op the module's stride,
+    padding, dilation and groups), and every decoder Conv2d took the op."""
+    from ditfuse.models import autoencoder_kl as akl
+
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    taken = []
+    monkeypatch.setattr(akl, "_conv_on_op", lambda x: taken.append(x.shape) or True)
+    vae = _vae()
+    z = torch.randn(1, 4, 9, 7)
+    base = _decode(vae, z)
+    h = ditfuse.accelerate(vae)
+    try:
+        rep = h.report().components[0]
+        convs = [p for p, s in rep.sites if s == "vae.conv"]
+        assert len(convs) == sum(type(m) is torch.nn.Conv2d and m.bias is not None for m in vae.modules())
+        assert_bitwise_equal(_decode(vae, z), base, "decode with every Conv2d on modulate.conv_bias")
+    finally:
+        h.unmount()
+    # the decoder's convolutions, the resnets' conv2 included (CPU: the tail stays diffusers')
+    assert len(taken) == sum(type(m) is torch.nn.Conv2d for m in vae.decoder.modules()) + (
+        vae.post_quant_conv is not None)
 
 
 def test_resnet_tail_applies_only_where_it_is_eager():

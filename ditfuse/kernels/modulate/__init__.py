@@ -40,4 +40,18 @@ CONV_BIAS_RESIDUAL = OpDescriptor(
     key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
 )
 
-DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL)
+CONV_BIAS = OpDescriptor(
+    op="modulate.conv_bias",
+    contract=Contract.BIT_EXACT,
+    replaces="r(conv2d(x) + bias[c]) with aten's non-vectorized broadcast bias add -> one vectorized NCHW pass",
+    summary="a biased NCHW Conv2d: cuDNN's convolution (the call aten makes), then the bias in one "
+            "vectorized pass into its output (verified with the convolution at first sight of "
+            "each signature)",
+    reference="ditfuse.kernels.reference:conv_bias",
+    impls=(triton_impl("modulate.bias_residual_triton", "conv_bias"),),
+    key=(K("x", dims=(0,), tail_shape=True), K("weight", dims=(0,), tail_shape=True), K("bias"),
+         K("stride", value=True), K("padding", value=True), K("dilation", value=True), K("groups", value=True)),
+    key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
+)
+
+DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL, CONV_BIAS)
