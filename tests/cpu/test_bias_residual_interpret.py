@@ -126,3 +126,17 @@ def test_conv_bias_is_its_composition(case, dtype):
     assert mm is None, str(mm)
     assert not br.can_use_conv_bias(x.contiguous(memory_format=torch.channels_last), w, b, *geo) or x.shape[2:] == (1, 1)
     assert not br.can_use_conv_bias(x, w, b.float() if dtype != torch.float32 else b.half(), *geo)
+
+
+def test_bias_add_custom_op_for_torch_compile():
+    """Under torch.compile tracing conv_bias's bias pass is the custom op ditfuse::bias_add_nchw
+    (functional): same bits as the in-place launch, and torch.library.opcheck passes."""
+    x = _rand((2, 4, 6, 5), torch.bfloat16, 20)
+    w = _rand((3, 4, 3, 3), torch.bfloat16, 21) * 0.1
+    b = _rand((3,), torch.bfloat16, 22)
+    y = torch.nn.functional.conv2d(x, w, None, 1, 1)
+    out = torch.ops.ditfuse.bias_add_nchw(y, b)
+    assert out.data_ptr() != y.data_ptr()
+    mm = compare_outputs(out, y.clone().add_(b.reshape(1, -1, 1, 1)), "bias_add_nchw")
+    assert mm is None, str(mm)
+    torch.library.opcheck(torch.ops.ditfuse.bias_add_nchw, (y, b))

@@ -187,15 +187,34 @@ def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride:
     if reason is not None:
         raise UnsupportedInput(reason)
     y = torch.nn.functional.conv2d(x, weight, None, tuple(stride), tuple(padding), tuple(dilation), groups)
+    if not y.is_contiguous():  # cuDNN returned another layout: aten's own add keeps it
+        return y.add_(bias.reshape(1, -1, 1, 1))
+    if use_custom_op():  # torch.compile tracing: one opaque node (functional: a new tensor)
+        return torch.ops.ditfuse.bias_add_nchw(y, bias)
+    _bias_add(y, bias, y)
+    return y
+
+
+def _bias_add(y: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = r(y + bias[c])`` over a contiguous [N, C, *spatial] y (``out`` may be y)."""
     n = y.numel()
     if n:
-        if not y.is_contiguous():  # cuDNN returned another layout: aten's own add keeps it
-            return y.add_(bias.reshape(1, -1, 1, 1))
         C = y.shape[1]
-        _bias_residual_kernel[(cdiv(n, BLOCK),)](y, bias.contiguous(), y, y, n, C, n // (y.shape[0] * C),
+        _bias_residual_kernel[(cdiv(n, BLOCK),)](y, bias.contiguous(), y, out, n, C, n // (y.shape[0] * C),
                                                  DTYPE=tl_dtype(y.dtype), BLOCK=BLOCK, NCHW=True, HAS_H=False,
                                                  num_warps=8, enable_fp_fusion=False)
-    return y
+
+
+@torch.library.custom_op("ditfuse::bias_add_nchw", mutates_args=())
+def _bias_add_op(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(y)
+    _bias_add(y, bias, out)
+    return out
+
+
+@_bias_add_op.register_fake
+def _(y, bias):
+    return torch.empty_like(y)
 
 
 __all__ = ["bias_residual", "can_use_bias_residual", "conv_bias_residual", "can_use_conv_bias_residual",
