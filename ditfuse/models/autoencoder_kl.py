@@ -92,7 +92,7 @@ def _plain_conv(conv: Any) -> bool:
     (no torch, accelerate or other diffusers hook): its output is ``F.conv2d(x, weight, bias, ...)``,
     so an op may read its weight and bias instead of calling it."""
     return (type(conv) is torch.nn.Conv2d and conv.bias is not None and conv.padding_mode == "zeros"
-            and not conv._forward_hooks and not conv._forward_pre_hooks and not hasattr(conv, "_hf_hook")
+            and not isinstance(conv.padding, str) and not conv._forward_hooks and not conv._forward_pre_hooks and not hasattr(conv, "_hf_hook")
             and not foreign_hook_names(conv))
 
 
@@ -123,6 +123,8 @@ def _conv_applies(conv: Any) -> str | None:
         return "no bias (nothing to fuse)"
     if conv.padding_mode != "zeros":
         return f"padding_mode={conv.padding_mode!r} (the op pads with zeros, as F.conv2d does)"
+    if isinstance(conv.padding, str):
+        return f"padding={conv.padding!r} (the op takes explicit paddings)"
     return None
 
 

@@ -149,6 +149,17 @@ def test_resnet_tail_applies_only_where_it_is_eager():
     handle.remove()
     block.conv2.padding_mode = "reflect"
     assert not _tail_applies(block, on_cuda)
+    block.conv2.padding_mode, block.conv2.padding = "zeros", "same"
+    assert not _tail_applies(block, on_cuda)
+
+
+def test_conv_site_refuses_what_the_op_does_not_take():
+    from ditfuse.models.autoencoder_kl import _conv_applies
+
+    assert _conv_applies(torch.nn.Conv2d(4, 4, 3, padding=1)) is None
+    assert "bias" in _conv_applies(torch.nn.Conv2d(4, 4, 3, padding=1, bias=False))
+    assert "padding_mode" in _conv_applies(torch.nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"))
+    assert "padding=" in _conv_applies(torch.nn.Conv2d(4, 4, 3, padding="same"))
 
 
 def test_tiled_and_sliced_decode_on_reference_chains(monkeypatch):
