@@ -30,8 +30,7 @@ import torch
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import CONV_BIAS, CONV_BIAS_RESIDUAL
 from ..kernels.norm import GROUP_NORM_SILU
-from .base import Adapter, Site
-from .handoff import foreign_hook_names
+from .base import Adapter, Site, plain_module
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 
@@ -88,12 +87,10 @@ def resnet_forward(block, original, input_tensor: torch.Tensor, temb: torch.Tens
 
 
 def _plain_conv(conv: Any) -> bool:
-    """A biased zero-padded ``nn.Conv2d`` whose forward nothing but ditfuse's own site intercepts
-    (no torch, accelerate or other diffusers hook): its output is ``F.conv2d(x, weight, bias, ...)``,
-    so an op may read its weight and bias instead of calling it."""
-    return (type(conv) is torch.nn.Conv2d and conv.bias is not None and conv.padding_mode == "zeros"
-            and not isinstance(conv.padding, str) and not conv._forward_hooks and not conv._forward_pre_hooks and not hasattr(conv, "_hf_hook")
-            and not foreign_hook_names(conv))
+    """A Conv2d the conv ops take (:func:`_conv_applies`) whose forward nothing but ditfuse's own
+    site intercepts: its output is ``F.conv2d(x, weight, bias, ...)``, so an op may read its weight
+    and bias instead of calling it."""
+    return _conv_applies(conv) is None and plain_module(conv, torch.nn.Conv2d)
 
 
 def _tail_applies(block, hidden_states: torch.Tensor) -> bool:

@@ -160,11 +160,11 @@ def diffusers_rmsnorms(module: torch.nn.Module, names: tuple[str, ...], width: i
 
 
 def plain_module(module: object, cls: type) -> bool:
-    """``module`` is exactly a ``cls`` whose forward nothing intercepts (no torch hooks, no
-    diffusers or accelerate hook, not a PEFT/LoRA wrapper), so a fast forward may use its weight
-    and bias directly instead of calling it."""
+    """``module`` is exactly a ``cls`` whose forward nothing but ditfuse's own site intercepts (no
+    torch hooks, no accelerate hook, no other diffusers hook, not a PEFT/LoRA wrapper), so a fast
+    forward may use its weight and bias directly instead of calling it."""
     return (type(module) is cls and not module._forward_hooks and not module._forward_pre_hooks
-            and getattr(module, "_diffusers_hook", None) is None and not hasattr(module, "_hf_hook"))
+            and not hasattr(module, "_hf_hook") and not foreign_hook_names(module))
 
 
 def plain_linear(module: object) -> bool:

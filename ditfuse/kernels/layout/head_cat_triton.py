@@ -67,6 +67,12 @@ def _head_cat_kernel(a_ptr, b_ptr, out_ptr, H, SA, SB, D,
     tl.store(dst, v, mask=m)
 
 
+def _tile(D: int, S: int) -> tuple[int, int]:
+    """(BLOCK_S, BLOCK_D): ~4K elements per program (64 token rows of SD3's 64-wide heads)."""
+    block_d = min(next_pow2(D), 256)
+    return max(1, min(4096 // block_d, next_pow2(S))), block_d
+
+
 def _unsupported_reason(a, b) -> str | None:
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
         return "inputs must be tensors"
@@ -101,9 +107,7 @@ def _recipe(a: torch.Tensor, b: torch.Tensor) -> tuple | None:
     SB = b.shape[2]
     if B * H * (SA + SB) * D == 0:
         return None
-    block_d = min(next_pow2(D), 256)
-    # ~4K elements per program: 64 token rows of SD3's 64-wide heads
-    block_s = max(1, min(4096 // block_d, next_pow2(max(SA, SB))))
+    block_s, block_d = _tile(D, max(SA, SB))
     nba = cdiv(SA, block_s)
     grid = (nba + cdiv(SB, block_s), B * H, cdiv(D, block_d))
     sa, sb = a.stride(), b.stride()
@@ -192,8 +196,7 @@ def _tokens_recipe(x: torch.Tensor) -> tuple | None:
     B, H, S, D = x.shape
     if B * H * S * D == 0:
         return None
-    block_d = min(next_pow2(D), 256)
-    block_s = max(1, min(4096 // block_d, next_pow2(S)))
+    block_s, block_d = _tile(D, S)
     nba = cdiv(S, block_s)
     sx = x.stride()
     # out: a new contiguous [B, S, H * D], i.e. [B, H, S, D] with strides (S*H*D, D, H*D, 1)

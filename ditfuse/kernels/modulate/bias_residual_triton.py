@@ -82,17 +82,23 @@ def can_use_bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) 
     return _unsupported_reason(x, bias, h) is None
 
 
-def _launch(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(x)
+def _fire(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor | None, out: torch.Tensor) -> None:
+    """``out = r(r(x + bias[c]) + h)``, or ``r(x + bias[c])`` without h (``out`` may then be x)."""
     n = x.numel()
     if n:
         # channels innermost takes that walk even when x is also contiguous ([N, C], or 1x1 spatial:
         # both walks give every element its channel there)
-        nchw = not _channels_innermost(x) or not _channels_innermost(h)
+        nchw = not _channels_innermost(x) or (h is not None and not _channels_innermost(h))
         C = x.shape[1]
-        _bias_residual_kernel[(cdiv(n, BLOCK),)](x, bias.contiguous(), h, out, n, C, n // (x.shape[0] * C) if nchw else 1,
-                                                 DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, NCHW=nchw, num_warps=8,
-                                                 enable_fp_fusion=False)
+        _bias_residual_kernel[(cdiv(n, BLOCK),)](x, bias.contiguous(), x if h is None else h, out, n, C,
+                                                 n // (x.shape[0] * C) if nchw else 1,
+                                                 DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, NCHW=nchw, HAS_H=h is not None,
+                                                 num_warps=8, enable_fp_fusion=False)
+
+
+def _launch(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _fire(x, bias, h, out)
     return out
 
 
@@ -141,6 +147,15 @@ def _conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str |
     return None
 
 
+def _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups) -> torch.Tensor:
+    """The predicate, then ``F.conv2d(x, weight, None, ...)``: the cuDNN call aten's
+    ``_convolution`` makes before it adds a bias in a pass of its own."""
+    reason = _conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return torch.nn.functional.conv2d(x, weight, None, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
 def can_use_conv_bias_residual(x, weight, bias, h, stride, padding, dilation, groups) -> bool:
     """True when :func:`conv_bias_residual` takes these arguments: 4-D contiguous (NCHW) x and h,
     a 4-D weight and a ``[out_channels]`` bias, all one dtype, cuDNN enabled, one device (CUDA, or
@@ -160,10 +175,7 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     one pass (:func:`bias_residual`, NCHW walk). Bit-exact vs torch 2.11 CUDA eager where the
     gate's first sight says so. Raises :class:`UnsupportedInput` where
     :func:`can_use_conv_bias_residual` is False or the convolution's output shape is not h's."""
-    reason = _conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
-    if reason is not None:
-        raise UnsupportedInput(reason)
-    y = torch.nn.functional.conv2d(x, weight, None, tuple(stride), tuple(padding), tuple(dilation), groups)
+    y = _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups)
     if y.shape != h.shape:
         raise UnsupportedInput(f"convolution output {tuple(y.shape)} is not h's shape {tuple(h.shape)} (eager would broadcast)")
     return bias_residual(y, bias, h)
@@ -183,32 +195,19 @@ def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride:
     TensorIterator does not vectorize: ~43 % of copy bandwidth in an H100 VAE decode). Bit-exact vs
     torch 2.11 CUDA eager where the gate's first sight says so. Raises :class:`UnsupportedInput`
     where :func:`can_use_conv_bias` is False."""
-    reason = _conv_reason(x, weight, bias, None, stride, padding, dilation, groups)
-    if reason is not None:
-        raise UnsupportedInput(reason)
-    y = torch.nn.functional.conv2d(x, weight, None, tuple(stride), tuple(padding), tuple(dilation), groups)
+    y = _unbiased_conv(x, weight, bias, None, stride, padding, dilation, groups)
     if not y.is_contiguous():  # cuDNN returned another layout: aten's own add keeps it
         return y.add_(bias.reshape(1, -1, 1, 1))
     if use_custom_op():  # torch.compile tracing: one opaque node (functional: a new tensor)
         return torch.ops.ditfuse.bias_add_nchw(y, bias)
-    _bias_add(y, bias, y)
+    _fire(y, bias, None, y)
     return y
-
-
-def _bias_add(y: torch.Tensor, bias: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = r(y + bias[c])`` over a contiguous [N, C, *spatial] y (``out`` may be y)."""
-    n = y.numel()
-    if n:
-        C = y.shape[1]
-        _bias_residual_kernel[(cdiv(n, BLOCK),)](y, bias.contiguous(), y, out, n, C, n // (y.shape[0] * C),
-                                                 DTYPE=tl_dtype(y.dtype), BLOCK=BLOCK, NCHW=True, HAS_H=False,
-                                                 num_warps=8, enable_fp_fusion=False)
 
 
 @torch.library.custom_op("ditfuse::bias_add_nchw", mutates_args=())
 def _bias_add_op(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(y)
-    _bias_add(y, bias, out)
+    _fire(y, bias, None, out)
     return out
 
 
