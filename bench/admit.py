@@ -63,6 +63,15 @@ def _capture_vae(name: str, seed: int) -> tuple[dict, dict]:
         got = capture_admission_batches(vae, run=lambda: vae.decode(z, return_dict=False), max_per_op=_VAE_MAX_PER_OP)
     finally:
         handle.unmount()
+    if name == "vae_kl":
+        # quality="high" decodes AutoencoderKL channels-last (models/autoencoder_kl.py), where the
+        # close GroupNorm reads [N, S, C] rows in place (another kernel than its NCHW one): every
+        # captured input is admitted in both layouts
+        cl = lambda t: (t.contiguous(memory_format=torch.channels_last) if t.dim() == 4  # noqa: E731
+                        else t.transpose(1, 2).contiguous().transpose(1, 2))
+        for op, batches in got.items():
+            batches.extend([((cl(a[0]), *a[1:]), kw) for a, kw in list(batches) if a[0].dim() >= 3])
+        note += "; GroupNorm inputs admitted NCHW and channels-last (the high decode's layout)"
     return got, dict(config="bench_vae", size=_DEFAULTS[name]["size"], note=note)
 
 

@@ -87,6 +87,23 @@ def test_conv_bias_residual_is_its_composition(case):
     assert mm is None, str(mm)
 
 
+def test_conv_bias_residual_channels_last():
+    """quality="high" decodes AutoencoderKL channels-last: x and h channels-last, the output too."""
+    dtype = torch.bfloat16
+    cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    x = cl(_rand((2, 8, 7, 5), dtype, 23))
+    w = _rand((8, 8, 3, 3), dtype, 24) * 0.1
+    b = _rand((8,), dtype, 25)
+    y = torch.nn.functional.conv2d(x, w, None, 1, 1)
+    h = cl(_rand(tuple(y.shape), dtype, 26))
+    args = (x, w, b, h, (1, 1), (1, 1), (1, 1), 1)
+    assert br.can_use_conv_bias_residual(*args)
+    got = br.conv_bias_residual(*args)
+    assert got.stride() == h.stride()
+    mm = compare_outputs(got, ref.bias_residual(y, b, h), "conv_bias_residual channels-last")
+    assert mm is None, str(mm)
+
+
 def test_conv_bias_residual_rejections():
     from ditfuse.kernels.errors import UnsupportedInput
 
@@ -96,7 +113,11 @@ def test_conv_bias_residual_rejections():
     h = _rand((1, 4, 6, 6), torch.bfloat16, 16)
     geo = ((1, 1), (1, 1), (1, 1), 1)
     assert br.can_use_conv_bias_residual(x, w, b, h, *geo)
-    for bad in ((x.contiguous(memory_format=torch.channels_last), w, b, h),  # not NCHW
+    cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    assert br.can_use_conv_bias_residual(cl(x), w, b, cl(h), *geo)  # quality="high"'s channels-last decode
+    for bad in ((cl(x), w, b, h),  # one layout channels-last, the other NCHW
+                (x, w, b, cl(h)),
+                (x[..., :5], w, b, h[..., :5]),  # strided (neither layout)
                 (x, w, b.float(), h),  # dtype mix
                 (x[0], w, b, h),  # 3-D input
                 (x, w, b[:2], h)):  # bias not [out_channels]
@@ -124,7 +145,15 @@ def test_conv_bias_is_its_composition(case, dtype):
     y = torch.nn.functional.conv2d(x, w, None, *geo)
     mm = compare_outputs(got, y.add_(b.reshape(1, -1, 1, 1)), f"conv_bias {case} {dtype}")
     assert mm is None, str(mm)
-    assert not br.can_use_conv_bias(x.contiguous(memory_format=torch.channels_last), w, b, *geo) or x.shape[2:] == (1, 1)
+    # channels-last (quality="high"'s decode): cuDNN's output follows the input, so does the bias pass
+    xc = x.contiguous(memory_format=torch.channels_last)
+    assert br.can_use_conv_bias(xc, w, b, *geo)
+    got = br.conv_bias(xc, w, b, *geo)
+    y = torch.nn.functional.conv2d(xc, w, None, *geo)
+    assert got.stride() == y.stride()
+    mm = compare_outputs(got, y.add_(b.reshape(1, -1, 1, 1)), f"conv_bias channels-last {case} {dtype}")
+    assert mm is None, str(mm)
+    assert not br.can_use_conv_bias(x[..., :-1], w, b, *geo)  # strided: neither layout
     assert not br.can_use_conv_bias(x, w, b.float() if dtype != torch.float32 else b.half(), *geo)
 
 

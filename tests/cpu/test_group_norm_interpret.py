@@ -197,6 +197,78 @@ def test_close_variant_tracks_fp64():
     assert torch.equal(again, got)
 
 
+def _close_vs_fp64(got, x, G, w, b, silu, what):
+    f64 = exact.group_norm_silu_fp64(x, G, w, b, EPS) if silu else F.group_norm(
+        x.double(), G, None if w is None else w.double(), None if b is None else b.double(), EPS)
+    err = (got.double() - f64).abs()
+    # one rounding at the end: within half an ulp of the dtype (plus fp32 noise) of the fp64 value
+    # (fp32: the fp32 arithmetic itself dominates; measured against the output's scale instead)
+    ulp, floor = {torch.bfloat16: (2.0**-8, 2.0**-10), torch.float16: (2.0**-11, 2.0**-10),
+                  torch.float32: (2.0**-20, 1.0)}[x.dtype]
+    rel = err / f64.abs().clamp(min=floor)
+    worst = int(rel.argmax())
+    assert float(rel.max()) < ulp * 1.01, (
+        f"{what}: worst relative error {float(rel.max()):.3e} at flat index {worst}: "
+        f"got {float(got.flatten()[worst])}, fp64 {float(f64.flatten()[worst])}")
+
+
+@pytest.mark.parametrize(
+    "shape,G,dtype,silu,affine",
+    [
+        ((1, 64, 7, 5), 32, torch.bfloat16, True, True),  # D = 2, S = 35 (one ragged tile)
+        ((2, 128, 9, 13), 32, torch.bfloat16, True, True),  # batch 2 (CFG), prime-ish spatial
+        ((1, 512, 3, 67), 32, torch.bfloat16, False, True),  # decoder width, S = 201: several programs
+        ((3, 16, 11, 1), 4, torch.float16, True, False),  # W = 1, no affine
+        ((1, 32, 2, 3), 8, torch.float32, False, True),
+    ],
+    ids=["C64", "C128-B2", "C512", "fp16-noaffine", "fp32"],
+)
+def test_close_channels_last_path(shape, G, dtype, silu, affine):
+    """quality="high"'s channels-last decode: the close op reads [N, S, C] rows in place and
+    writes its output channels-last (no transposes), within half an ulp of fp64."""
+    x = _rand(shape, dtype, 53, 3.0, 1.0).contiguous(memory_format=torch.channels_last)
+    w, b = _params(shape[1], dtype, 59) if affine else (None, None)
+    assert gn._cl_path(x, G)
+    got = gn.group_norm_silu_fp32(x, G, w, b, EPS, silu)
+    assert got.stride() == x.stride(), f"layout not kept: {got.stride()} vs {x.stride()}"
+    _close_vs_fp64(got, x, G, w, b, silu, f"{shape} G={G}")
+    # the NCHW close path computes the same function (another tiling): equal within rounding
+    nchw = gn.group_norm_silu_fp32(x.contiguous(), G, w, b, EPS, silu)
+    assert float((nchw.double() - got.double()).abs().max()) <= float(nchw.double().abs().max()) * 2.0**-7
+
+
+def test_close_channels_last_attention_view_and_nonfinite():
+    """The mid-block attention's GroupNorm gets [N, C, L], a transposed view of [N, L, C] rows
+    (channels innermost in 3-D); a NaN / Inf poisons exactly its own group, as in eager."""
+    rows = _rand((2, 37, 64), torch.bfloat16, 61)
+    rows[1, 5, 3] = float("nan")
+    rows[0, 36, 40] = float("inf")
+    x = rows.transpose(1, 2)
+    assert gn._cl_path(x, 32)
+    got = gn.group_norm_silu_fp32(x, 32, None, None, EPS, False)
+    assert got.stride() == x.stride()
+    eager = F.group_norm(x.float(), 32, None, None, EPS)
+    assert torch.equal(torch.isfinite(got), torch.isfinite(eager)), "non-finite placement differs from eager"
+    assert torch.isnan(got[1, 2:4]).all() and torch.isfinite(got[1, 4:]).all()  # channel 3: group 1
+    assert torch.isnan(got[0, 40:42]).all() and torch.isfinite(got[0, :40]).all()
+    clean = rows.clone()
+    clean[1, 5, 3] = 0.0
+    clean[0, 36, 40] = 0.0
+    xc = clean.transpose(1, 2)
+    _close_vs_fp64(gn.group_norm_silu_fp32(xc, 32, None, None, EPS, False), xc, 32, None, None, False, "attention view")
+
+
+def test_close_channels_last_falls_back_to_nchw_where_it_must():
+    """Widths the row tile does not take (C or C/G not a power of two) go the NCHW way (a copy)."""
+    x = _rand((1, 48, 5, 5), torch.bfloat16, 67).contiguous(memory_format=torch.channels_last)
+    assert not gn._cl_path(x, 16)  # C = 48
+    got = gn.group_norm_silu_fp32(x, 16, None, None, EPS, True)
+    assert got.is_contiguous()
+    _close_vs_fp64(got, x, 16, None, None, True, "C48")
+    y = _rand((1, 96, 4, 4), torch.bfloat16, 71).contiguous(memory_format=torch.channels_last)
+    assert not gn._cl_path(y, 32)  # C = 96 (D = 3)
+
+
 # ----------------------------------------------------------------------------- simulation
 
 
@@ -278,9 +350,13 @@ def test_fake_impl_shapes():
     with FakeTensorMode():
         x = torch.empty(2, 8, 5, 5, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
         w = torch.empty(8, dtype=torch.bfloat16)
-        for op in (torch.ops.ditfuse.group_norm_silu, torch.ops.ditfuse.group_norm_silu_fp32):
-            out = op(x, 4, w, w, EPS, True)
-            assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+        out = torch.ops.ditfuse.group_norm_silu(x, 4, w, w, EPS, True)
+        assert out.shape == x.shape and out.dtype == x.dtype and out.is_contiguous()
+        # the close op keeps a channels-last input's layout (its in-place channels-last path)
+        out = torch.ops.ditfuse.group_norm_silu_fp32(x, 4, w, w, EPS, True)
+        assert out.shape == x.shape and out.stride() == x.stride()
+        out = torch.ops.ditfuse.group_norm_silu_fp32(x.contiguous(), 4, w, w, EPS, True)
+        assert out.is_contiguous()
 
 
 # ----------------------------------------------------------------------------- references

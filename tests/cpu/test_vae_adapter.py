@@ -37,7 +37,7 @@ def test_decode_on_reference_chains_equals_diffusers(batch, monkeypatch):
         rep = h.report().components[0]
         assert rep.status == "mounted" and rep.adapter == "autoencoder_kl"
         sites = {s for _, s in rep.sites}
-        assert sites == {"vae.resnet", "vae.group_norm", "vae.conv"}
+        assert sites == {"vae.resnet", "vae.group_norm", "vae.conv", "vae.decoder"}
         assert_bitwise_equal(_decode(vae, z), base, "decode")
     finally:
         h.unmount()
@@ -214,10 +214,29 @@ def test_high_tier_needs_admission_then_runs_the_close_group_norm():
         with admission.override_records([admission.admitted_record("norm.group_norm_silu_fp32")]):
             res = h.set_quality("high")["AutoencoderKL"]
             assert res.ok, res.failed
-            assert {s.partition(":")[2] for s in mounted_high(vae)} == {"vae.resnet", "vae.group_norm"}
+            assert {s.partition(":")[2] for s in mounted_high(vae)} == {"vae.resnet", "vae.group_norm", "vae.decoder"}
             ops.reset_counts()
-            hi = _decode(vae, z)
-        assert ops.CLOSE["norm.group_norm_silu_fp32"].calls["kernel"] > 0
+            # the high decode runs channels-last: every decoder convolution sees channels-last
+            # input, and the close GroupNorm takes its in-place channels-last path every time
+            seen = []
+            hooks = [m.register_forward_pre_hook(lambda mod, a: seen.append(
+                a[0].is_contiguous(memory_format=torch.channels_last) and not a[0].is_contiguous()))
+                for m in vae.decoder.modules() if isinstance(m, torch.nn.Conv2d)]
+            from ditfuse.kernels.norm import group_norm_silu_triton as gn
+
+            real, cl_calls = gn._launch_cl, []
+            gn._launch_cl = lambda *a, **k: cl_calls.append(1) or real(*a, **k)
+            try:
+                hi = _decode(vae, z)
+            finally:
+                gn._launch_cl = real
+                for hk in hooks:
+                    hk.remove()
+        assert seen and all(seen), seen
+        assert hi.is_contiguous()
+        n_gn = sum(type(m) is torch.nn.GroupNorm for m in vae.decoder.modules())
+        assert ops.CLOSE["norm.group_norm_silu_fp32"].calls["kernel"] == n_gn == len(cl_calls)
+        assert ops.CLOSE["norm.group_norm_silu_fp32"].calls["eager"] == 0
         torch.testing.assert_close(hi.float(), base.float(), rtol=0.05, atol=0.05)
         h.set_quality("lossless")
         assert mounted_high(vae) == []

@@ -264,6 +264,37 @@ def test_close_variant_accuracy():
         assert abs(float(err_c.mean())) <= 0.25 * rms_e
 
 
+@pytest.mark.parametrize("C,H", [(512, 128), (512, 256), (256, 512), (128, 1024), (512, 37)],
+                         ids=["512x128", "512x256", "256x512", "128x1024", "512x37"])
+def test_close_variant_channels_last(C, H):
+    """quality="high"'s channels-last decode: the close op reads [N, S, C] rows in place, keeps the
+    layout, and is at least as accurate as eager (on the same values, NCHW) against fp64; a NaN
+    poisons its own group only; the mid-block attention's [N, C, L] view (channels innermost)."""
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    x = _rand((1, C, H, H), torch.bfloat16, gen, 2.0, 0.3).contiguous(memory_format=torch.channels_last)
+    w, b = _params(C, torch.bfloat16, gen)
+    assert gn._cl_path(x, 32)
+    f64 = exact.group_norm_silu_fp64(x, 32, w, b, EPS)
+    got = gn.group_norm_silu_fp32(x, 32, w, b, EPS, True)
+    assert got.stride() == x.stride(), (got.stride(), x.stride())
+    err_e = ref.group_norm_silu(x, 32, w, b, EPS).double() - f64
+    err_c = got.double() - f64
+    rms_e, rms_c = float(err_e.pow(2).mean().sqrt()), float(err_c.pow(2).mean().sqrt())
+    assert rms_c <= 1.5 * rms_e, (rms_c, rms_e)
+    assert float(err_c.abs().max()) <= 1.5 * float(err_e.abs().max())
+    assert abs(float(err_c.mean())) <= 0.25 * rms_e
+    x[0, 3, 1, 2] = float("nan")  # channel 3: group 0 (D = C / 32 >= 4)
+    got = gn.group_norm_silu_fp32(x, 32, w, b, EPS, True)
+    D = C // 32
+    assert torch.isnan(got[0, :D]).all() and torch.isfinite(got[0, D:]).all()
+    rows = _rand((1, H * H, C), torch.bfloat16, gen)
+    v = rows.transpose(1, 2)
+    got = gn.group_norm_silu_fp32(v, 32, w, b, EPS, False)
+    assert got.stride() == v.stride()
+    err = (got.double() - torch.nn.functional.group_norm(v.double(), 32, w.double(), b.double(), EPS)).abs()
+    assert float(err.max()) <= 2.0**-7 * float(got.double().abs().max())
+
+
 def test_compile_and_cuda_graph():
     gen = torch.Generator(device="cuda").manual_seed(10)
     x = _rand((1, 256, 64, 64), torch.bfloat16, gen, 2.0)

@@ -157,7 +157,7 @@ def test_high_tier_admitted_and_closer_than_eager(which):
     if which == "kl":
         vae, vae32 = _vae(FLUX_VAE, torch.bfloat16), _vae(FLUX_VAE, torch.float32)
         z = torch.randn(1, 16, 64, 64, device=DEV)
-        op, sites = "norm.group_norm_silu_fp32", {"vae.resnet", "vae.group_norm"}
+        op, sites = "norm.group_norm_silu_fp32", {"vae.resnet", "vae.group_norm", "vae.decoder"}
     else:
         vae, vae32 = _wan_vae(WAN_VAE, torch.bfloat16), _wan_vae(WAN_VAE, torch.float32)
         z = torch.randn(1, 16, 2, 30, 52, device=DEV)
@@ -180,9 +180,19 @@ def test_high_tier_admitted_and_closer_than_eager(which):
             assert res.ok, res.failed
             assert {s.partition(":")[2] for s in mounted_high(vae)} == sites
             ops.reset_counts()
-            dec(vae, zb)  # the channels-last decode starts on the second call (Wan)
-            hi = dec(vae, zb)
+            from ditfuse.kernels.norm import group_norm_silu_triton as gn
+
+            real, cl_calls = gn._launch_cl, []
+            gn._launch_cl = lambda *a, **k: cl_calls.append(1) or real(*a, **k)
+            try:
+                dec(vae, zb)  # the channels-last decode starts on the second call (Wan)
+                hi = dec(vae, zb)
+            finally:
+                gn._launch_cl = real
         assert ops.CLOSE[op].calls["kernel"] > 0
+        if which == "kl":  # AutoencoderKL's high decode is channels-last: every GroupNorm on its in-place path
+            assert ops.CLOSE[op].calls["eager"] == 0
+            assert len(cl_calls) == 2 * sum(type(m) is torch.nn.GroupNorm for m in vae.decoder.modules())
         err_hi, err_eager = (hi - ref32).norm().item(), (base - ref32).norm().item()
         assert err_hi <= 1.05 * err_eager, (err_hi, err_eager)
         h.set_quality("lossless")
@@ -192,13 +202,18 @@ def test_high_tier_admitted_and_closer_than_eager(which):
         h.unmount()
 
 
+_CL = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("b,cin,cout,hw,k", [(1, 512, 512, 128, 3), (2, 512, 512, 64, 3), (1, 256, 256, 512, 3),
                                              (1, 128, 128, 1024, 3), (1, 5, 7, 13, 3), (2, 16, 16, 9, 1)])
-def test_conv_bias_residual_matches_eager(dtype, b, cin, cout, hw, k):
+def test_conv_bias_residual_matches_eager(dtype, b, cin, cout, hw, k, layout):
     """ResnetBlock2D's tail, ``h + conv2(x)``: cuDNN's convolution without its bias, then the bias
-    and the residual in one NCHW pass, against eager (which adds the bias in a pass of its own),
-    at the FLUX.1 VAE decoder's conv2 shapes and odd ones; bitwise, NaN/Inf in the residual."""
+    and the residual in one pass, against eager (which adds the bias in a pass of its own), at the
+    FLUX.1 VAE decoder's conv2 shapes and odd ones, NCHW (lossless decode) and channels-last
+    (quality="high"'s decode); bitwise, NaN/Inf in the residual."""
     from ditfuse.kernels import reference as ref
     from ditfuse.kernels.compare import compare_outputs
     from ditfuse.kernels.modulate import bias_residual_triton as br
@@ -211,6 +226,8 @@ def test_conv_bias_residual_matches_eager(dtype, b, cin, cout, hw, k):
     bias = torch.randn(cout, generator=gen, device=DEV).to(dtype)
     h = torch.randn(b, cout, hw, hw, generator=gen, device=DEV).to(dtype)
     h.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0], device=DEV).to(dtype)
+    if layout == "channels_last":
+        x, h = _CL(x), _CL(h)
     geo = ((1, 1), (k // 2, k // 2), (1, 1), 1)
     assert br.can_use_conv_bias_residual(x, w, bias, h, *geo)
     got = br.conv_bias_residual(x, w, bias, h, *geo)
@@ -220,11 +237,12 @@ def test_conv_bias_residual_matches_eager(dtype, b, cin, cout, hw, k):
     assert mm is None, str(mm)
 
 
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("b,cin,cout,hw,k,stride", [(1, 16, 512, 128, 3, 1), (1, 512, 512, 256, 3, 1),
                                                     (1, 512, 256, 512, 3, 1), (1, 256, 128, 1024, 1, 1),
                                                     (1, 128, 3, 1024, 3, 1), (2, 7, 5, 13, 3, 2)])
-def test_conv_bias_matches_eager(dtype, b, cin, cout, hw, k, stride):
+def test_conv_bias_matches_eager(dtype, b, cin, cout, hw, k, stride, layout):
     """A biased Conv2d as cuDNN's convolution plus one vectorized bias pass, against eager (aten's
     broadcast bias add), at the FLUX.1 VAE decoder's conv_in / upsampler / narrowing conv1 /
     1x1 shortcut / conv_out shapes and an odd strided one; bitwise."""
@@ -238,6 +256,8 @@ def test_conv_bias_matches_eager(dtype, b, cin, cout, hw, k, stride):
     x = torch.randn(b, cin, hw, hw, generator=gen, device=DEV).to(dtype)
     w = (torch.randn(cout, cin, k, k, generator=gen, device=DEV) / (cin * k * k) ** 0.5).to(dtype)
     bias = torch.randn(cout, generator=gen, device=DEV).to(dtype)
+    if layout == "channels_last":
+        x = _CL(x)
     geo = ((stride, stride), (k // 2, k // 2), (1, 1), 1)
     assert br.can_use_conv_bias(x, w, bias, *geo)
     got, exp = br.conv_bias(x, w, bias, *geo), ref.conv_bias(x, w, bias, *geo)

@@ -135,8 +135,10 @@ def _conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str |
         return f"dtypes {[str(t.dtype) for t in (x, weight, bias, *hs)]} differ"
     if x.device.type == "cuda" and not torch.backends.cudnn.enabled:
         return "cuDNN is disabled (aten's other convolution paths may add the bias inside)"
-    if not x.is_contiguous() or not all(t.is_contiguous() for t in hs):
-        return "x (and h) must be contiguous (NCHW): the decode this serves is NCHW"
+    if not (x.is_contiguous() and all(t.is_contiguous() for t in hs)) and not (
+            _channels_innermost(x) and all(_channels_innermost(t) for t in hs)):
+        return ("x (and h) must be contiguous (NCHW; the lossless decode) or channels-last (quality=\"high\"'s "
+                "decode), one layout for both")
     r = device_reason(x, weight, bias, *hs) or grad_reason(x, weight, bias, *hs)
     if r is not None:
         return r
@@ -157,7 +159,8 @@ def _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups) -> tor
 
 
 def can_use_conv_bias_residual(x, weight, bias, h, stride, padding, dilation, groups) -> bool:
-    """True when :func:`conv_bias_residual` takes these arguments: 4-D contiguous (NCHW) x and h,
+    """True when :func:`conv_bias_residual` takes these arguments: 4-D x and h both contiguous
+    (NCHW) or both channels-last,
     a 4-D weight and a ``[out_channels]`` bias, all one dtype, cuDNN enabled, one device (CUDA, or
     CPU under TRITON_INTERPRET=1), no grad in grad mode, no CUDA autocast. Whether the result equals
     eager's is the gate's first-sight comparison (the output shape must also match h's: checked
@@ -172,7 +175,7 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``conv2`` and residual) as ``r(r(conv2d(x, weight) + bias[c]) + h)``: cuDNN's convolution
     without the bias (aten's ``_convolution`` runs exactly this call and then
     ``output.add_(bias.reshape(1, C, 1, 1))``, ConvShared.cpp), then the bias and the residual in
-    one pass (:func:`bias_residual`, NCHW walk). Bit-exact vs torch 2.11 CUDA eager where the
+    one pass (:func:`bias_residual`, NCHW or channels-last walk). Bit-exact vs torch 2.11 CUDA eager where the
     gate's first sight says so. Raises :class:`UnsupportedInput` where
     :func:`can_use_conv_bias_residual` is False or the convolution's output shape is not h's."""
     y = _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups)
@@ -183,20 +186,21 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 
 def can_use_conv_bias(x, weight, bias, stride, padding, dilation, groups) -> bool:
     """True when :func:`conv_bias` takes these arguments: as :func:`can_use_conv_bias_residual`
-    without h (4-D contiguous x, 4-D weight, ``[out_channels]`` bias, one dtype, cuDNN enabled)."""
+    without h (4-D NCHW or channels-last x, 4-D weight, ``[out_channels]`` bias, one dtype, cuDNN enabled)."""
     return _conv_reason(x, weight, bias, None, stride, padding, dilation, groups) is None
 
 
 def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: tuple[int, int],
               padding: tuple[int, int], dilation: tuple[int, int], groups: int) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, stride, padding, dilation, groups)`` as ``r(conv2d(x, weight) +
-    bias[c])``: the cuDNN call aten makes, then the bias in one vectorized NCHW pass written into
-    the convolution's output (aten's ``output.add_(bias.reshape(1, C, 1, 1))`` is a broadcast add
+    bias[c])``: the cuDNN call aten makes, then the bias in one vectorized pass (NCHW, or
+    channels-last for a channels-last x: cuDNN's output follows it) written into the convolution's
+    output (aten's ``output.add_(bias.reshape(1, C, 1, 1))`` is a broadcast add
     TensorIterator does not vectorize: ~43 % of copy bandwidth in an H100 VAE decode). Bit-exact vs
     torch 2.11 CUDA eager where the gate's first sight says so. Raises :class:`UnsupportedInput`
     where :func:`can_use_conv_bias` is False."""
     y = _unbiased_conv(x, weight, bias, None, stride, padding, dilation, groups)
-    if not y.is_contiguous():  # cuDNN returned another layout: aten's own add keeps it
+    if not (y.is_contiguous() or _channels_innermost(y)):  # another layout: aten's own add keeps it
         return y.add_(bias.reshape(1, -1, 1, 1))
     if use_custom_op():  # torch.compile tracing: one opaque node (functional: a new tensor)
         return torch.ops.ditfuse.bias_add_nchw(y, bias)

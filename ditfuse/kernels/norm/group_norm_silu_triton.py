@@ -46,6 +46,11 @@ a non-contiguous x is made contiguous first, which is what ``native_group_norm``
 (so channels-last inputs are handled, at the price of the same copy). weight / bias ``[C]`` or
 None, x's dtype. Output: a new NCHW-contiguous tensor (as eager's). See
 :func:`can_use_group_norm_silu` for every rejection.
+
+The close variant alone also reads channels-innermost memory in place (quality="high"'s
+channels-last AutoencoderKL decode; C and C/G powers of two, C <= 1024): per-row tiles reduced per
+group, Chan-merged per program, folded per sample, then the apply pass; its output keeps x's
+layout. Three launches (statistics, fold, apply), two reads of x and one write.
 """
 
 from __future__ import annotations
@@ -455,6 +460,105 @@ def _gn_stats_out_kernel(ws_ptr, mean_ptr, rstd_ptr, NGW, eps, W: tl.constexpr,
     tl.store(rstd_ptr + i, _rstd(tl.math.div_rn(m2, nf), eps, RSQ))
 
 
+# ----------------------------------------------------------------------------- channels-last (close)
+#
+# quality="high" decodes AutoencoderKL in channels-last memory (cuDNN's NHWC convolutions without
+# its NCHW <-> NHWC transposes): x is then [N, S, C] rows, a group D = C/G adjacent channels of
+# every row. The close kernels read whole rows (coalesced) and reduce each tile per group; the
+# exact kernels cannot (aten's chain order walks NCHW memory), so this path is close-only.
+
+
+@triton.jit(do_not_specialize=["S", "RPP", "NPG"])
+def _gn_cl_stats_kernel(x_ptr, ws_ptr, S, RPP, NPG, C: tl.constexpr, G: tl.constexpr, BS: tl.constexpr):
+    """Program (n, p): rows ``p*RPP .. (p+1)*RPP - 1`` of sample n, BS rows per tile; each tile's
+    per-group (mean, M2) in registers (two passes), Chan-merged across tiles; stores its [G]."""
+    n = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    D: tl.constexpr = C // G
+    rows = tl.arange(0, BS)
+    cols = tl.arange(0, C)
+    base = x_ptr + n * S * C
+    mean = tl.zeros([G], tl.float32)
+    m2 = tl.zeros([G], tl.float32)
+    cnt = tl.zeros([G], tl.float32)
+    r0 = tl.cast(p, tl.int64) * RPP
+    r_end = tl.minimum(r0 + RPP, S)
+    start = r0
+    while start < r_end:
+        rr = start + rows
+        rm = rr < r_end
+        x = load_f32(base + rr[:, None] * C + cols[None, :], rm[:, None])
+        x3 = tl.reshape(x, [BS, G, D])
+        nt = tl.sum(rm.to(tl.float32), axis=0) * D
+        mt = tl.sum(tl.sum(x3, axis=2), axis=0) / nt
+        d = tl.where(tl.reshape(rm, [BS, 1, 1]), x3 - tl.reshape(mt, [1, G, 1]), 0.0)
+        q = tl.sum(tl.sum(d * d, axis=2), axis=0)
+        mean, m2, cnt = _chan_combine(mean, m2, cnt, mt, q, tl.zeros([G], tl.float32) + nt)
+        start += BS
+    g = tl.arange(0, G)
+    dst = (n * tl.num_programs(1) + p) * G + g
+    tl.store(ws_ptr + dst, mean)
+    tl.store(ws_ptr + NPG + dst, m2)
+    tl.store(ws_ptr + 2 * NPG + dst, cnt)
+
+
+@triton.jit(do_not_specialize=["P", "NPG", "eps"])
+def _gn_cl_fold_kernel(ws_ptr, stat_ptr, P, NPG, eps, G: tl.constexpr, PB: tl.constexpr):
+    """Program n: Chan-merge the P tile states of each group of sample n; store mean, rstd [G]."""
+    n = tl.program_id(0).to(tl.int64)
+    j = tl.arange(0, PB)
+    g = tl.arange(0, G)
+    mean = tl.zeros([G], tl.float32)
+    m2 = tl.zeros([G], tl.float32)
+    cnt = tl.zeros([G], tl.float32)
+    p0 = 0
+    while p0 < P:
+        ok = (p0 + j) < P
+        src = (n * P + p0 + j)[:, None] * G + g[None, :]
+        mk = ok[:, None]
+        a, b, c = tl.reduce((tl.load(ws_ptr + src, mask=mk, other=0.0), tl.load(ws_ptr + NPG + src, mask=mk, other=0.0),
+                             tl.load(ws_ptr + 2 * NPG + src, mask=mk, other=0.0)), 0, _chan_combine)
+        mean, m2, cnt = _chan_combine(mean, m2, cnt, a, b, c)
+        p0 += PB
+    tl.store(stat_ptr + n * 2 * G + g, mean)
+    tl.store(stat_ptr + n * 2 * G + G + g, 1.0 / tl.math.sqrt_rn(m2 / cnt + tl.cast(eps, tl.float32)))
+
+
+@triton.jit(do_not_specialize=["S", "RPP"])
+def _gn_cl_apply_kernel(x_ptr, w_ptr, b_ptr, stat_ptr, out_ptr, S, RPP,
+                        C: tl.constexpr, G: tl.constexpr, BS: tl.constexpr, DTYPE: tl.constexpr,
+                        HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr):
+    """Program (n, p): rows ``p*RPP ..`` of sample n: ``r(silu(rstd*gamma*(x - mean) + beta))``."""
+    n = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    D: tl.constexpr = C // G
+    cols = tl.arange(0, C)
+    grp = cols // D
+    mean = tl.load(stat_ptr + n * 2 * G + grp)
+    a = tl.load(stat_ptr + n * 2 * G + G + grp)
+    if HAS_W:
+        a = a * load_f32(w_ptr + cols, None)
+    if HAS_B:
+        bet = load_f32(b_ptr + cols, None)
+    else:
+        bet = tl.zeros([C], tl.float32)
+    rows = tl.arange(0, BS)
+    base = n * S * C
+    r0 = tl.cast(p, tl.int64) * RPP
+    r_end = tl.minimum(r0 + RPP, S)
+    start = r0
+    while start < r_end:
+        rr = start + rows
+        rm = (rr < r_end)[:, None]
+        offs = base + rr[:, None] * C + cols[None, :]
+        x = load_f32(x_ptr + offs, rm)
+        y = a[None, :] * (x - mean[None, :]) + bet[None, :]
+        if SILU:
+            y = _silu(y, 0, 0)
+        tl.store(out_ptr + offs, round_to(y, DTYPE), mask=rm)
+        start += BS
+
+
 # ----------------------------------------------------------------------------- host side
 
 
@@ -500,6 +604,8 @@ def _launch(
     """Run the two kernels (no checks). ``chain_steps`` / ``apply_block`` / ``apply_iters``
     override the tiling (tests and benchmarks; the bits do not depend on them); ``variant`` /
     ``eps_override`` exist for the GPU order probe. The defaults are the bit-exact configuration."""
+    if not exact and _cl_path(x, num_groups) and chain_steps is None and apply_block is None:
+        return _launch_cl(x, num_groups, weight, bias, eps, silu)
     x = x.contiguous()  # native_group_norm on CUDA: X.contiguous() (a bit copy)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
@@ -553,6 +659,60 @@ def _launch(
         SILU=bool(silu), **{k: v[k] for k in APPLY_VARIANTS},
         num_warps=warps, enable_fp_fusion=not exact, enable_reflect_ftz=False,
     )
+    return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
+def _channels_innermost(x: torch.Tensor) -> bool:
+    return x.dim() >= 3 and x.permute(0, *range(2, x.dim()), 1).is_contiguous()
+
+
+def _cl_path(x: torch.Tensor, num_groups: int) -> bool:
+    """The close kernels read x in place as [N, S, C] rows: channels innermost (channels-last, or
+    the mid-block attention's [N, C, L] view of [N, L, C] rows) and not also contiguous, C and
+    C/G powers of two (a row is one tile), C <= 1024."""
+    C = x.shape[1]
+    G = int(num_groups)
+    D = C // G
+    return (not x.is_contiguous() and _channels_innermost(x) and 1 < C <= 1024 and C & (C - 1) == 0
+            and D & (D - 1) == 0 and x.numel() > 0)
+
+
+def _launch_cl(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+               eps: float, silu: bool) -> torch.Tensor:
+    """The close path on channels-innermost memory; output in x's layout (channels-last stays)."""
+    out = torch.empty_like(x)
+    N, C = x.shape[0], x.shape[1]
+    G = int(num_groups)
+    S = x.numel() // (N * C)
+    BS = max(1, min(next_pow2(S), 8192 // C))
+    warps = 8 if BS * C >= 4096 else 4
+    ntiles = cdiv(S, BS)
+    target = max(1, (4 * _sm_count(x.device)) // N)
+    P = min(ntiles, target)
+    rpp = cdiv(ntiles, P) * BS
+    P = cdiv(S, rpp)
+    npg = N * P * G
+    ws = torch.empty((3, npg), dtype=torch.float32, device=x.device)
+    stat = torch.empty((N, 2, G), dtype=torch.float32, device=x.device)
+    _gn_cl_stats_kernel[(N, P)](x, ws, S, rpp, npg, C=C, G=G, BS=BS, num_warps=warps)
+    _gn_cl_fold_kernel[(N,)](ws, stat, P, npg, float(eps), G=G, PB=min(64, next_pow2(P)), num_warps=4)
+    w = weight.contiguous() if weight is not None else x
+    b = bias.contiguous() if bias is not None else x
+    _gn_cl_apply_kernel[(N, P)](x, w, b, stat, out, S, rpp, C=C, G=G, BS=BS, DTYPE=_DTYPES[x.dtype],
+                                HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
+                                num_warps=warps)
     return out
 
 
@@ -676,6 +836,8 @@ def _group_norm_silu_fp32_op(
 
 @_group_norm_silu_fp32_op.register_fake
 def _(x, num_groups, weight, bias, eps, silu):
+    if _cl_path(x, num_groups):
+        return torch.empty_like(x)
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -757,8 +919,11 @@ def group_norm_silu_fp32(
     silu: bool = True,
 ) -> torch.Tensor:
     """Close (quality="high"): ``out = r(silu(GN32(x)))`` with one rounding (``r(GN32(x))`` when
-    ``silu`` is False), fp32 statistics by Chan-merged tiles. Not bit-exact vs eager. Raises
-    UnsupportedInput where :func:`can_use_group_norm_silu_fp32` is False."""
+    ``silu`` is False), fp32 statistics by Chan-merged tiles. Not bit-exact vs eager. A
+    channels-last x (or any x with its channels innermost, e.g. ``[N, L, C]`` rows viewed as
+    ``[N, C, L]``) with C and C/G powers of two is read in place and the output keeps its layout;
+    every other x is made contiguous and the output is NCHW. Raises UnsupportedInput where
+    :func:`can_use_group_norm_silu_fp32` is False."""
     reason = _unsupported_reason(x, num_groups, weight, bias, eps, silu)
     if reason is not None:
         raise UnsupportedInput(reason)
