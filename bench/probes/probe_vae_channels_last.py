@@ -91,7 +91,7 @@ def main() -> int:
                 print(f"[cl] conv {n} {tuple(x.shape)} k={m.kernel_size}: NOT bitwise, {int((dd > 0).sum())} "
                       f"elements differ, max {dd.max().item():.3e}", flush=True)
         print(f"[cl] decoder convolutions NCHW vs channels-last: {same} bitwise, {diff} not", flush=True)
-        del inputs
+        inputs.clear()
     return 0
 
 
