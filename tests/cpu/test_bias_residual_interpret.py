@@ -104,6 +104,32 @@ def test_conv_bias_residual_channels_last():
     assert mm is None, str(mm)
 
 
+@pytest.mark.parametrize("x_cl,h_cl", [(False, True), (True, False)], ids=["x-nchw-h-cl", "x-cl-h-nchw"])
+@pytest.mark.parametrize("shape", [(1, 8, 7, 5), (2, 70, 3, 67), (1, 3, 1, 1)], ids=["8ch", "70ch-b2", "1x1"])
+def test_conv_bias_residual_mixed_layouts(shape, x_cl, h_cl):
+    """In the NCHW decode the residual stream is channels-last after the mid-block attention (its
+    output is a channels-last view) while conv2 reads the GroupNorm's NCHW output: eager's ``h + y``
+    takes h's layout; the op's tiled pass does too (values and strides), NaN/Inf/-0 included."""
+    dtype = torch.bfloat16
+    cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    x = _rand(shape, dtype, 27)
+    w = _rand((shape[1], shape[1], 3, 3), dtype, 28) * 0.1
+    b = _rand((shape[1],), dtype, 29)
+    h = _rand(shape, dtype, 30)
+    h.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0]).to(dtype)
+    x, h = (cl(x) if x_cl else x), (cl(h) if h_cl else h)
+    args = (x, w, b, h, (1, 1), (1, 1), (1, 1), 1)
+    assert br.can_use_conv_bias_residual(*args)
+    got = br.conv_bias_residual(*args)
+    y = torch.nn.functional.conv2d(x, w, None, 1, 1)
+    exp = h + y.add_(b.reshape(1, -1, 1, 1))
+    assert got.stride() == exp.stride(), (got.stride(), exp.stride())
+    mm = compare_outputs(got, exp, f"conv_bias_residual mixed {shape} x_cl={x_cl}")
+    assert mm is None, str(mm)
+    # (opcheck compares with assert_close, for which NaN != NaN: finite values there)
+    torch.library.opcheck(torch.ops.ditfuse.bias_residual_mixed, (y, b, torch.nan_to_num(h, 0.0, 0.0, 0.0)))
+
+
 def test_conv_bias_residual_rejections():
     from ditfuse.kernels.errors import UnsupportedInput
 
@@ -115,9 +141,9 @@ def test_conv_bias_residual_rejections():
     assert br.can_use_conv_bias_residual(x, w, b, h, *geo)
     cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
     assert br.can_use_conv_bias_residual(cl(x), w, b, cl(h), *geo)  # quality="high"'s channels-last decode
-    for bad in ((cl(x), w, b, h),  # one layout channels-last, the other NCHW
-                (x, w, b, cl(h)),
-                (x[..., :5], w, b, h[..., :5]),  # strided (neither layout)
+    assert br.can_use_conv_bias_residual(x, w, b, cl(h), *geo)  # mixed: the NCHW decode after its attention
+    for bad in ((x[..., :5], w, b, h[..., :5]),  # strided (neither layout)
+                (x, w, b, h[..., :5]),
                 (x, w, b.float(), h),  # dtype mix
                 (x[0], w, b, h),  # 3-D input
                 (x, w, b[:2], h)):  # bias not [out_channels]

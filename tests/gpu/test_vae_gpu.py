@@ -205,15 +205,16 @@ def test_high_tier_admitted_and_closer_than_eager(which):
 _CL = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
 
 
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "h_channels_last", "x_channels_last"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("b,cin,cout,hw,k", [(1, 512, 512, 128, 3), (2, 512, 512, 64, 3), (1, 256, 256, 512, 3),
                                              (1, 128, 128, 1024, 3), (1, 5, 7, 13, 3), (2, 16, 16, 9, 1)])
 def test_conv_bias_residual_matches_eager(dtype, b, cin, cout, hw, k, layout):
     """ResnetBlock2D's tail, ``h + conv2(x)``: cuDNN's convolution without its bias, then the bias
     and the residual in one pass, against eager (which adds the bias in a pass of its own), at the
-    FLUX.1 VAE decoder's conv2 shapes and odd ones, NCHW (lossless decode) and channels-last
-    (quality="high"'s decode); bitwise, NaN/Inf in the residual."""
+    FLUX.1 VAE decoder's conv2 shapes and odd ones, NCHW, channels-last (quality="high"'s decode)
+    and mixed (the NCHW decode's residual stream is channels-last after the mid-block attention;
+    the output takes h's layout, as eager's ``h + y``); bitwise, NaN/Inf in the residual."""
     from ditfuse.kernels import reference as ref
     from ditfuse.kernels.compare import compare_outputs
     from ditfuse.kernels.modulate import bias_residual_triton as br
@@ -226,8 +227,10 @@ def test_conv_bias_residual_matches_eager(dtype, b, cin, cout, hw, k, layout):
     bias = torch.randn(cout, generator=gen, device=DEV).to(dtype)
     h = torch.randn(b, cout, hw, hw, generator=gen, device=DEV).to(dtype)
     h.view(-1)[:3] = torch.tensor([float("nan"), float("inf"), -0.0], device=DEV).to(dtype)
-    if layout == "channels_last":
-        x, h = _CL(x), _CL(h)
+    if layout in ("channels_last", "x_channels_last"):
+        x = _CL(x)
+    if layout in ("channels_last", "h_channels_last"):  # h only: the NCHW decode after its attention
+        h = _CL(h)
     geo = ((1, 1), (k // 2, k // 2), (1, 1), 1)
     assert br.can_use_conv_bias_residual(x, w, bias, h, *geo)
     got = br.conv_bias_residual(x, w, bias, h, *geo)

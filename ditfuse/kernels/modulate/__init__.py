@@ -29,7 +29,7 @@ BIAS_RESIDUAL = OpDescriptor(
 CONV_BIAS_RESIDUAL = OpDescriptor(
     op="modulate.conv_bias_residual",
     contract=Contract.BIT_EXACT,
-    replaces="r(h + r(conv2d(x) + bias[c])) -> the convolution without its bias, then bias + residual in one NCHW pass",
+    replaces="r(h + r(conv2d(x) + bias[c])) -> the convolution without its bias, then bias + residual in one pass (NCHW, channels-last or mixed: out in h's layout)",
     summary="AutoencoderKL's ResnetBlock2D tail: conv2 without the separate bias pass aten makes "
             "(a broadcast add TensorIterator cannot vectorize), its bias and the residual add in "
             "one pass (verified with the convolution at first sight of each signature)",
@@ -43,8 +43,8 @@ CONV_BIAS_RESIDUAL = OpDescriptor(
 CONV_BIAS = OpDescriptor(
     op="modulate.conv_bias",
     contract=Contract.BIT_EXACT,
-    replaces="r(conv2d(x) + bias[c]) with aten's non-vectorized broadcast bias add -> one vectorized NCHW pass",
-    summary="a biased NCHW Conv2d: cuDNN's convolution (the call aten makes), then the bias in one "
+    replaces="r(conv2d(x) + bias[c]) with aten's non-vectorized broadcast bias add -> one vectorized pass",
+    summary="a biased Conv2d (NCHW or channels-last): cuDNN's convolution (the call aten makes), then the bias in one "
             "vectorized pass into its output (verified with the convolution at first sight of "
             "each signature)",
     reference="ditfuse.kernels.reference:conv_bias",

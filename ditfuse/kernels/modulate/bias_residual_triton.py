@@ -49,6 +49,28 @@ def _bias_residual_kernel(x_ptr, b_ptr, h_ptr, out_ptr, n, C, HW, DTYPE: tl.cons
         tl.store(out_ptr + i, round_to(load_f32(x_ptr + i, m) + load_f32(b_ptr + c, m), DTYPE), mask=m)
 
 
+@triton.jit(do_not_specialize=["C", "HW"])
+def _bias_residual_mixed_kernel(y_ptr, b_ptr, h_ptr, out_ptr, C, HW, DTYPE: tl.constexpr, Y_CL: tl.constexpr,
+                                BHW: tl.constexpr, BC: tl.constexpr):
+    """``out = r(r(y + bias[c]) + h)`` where y and h have different layouts (one contiguous NCHW,
+    the other channels innermost); out has h's. Tiles of BHW positions x BC channels, so both
+    sides load coalesced (the compiler turns the tile around through shared memory)."""
+    hw = tl.program_id(0) * BHW + tl.arange(0, BHW)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    base = tl.program_id(2).to(tl.int64) * HW * C
+    m = (hw < HW)[:, None] & (c < C)[None, :]
+    cl = base + hw[:, None].to(tl.int64) * C + c[None, :]
+    nchw = base + c[None, :].to(tl.int64) * HW + hw[:, None]
+    if Y_CL:
+        y_off = cl
+        h_off = nchw
+    else:
+        y_off = nchw
+        h_off = cl
+    v = rround(load_f32(y_ptr + y_off, m) + load_f32(b_ptr + c, c < C)[None, :], DTYPE)
+    tl.store(out_ptr + h_off, round_to(v + load_f32(h_ptr + h_off, m), DTYPE), mask=m)
+
+
 def _channels_innermost(t: torch.Tensor) -> bool:
     """t's memory is ``[N, *spatial, C]`` contiguous (channels-last, or a 2-D [N, C]): flat index
     i holds channel ``i % C``."""
@@ -135,10 +157,8 @@ def _conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str |
         return f"dtypes {[str(t.dtype) for t in (x, weight, bias, *hs)]} differ"
     if x.device.type == "cuda" and not torch.backends.cudnn.enabled:
         return "cuDNN is disabled (aten's other convolution paths may add the bias inside)"
-    if not (x.is_contiguous() and all(t.is_contiguous() for t in hs)) and not (
-            _channels_innermost(x) and all(_channels_innermost(t) for t in hs)):
-        return ("x (and h) must be contiguous (NCHW; the lossless decode) or channels-last (quality=\"high\"'s "
-                "decode), one layout for both")
+    if not all(t.is_contiguous() or _channels_innermost(t) for t in (x, *hs)):
+        return "x (and h) must be contiguous (NCHW) or channels-last"
     r = device_reason(x, weight, bias, *hs) or grad_reason(x, weight, bias, *hs)
     if r is not None:
         return r
@@ -159,8 +179,8 @@ def _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups) -> tor
 
 
 def can_use_conv_bias_residual(x, weight, bias, h, stride, padding, dilation, groups) -> bool:
-    """True when :func:`conv_bias_residual` takes these arguments: 4-D x and h both contiguous
-    (NCHW) or both channels-last,
+    """True when :func:`conv_bias_residual` takes these arguments: 4-D x and h, each contiguous
+    (NCHW) or channels-last,
     a 4-D weight and a ``[out_channels]`` bias, all one dtype, cuDNN enabled, one device (CUDA, or
     CPU under TRITON_INTERPRET=1), no grad in grad mode, no CUDA autocast. Whether the result equals
     eager's is the gate's first-sight comparison (the output shape must also match h's: checked
@@ -175,13 +195,45 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     ``conv2`` and residual) as ``r(r(conv2d(x, weight) + bias[c]) + h)``: cuDNN's convolution
     without the bias (aten's ``_convolution`` runs exactly this call and then
     ``output.add_(bias.reshape(1, C, 1, 1))``, ConvShared.cpp), then the bias and the residual in
-    one pass (:func:`bias_residual`, NCHW or channels-last walk). Bit-exact vs torch 2.11 CUDA eager where the
+    one pass (:func:`bias_residual`, NCHW or channels-last walk; where the convolution's output and
+    h differ in layout, a tiled pass whose output takes h's layout, as eager's ``h + y`` does). Bit-exact vs torch 2.11 CUDA eager where the
     gate's first sight says so. Raises :class:`UnsupportedInput` where
     :func:`can_use_conv_bias_residual` is False or the convolution's output shape is not h's."""
     y = _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups)
     if y.shape != h.shape:
         raise UnsupportedInput(f"convolution output {tuple(y.shape)} is not h's shape {tuple(h.shape)} (eager would broadcast)")
-    return bias_residual(y, bias, h)
+    if (y.is_contiguous() and h.is_contiguous()) or (_channels_innermost(y) and _channels_innermost(h)):
+        return bias_residual(y, bias, h)
+    if not (y.is_contiguous() or _channels_innermost(y)):
+        raise UnsupportedInput(f"cuDNN returned strides {y.stride()} (neither NCHW nor channels-last)")
+    # One layout each: in the NCHW decode the residual stream turns channels-last after the
+    # mid-block attention (its output is a channels-last view) while conv2 reads the GroupNorm's
+    # NCHW output. Eager's ``input_tensor + hidden_states`` then takes its first operand's layout.
+    if use_custom_op():
+        return torch.ops.ditfuse.bias_residual_mixed(y, bias, h)
+    return _launch_mixed(y, bias, h)
+
+
+def _launch_mixed(y: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(h)
+    N, C = y.shape[0], y.shape[1]
+    HW = y.numel() // (N * C) if y.numel() else 0
+    if y.numel():
+        BHW, BC = 64, min(64, max(16, 1 << (C - 1).bit_length()))
+        _bias_residual_mixed_kernel[(cdiv(HW, BHW), cdiv(C, BC), N)](
+            y, bias.contiguous(), h, out, C, HW, DTYPE=tl_dtype(y.dtype), Y_CL=not y.is_contiguous(),
+            BHW=BHW, BC=BC, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+@torch.library.custom_op("ditfuse::bias_residual_mixed", mutates_args=())
+def _bias_residual_mixed_op(y: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    return _launch_mixed(y, bias, h)
+
+
+@_bias_residual_mixed_op.register_fake
+def _(y, bias, h):
+    return torch.empty_like(h)
 
 
 def can_use_conv_bias(x, weight, bias, stride, padding, dilation, groups) -> bool:
