@@ -353,6 +353,20 @@ def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride:
     return F.conv2d(x, weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
 
 
+def conv_bias_nchw(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: tuple[int, int],
+                   padding: tuple[int, int], dilation: tuple[int, int], groups: int) -> torch.Tensor:
+    """A biased ``nn.Conv2d`` as eager runs it on the NCHW tensor the model has where ditfuse holds
+    a channels-last copy (``x.contiguous()``: the same values)."""
+    return F.conv2d(x.contiguous(), weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
+def conv_bias_residual_nchw(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, h: torch.Tensor,
+                            stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                            groups: int) -> torch.Tensor:
+    """:func:`conv_bias_residual` with conv2's input in NCHW as eager has it (``x.contiguous()``)."""
+    return h + F.conv2d(x.contiguous(), weight, bias, tuple(stride), tuple(padding), tuple(dilation), groups)
+
+
 def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        stride: tuple[int, ...], padding: tuple[int, ...]) -> torch.Tensor:
     """``F.conv2d`` / ``F.conv3d`` as the NCHW / NCDHW model runs it: contiguous input and weight
@@ -382,7 +396,7 @@ def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat", "head_cat",
-            "heads_to_tokens", "conv_bias_residual", "conv_bias"]
+            "heads_to_tokens", "conv_bias_residual", "conv_bias", "conv_bias_nchw", "conv_bias_residual_nchw"]
 
 
 # ----------------------------------------------------------------------------- image families

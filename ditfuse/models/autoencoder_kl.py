@@ -36,8 +36,8 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..contracts.quality import Quality
-from ..kernels.modulate import CONV_BIAS, CONV_BIAS_RESIDUAL
-from ..kernels.norm import GROUP_NORM_SILU
+from ..kernels.modulate import CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL, CONV_BIAS_RESIDUAL_CL
+from ..kernels.norm import GROUP_NORM_SILU, GROUP_NORM_SILU_CL
 from .base import Adapter, Site, plain_module
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -62,6 +62,9 @@ def resnet_forward(block, original, input_tensor: torch.Tensor, temb: torch.Tens
     has none) and the deprecated ``scale`` argument take diffusers' own forward."""
     if args or kwargs or temb is not None or block.time_emb_proj is not None:
         return original(input_tensor, temb, *args, **kwargs)
+    if _ops.quality is Quality.LOSSLESS and _channels_last_chain(block, input_tensor):
+        # (quality="high" decodes channels-last throughout: nothing to turn around there)
+        return _resnet_channels_last(block, input_tensor, _ops)
     hidden_states = _ops.group_norm_silu(input_tensor, block.norm1.num_groups, block.norm1.weight, block.norm1.bias,
                                          block.norm1.eps, True)
     if block.upsample is not None:
@@ -94,6 +97,35 @@ def resnet_forward(block, original, input_tensor: torch.Tensor, temb: torch.Tens
     return (input_tensor + hidden_states) / block.output_scale_factor
 
 
+def _resnet_channels_last(block, input_tensor: torch.Tensor, _ops: OpSet) -> torch.Tensor:
+    """The same block with each norm writing channels-last for the convolution after it
+    (``norm.group_norm_silu_cl``) and conv1 / conv2 reading it as cuDNN's NHWC kernel does
+    (``modulate.conv_bias_cl`` / ``conv_bias_residual_cl``, each held against the NCHW convolution
+    by the gate): eager's four NCHW <-> NHWC transposes around conv1 and conv2 are gone. conv1's
+    output reaches norm2 channels-last, which the exact statistics read as native_group_norm does
+    (a contiguous copy first: the transpose cuDNN would have made). The block's output has eager's
+    layout: the residual's."""
+    n1, n2, c1, c2 = block.norm1, block.norm2, block.conv1, block.conv2
+    h = _ops.group_norm_silu_cl(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, True)
+    h = _ops.conv_bias_cl(h, c1.weight, c1.bias, c1.stride, c1.padding, c1.dilation, c1.groups)
+    h = _ops.group_norm_silu_cl(h, n2.num_groups, n2.weight, n2.bias, n2.eps, True)
+    h = block.dropout(h)
+    if block.conv_shortcut is not None:
+        input_tensor = block.conv_shortcut(input_tensor)
+    out = _ops.conv_bias_residual_cl(h, c2.weight, c2.bias, input_tensor, c2.stride, c2.padding, c2.dilation,
+                                     c2.groups)
+    return out if block.output_scale_factor == 1.0 else out / block.output_scale_factor
+
+
+def _channels_last_chain(block, x: torch.Tensor) -> bool:
+    """The block may run :func:`_resnet_channels_last`: CUDA, bf16/fp16 (cuDNN's fp32 NHWC kernels
+    are another computation), 4-D, inference, no up/down sampling between norm1 and conv1, both
+    convolutions plain (the ops read their weights), ``cudnn.benchmark`` off."""
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4 and not block.training
+            and block.upsample is None and block.downsample is None and not torch.backends.cudnn.benchmark
+            and _plain_conv(block.conv1) and _plain_conv(block.conv2))
+
+
 def decoder_forward(dec, original, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None, *,
                     _ops: OpSet = LOSSLESS) -> torch.Tensor:
     """Decoder.forward with ``conv_norm_out -> conv_act`` as one ``group_norm_silu`` call; under
@@ -108,10 +140,22 @@ def decoder_forward(dec, original, sample: torch.Tensor, latent_embeds: torch.Te
     sample = dec.mid_block(sample, latent_embeds)
     for up_block in dec.up_blocks:
         sample = up_block(sample, latent_embeds)
-    norm = dec.conv_norm_out
+    norm, conv = dec.conv_norm_out, dec.conv_out
+    if not channels_last and _head_channels_last(dec, sample):
+        # the norm writes channels-last, conv_out reads it without cuDNN's transposes; the image
+        # (3 channels) leaves NCHW as eager's does
+        sample = _ops.group_norm_silu_cl(sample, norm.num_groups, norm.weight, norm.bias, norm.eps, True)
+        sample = _ops.conv_bias_cl(sample, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
+                                   conv.groups)
+        return sample.contiguous()
     sample = _ops.group_norm_silu(sample, norm.num_groups, norm.weight, norm.bias, norm.eps, True)
-    sample = dec.conv_out(sample)
+    sample = conv(sample)
     return sample.contiguous() if channels_last else sample
+
+
+def _head_channels_last(dec, x: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4
+            and not torch.backends.cudnn.benchmark and _plain_conv(dec.conv_out))
 
 
 def _decoder_applies(dec: Any) -> str | None:
@@ -147,7 +191,9 @@ def conv_forward(conv, original, input: torch.Tensor, *, _ops: OpSet = LOSSLESS)
 
 
 def _conv_on_op(input: torch.Tensor) -> bool:  # noqa: A002
-    return input.is_cuda
+    # a strided view (a tiled decode's latent tile) runs eager: cuDNN copies it first, the op
+    # takes NCHW or channels-last memory only
+    return input.is_cuda and (input.is_contiguous() or input.is_contiguous(memory_format=torch.channels_last))
 
 
 def _conv_applies(conv: Any) -> str | None:
@@ -182,7 +228,7 @@ SITES = (
         cls="diffusers.models.resnet:ResnetBlock2D",
         params=("self", "input_tensor", "temb", "args", "kwargs"),
         forward=resnet_forward,
-        ops=(GROUP_NORM_SILU, CONV_BIAS_RESIDUAL),
+        ops=(GROUP_NORM_SILU, CONV_BIAS_RESIDUAL, GROUP_NORM_SILU_CL, CONV_BIAS_CL, CONV_BIAS_RESIDUAL_CL),
         applies=_resnet_applies,
         description="ResnetBlock2D: norm1 + SiLU and norm2 + SiLU, each one GroupNorm+SiLU kernel; "
                     "conv2's bias and the residual add in one pass",
@@ -201,7 +247,7 @@ SITES = (
         cls="diffusers.models.autoencoders.vae:Decoder",
         params=("self", "sample", "latent_embeds"),
         forward=decoder_forward,
-        ops=(GROUP_NORM_SILU,),
+        ops=(GROUP_NORM_SILU, GROUP_NORM_SILU_CL, CONV_BIAS_CL),
         applies=_decoder_applies,
         description="Decoder: conv_norm_out + conv_act as one GroupNorm+SiLU kernel; quality=\"high\" "
                     "decodes in channels-last memory (no cuDNN layout transposes)",

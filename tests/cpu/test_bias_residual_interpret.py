@@ -195,3 +195,35 @@ def test_bias_add_custom_op_for_torch_compile():
     mm = compare_outputs(out, y.clone().add_(b.reshape(1, -1, 1, 1)), "bias_add_nchw")
     assert mm is None, str(mm)
     torch.library.opcheck(torch.ops.ditfuse.bias_add_nchw, (y, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_channels_last_conv_ops_are_their_composition(dtype):
+    """modulate.conv_bias_cl / conv_bias_residual_cl on the CPU: the same composition as their NCHW
+    siblings (conv2d without bias on the channels-last x, then the bias / bias + residual pass);
+    output channels-last / in h's layout. Their reference is the NCHW convolution; that cuDNN's
+    NHWC kernel matches it is the GPU test's and the gate's."""
+    cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
+    x = cl(_rand((2, 6, 9, 7), dtype, 31))
+    w = _rand((5, 6, 3, 3), dtype, 32) * 0.1
+    b = _rand((5,), dtype, 33)
+    geo = ((1, 1), (1, 1), (1, 1), 1)
+    assert br.can_use_conv_bias_cl(x, w, b, *geo)
+    got = br.conv_bias_cl(x, w, b, *geo)
+    y = torch.nn.functional.conv2d(x, w, None, 1, 1)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert compare_outputs(got, y.clone().add_(b.reshape(1, -1, 1, 1)), "conv_bias_cl") is None
+    for h in (_rand(tuple(y.shape), dtype, 34), cl(_rand(tuple(y.shape), dtype, 35))):
+        assert br.can_use_conv_bias_residual_cl(x, w, b, h, *geo)
+        got = br.conv_bias_residual_cl(x, w, b, h, *geo)
+        exp = h + y.clone().add_(b.reshape(1, -1, 1, 1))
+        assert got.stride() == exp.stride() == h.stride()
+        assert compare_outputs(got, exp, "conv_bias_residual_cl") is None
+    # refused: NCHW x (nothing to save; the NCHW ops serve it), fp32 (cuDNN's NHWC fp32 kernels
+    # accumulate differently), groups
+    xn = x.contiguous()
+    assert not br.can_use_conv_bias_cl(xn, w, b, *geo)
+    assert not br.can_use_conv_bias_cl(x.float(), w.float(), b.float(), *geo)
+    assert not br.can_use_conv_bias_residual_cl(xn, w, b, _rand(tuple(y.shape), dtype, 36), *geo)
+    wg = _rand((6, 3, 3, 3), dtype, 37)
+    assert not br.can_use_conv_bias_cl(x, wg, _rand((6,), dtype, 38), (1, 1), (1, 1), (1, 1), 2)

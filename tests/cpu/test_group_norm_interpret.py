@@ -181,6 +181,34 @@ def test_eps_is_rounded_to_the_input_dtype():
 # ----------------------------------------------------------------------------- close variant
 
 
+@pytest.mark.parametrize(
+    "shape,G,dtype,silu,affine",
+    [
+        ((1, 64, 7, 5), 32, torch.bfloat16, True, True),
+        ((2, 8, 33, 17), 2, torch.bfloat16, True, True),  # 512-thread chains, batch 2
+        ((1, 6, 5, 3), 3, torch.float16, False, False),  # no affine, C not a power of two
+        ((1, 70, 3, 67), 10, torch.float32, True, True),  # several channel and position tiles
+        ((1, 8, 1, 1), 4, torch.bfloat16, True, True),  # 1x1: GroupNorm1dForward, NCHW is channels-last
+    ],
+    ids=["C64", "T512-B2", "fp16-noaffine", "fp32-tiles", "1x1"],
+)
+def test_channels_last_output_is_the_exact_kernel(shape, G, dtype, silu, affine):
+    """norm.group_norm_silu_cl: the exact statistics, the epilogue from NCHW tiles into
+    channels-last rows: bitwise the simulation's values (and the NCHW op's), channels-last."""
+    x = _rand(shape, dtype, 79)
+    x.view(-1)[5] = float("inf")
+    w, b = _params(shape[1], dtype, 83) if affine else (None, None)
+    assert gn.can_use_group_norm_silu_cl(x, G, w, b, EPS, silu)
+    got = gn.group_norm_silu_cl(x, G, w, b, EPS, silu)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    exp = sim.group_norm_silu(x, G, w, b, EPS, silu_after=silu)
+    mm = compare_outputs(got, exp, f"cl-out {shape} G={G} {dtype}")
+    assert mm is None, str(mm)
+    again = gn.group_norm_silu_cl(x.contiguous(memory_format=torch.channels_last), G, w, b, EPS, silu)
+    assert compare_outputs(again, exp, "channels-last input") is None
+    assert not gn.can_use_group_norm_silu_cl(x.flatten(2), G, w, b, EPS, silu)  # 3-D: not a conv input
+
+
 def test_close_variant_tracks_fp64():
     x = _rand((1, 8, 33, 17), torch.bfloat16, 43, 2.0, 0.5)
     w, b = _params(8, torch.bfloat16, 47)
@@ -357,6 +385,8 @@ def test_fake_impl_shapes():
         assert out.shape == x.shape and out.stride() == x.stride()
         out = torch.ops.ditfuse.group_norm_silu_fp32(x.contiguous(), 4, w, w, EPS, True)
         assert out.is_contiguous()
+        out = torch.ops.ditfuse.group_norm_silu_cl(x.contiguous(), 4, w, w, EPS, True)
+        assert out.shape == x.shape and out.is_contiguous(memory_format=torch.channels_last)
 
 
 # ----------------------------------------------------------------------------- references

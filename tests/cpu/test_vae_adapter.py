@@ -44,6 +44,35 @@ def test_decode_on_reference_chains_equals_diffusers(batch, monkeypatch):
     assert_bitwise_equal(_decode(vae, z), base, "after unmount")
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_channels_last_chain_on_reference_chains_equals_diffusers(batch, monkeypatch):
+    """The lossless bf16/fp16 CUDA decode runs every ResnetBlock2D as norm (written channels-last)
+    -> conv1 -> norm -> conv2 + residual on channels-last ops, and the decoder head alike. Forced
+    on here (its CUDA-only predicates patched) with every op on its reference chain: bitwise
+    diffusers, every decoder resnet through the chain, the image NCHW."""
+    from ditfuse.models import autoencoder_kl as akl
+
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    ran = []
+    real = akl._resnet_channels_last
+    monkeypatch.setattr(akl, "_channels_last_chain", lambda block, x: x.dim() == 4 and block.upsample is None)
+    monkeypatch.setattr(akl, "_head_channels_last", lambda dec, x: True)
+    monkeypatch.setattr(akl, "_resnet_channels_last", lambda *a: ran.append(1) or real(*a))
+    vae = _vae(torch.bfloat16)
+    z = torch.randn(batch, 4, 9, 7).to(torch.bfloat16)
+    base = _decode(vae, z)
+    h = ditfuse.accelerate(vae)
+    try:
+        out = _decode(vae, z)
+    finally:
+        h.unmount()
+    assert_bitwise_equal(out, base, "channels-last chain decode")
+    assert out.is_contiguous()
+    from diffusers.models.resnet import ResnetBlock2D
+
+    assert len(ran) == sum(isinstance(m, ResnetBlock2D) for m in vae.decoder.modules())
+
+
 def test_every_resnet_block_mounts_its_fused_site():
     """The decoder's up blocks build their ResnetBlock2Ds with time_embedding_norm="group" (the
     Decoder's norm_type) and the mid block with "default": without a time embedding both run

@@ -82,6 +82,38 @@ def test_decoder_shapes(dtype):
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+def test_channels_last_output(dtype):
+    """norm.group_norm_silu_cl: the exact kernels with the epilogue written channels-last (the
+    lossless AutoencoderKL decode's ResnetBlock2D norms): eager's values at the decoder shapes,
+    batch 1 and 2, odd sizes, a channels-last input (made contiguous first, as eager does), no
+    affine; NaN/Inf placement as eager's."""
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    failures: list[str] = []
+    shapes = [(1, C, H, W) for C, H, W in DECODER] + [(2, 512, 128, 128), (1, 96, 33, 17), (2, 64, 7, 9),
+                                                       (1, 128, 1, 1)]
+    for B, C, H, W in shapes:
+        if dtype == torch.float32 and H >= 1024:
+            continue
+        x = _rand((B, C, H, W), dtype, gen, 2.0, 0.3)
+        if (C, H) == (96, 33):
+            x.view(-1)[:2] = torch.tensor([float("nan"), float("inf")], device="cuda").to(dtype)
+        w, b = _params(C, dtype, gen)
+        for xin, aff, silu in ((x, True, True), (x.contiguous(memory_format=torch.channels_last), True, True),
+                               (x, False, False)):
+            ww, bb = (w, b) if aff else (None, None)
+            got = gn.group_norm_silu_cl(xin, 32, ww, bb, EPS, silu)
+            assert got.is_contiguous(memory_format=torch.channels_last)
+            mm = compare_outputs(got, ref.group_norm_silu(xin, 32, ww, bb, EPS, silu),
+                                 f"cl-out [{B},{C},{H},{W}] {dtype} in={'cl' if xin is not x else 'nchw'} "
+                                 f"affine={aff} silu={silu}")
+            if mm is not None:
+                failures.append(str(mm))
+        del x
+    torch.cuda.empty_cache()
+    assert not failures, "\n".join(failures)
+
+
 AWKWARD = [
     ((1, 96, 33, 17), 32), ((2, 96, 7, 9), 32), ((1, 128, 1, 1), 32), ((2, 96, 1, 1), 32),
     ((2, 64), 32), ((2, 512, 4096), 32), ((1, 512, 4, 4), 32), ((1, 512, 5, 5), 32),

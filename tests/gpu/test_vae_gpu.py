@@ -28,6 +28,16 @@ WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, a
 WAN_TINY = dict(WAN_VAE, base_dim=32, num_res_blocks=1)
 
 
+def _kl_ops(dtype):
+    """The AutoencoderKL ops a lossless decode runs: in bf16/fp16 every ResnetBlock2D takes the
+    channels-last chain (norms writing channels-last, conv1 / conv2 without cuDNN's transposes,
+    the decoder head alike); fp32 stays NCHW (cuDNN's fp32 NHWC kernels are another computation)."""
+    if dtype == torch.float32:
+        return ("norm.group_norm_silu", "modulate.conv_bias", "modulate.conv_bias_residual")
+    return ("norm.group_norm_silu", "norm.group_norm_silu_cl", "modulate.conv_bias", "modulate.conv_bias_cl",
+            "modulate.conv_bias_residual_cl")
+
+
 def _vae(cfg, dtype):
     from diffusers import AutoencoderKL
 
@@ -51,7 +61,9 @@ def _compare(vae, z, label, adapter=ADAPTER, ops=None):
             h.unmount()
     for i, o in enumerate(outs):
         assert_bitwise_equal(o, base, f"{label} decode {i + 1} ({'first sight' if i == 0 else 'again'})")
-    assert_engaged(adapter.ops() if ops is None else ops)
+    if ops is None:
+        ops = _kl_ops(z.dtype) if adapter is ADAPTER else adapter.ops()
+    assert_engaged(ops)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -266,4 +278,40 @@ def test_conv_bias_matches_eager(dtype, b, cin, cout, hw, k, stride, layout):
     got, exp = br.conv_bias(x, w, bias, *geo), ref.conv_bias(x, w, bias, *geo)
     assert got.stride() == exp.stride()
     mm = compare_outputs(got, exp, f"conv_bias [{b},{cin}->{cout},{hw}²] k{k} s{stride} {dtype}")
+    assert mm is None, str(mm)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("b,cin,cout,hw,k,h_cl", [(1, 512, 512, 128, 3, False), (2, 512, 512, 64, 3, True),
+                                                  (1, 512, 512, 256, 3, True), (1, 256, 256, 512, 3, True),
+                                                  (1, 128, 128, 1024, 3, True), (1, 512, 256, 512, 3, False),
+                                                  (1, 128, 3, 1024, 3, None), (2, 7, 5, 13, 3, False)])
+def test_channels_last_convs_match_the_nchw_convolution(dtype, b, cin, cout, hw, k, h_cl):
+    """modulate.conv_bias_cl / conv_bias_residual_cl: the convolution on a channels-last copy of x
+    against eager's NCHW convolution of x (+ bias, + residual h in either layout, the output then in
+    h's layout), bitwise at the FLUX.1 VAE decoder's conv1 / conv2 / conv_out shapes. cuDNN's NHWC
+    kernel is the one its NCHW path wraps in transposes: an observation these shapes pin down."""
+    from ditfuse.kernels import reference as ref
+    from ditfuse.kernels.compare import compare_outputs
+    from ditfuse.kernels.modulate import bias_residual_triton as br
+
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    x = torch.randn(b, cin, hw, hw, generator=gen, device=DEV).to(dtype)
+    w = (torch.randn(cout, cin, k, k, generator=gen, device=DEV) / (cin * k * k) ** 0.5).to(dtype)
+    bias = torch.randn(cout, generator=gen, device=DEV).to(dtype)
+    geo = ((1, 1), (k // 2, k // 2), (1, 1), 1)
+    xc = _CL(x)
+    if h_cl is None:
+        got = br.conv_bias_cl(xc, w, bias, *geo)
+        exp = ref.conv_bias_nchw(x, w, bias, *geo)
+        assert got.is_contiguous(memory_format=torch.channels_last)
+    else:
+        h = torch.randn(b, cout, hw, hw, generator=gen, device=DEV).to(dtype)
+        h.view(-1)[:2] = torch.tensor([float("nan"), float("-inf")], device=DEV).to(dtype)
+        if h_cl:
+            h = _CL(h)
+        got = br.conv_bias_residual_cl(xc, w, bias, h, *geo)
+        exp = ref.conv_bias_residual_nchw(x, w, bias, h, *geo)
+        assert got.stride() == exp.stride() == h.stride()
+    mm = compare_outputs(got, exp, f"cl conv [{b},{cin}->{cout},{hw}²] k{k} h_cl={h_cl} {dtype}")
     assert mm is None, str(mm)

@@ -1,4 +1,4 @@
-"""modulate: gated residuals, a convolution's bias + residual — the op descriptors. Data only.
+"""modulate: gated residuals, a convolution's bias (+ residual) — the op descriptors. Data only.
 Kernels: gate_residual_triton.py, bias_residual_triton.py."""
 
 from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
@@ -54,4 +54,35 @@ CONV_BIAS = OpDescriptor(
     key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
 )
 
-DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL, CONV_BIAS)
+_CONV_KEY = (K("x", dims=(0,), tail_shape=True), K("weight", dims=(0,), tail_shape=True), K("bias"),
+             K("stride", value=True), K("padding", value=True), K("dilation", value=True), K("groups", value=True))
+
+CONV_BIAS_CL = OpDescriptor(
+    op="modulate.conv_bias_cl",
+    contract=Contract.BIT_EXACT,
+    replaces="NCHW->NHWC transpose + conv + NHWC->NCHW transpose + broadcast bias add -> the NHWC conv "
+             "on channels-last x + one vectorized bias pass",
+    summary="a biased Conv2d whose input eager has in NCHW, run on the channels-last copy a "
+            "norm_cl op wrote: cuDNN's NHWC kernel without its transposes (verified against the "
+            "NCHW convolution at first sight), then the bias in one pass; output channels-last",
+    reference="ditfuse.kernels.reference:conv_bias_nchw",
+    impls=(triton_impl("modulate.bias_residual_triton", "conv_bias_cl"),),
+    key=_CONV_KEY,
+    key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
+    own_layout=True,
+)
+
+CONV_BIAS_RESIDUAL_CL = OpDescriptor(
+    op="modulate.conv_bias_residual_cl",
+    contract=Contract.BIT_EXACT,
+    replaces="r(h + r(conv2d(x) + bias[c])) with x NCHW in eager -> the NHWC conv on channels-last x, "
+             "then bias + residual in one pass (out in h's layout, as eager's)",
+    summary="AutoencoderKL's ResnetBlock2D tail on conv2's channels-last input: no cuDNN transposes, "
+            "bias and residual in one pass (verified against the NCHW chain at first sight)",
+    reference="ditfuse.kernels.reference:conv_bias_residual_nchw",
+    impls=(triton_impl("modulate.bias_residual_triton", "conv_bias_residual_cl"),),
+    key=(*_CONV_KEY[:3], K("h"), *_CONV_KEY[3:]),
+    key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
+)
+
+DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL, CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL_CL)

@@ -272,5 +272,65 @@ def _(y, bias):
     return torch.empty_like(y)
 
 
-__all__ = ["bias_residual", "can_use_bias_residual", "conv_bias_residual", "can_use_conv_bias_residual",
+def _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str | None:
+    """Why conv_bias_cl / conv_bias_residual_cl cannot take these (their reference is the NCHW
+    convolution: only a cuDNN NHWC run that the gate can hold against it)."""
+    r = _conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
+    if r is not None:
+        return r
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return (f"dtype {x.dtype}: bf16 / fp16 only (cuDNN's fp32 NHWC kernels accumulate unlike its NCHW path, "
+                "layout.conv_channels_last's finding)")
+    if x.is_contiguous() or not _channels_innermost(x):
+        return "x must be channels-last (a norm_cl op's output)"
+    if groups != 1:
+        return f"groups={groups} (only 1)"
+    if torch.backends.cudnn.benchmark:
+        return "cudnn.benchmark is on: cuDNN times algorithms per layout and may pick another kernel"
+    return None
+
+
+def can_use_conv_bias_cl(x, weight, bias, stride, padding, dilation, groups) -> bool:
+    """True when :func:`conv_bias_cl` takes these arguments: :func:`can_use_conv_bias`'s rules with
+    x channels-last (not also contiguous), bf16 or fp16, one group, ``cudnn.benchmark`` off."""
+    return _cl_conv_reason(x, weight, bias, None, stride, padding, dilation, groups) is None
+
+
+def conv_bias_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride: tuple[int, int],
+                 padding: tuple[int, int], dilation: tuple[int, int], groups: int) -> torch.Tensor:
+    """``F.conv2d(x.contiguous(), weight, bias, ...)`` (the NCHW convolution eager runs) computed on
+    channels-last x: cuDNN's NHWC kernel without the NCHW <-> NHWC transposes it wraps around an
+    NCHW convolution, then the bias in one vectorized pass; output channels-last, bit-exact vs
+    torch 2.11 CUDA eager where the gate's first sight says so (an observation about cuDNN's
+    heuristics: bench/probes/probe_vae_channels_last.py found all 35 AutoencoderKL decoder
+    convolutions bitwise equal). Raises :class:`UnsupportedInput` where :func:`can_use_conv_bias_cl`
+    is False."""
+    reason = _cl_conv_reason(x, weight, bias, None, stride, padding, dilation, groups)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return conv_bias(x, weight, bias, stride, padding, dilation, groups)
+
+
+def can_use_conv_bias_residual_cl(x, weight, bias, h, stride, padding, dilation, groups) -> bool:
+    """True when :func:`conv_bias_residual_cl` takes these arguments: :func:`can_use_conv_bias_cl`'s
+    rules for x, and h NCHW or channels-last."""
+    return _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) is None
+
+
+def conv_bias_residual_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, h: torch.Tensor,
+                          stride: tuple[int, int], padding: tuple[int, int], dilation: tuple[int, int],
+                          groups: int) -> torch.Tensor:
+    """``h + F.conv2d(x.contiguous(), weight, bias, ...)`` (ResnetBlock2D's tail as eager runs it
+    on NCHW x) computed on channels-last x: the NHWC convolution without transposes, then the bias
+    and the residual in one pass; output in h's layout (eager's). Bit-exact vs torch 2.11 CUDA eager
+    where the gate's first sight says so. Raises :class:`UnsupportedInput` where
+    :func:`can_use_conv_bias_residual_cl` is False."""
+    reason = _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    return conv_bias_residual(x, weight, bias, h, stride, padding, dilation, groups)
+
+
+__all__ = ["conv_bias_cl", "can_use_conv_bias_cl", "conv_bias_residual_cl", "can_use_conv_bias_residual_cl",
+           "bias_residual", "can_use_bias_residual", "conv_bias_residual", "can_use_conv_bias_residual",
            "conv_bias", "can_use_conv_bias"]

@@ -87,6 +87,23 @@ GROUP_NORM_SILU_FP32 = OpDescriptor(
     lossless=GROUP_NORM_SILU,
 )
 
+GROUP_NORM_SILU_CL = OpDescriptor(
+    op="norm.group_norm_silu_cl",
+    contract=Contract.BIT_EXACT,
+    replaces="r(silu(r(GN(x)))) + the NCHW->NHWC transpose cuDNN makes of it before a convolution",
+    summary="the exact GroupNorm (+ SiLU) with its epilogue writing channels-last, for a convolution "
+            "to read without cuDNN's transpose (AutoencoderKL's ResnetBlock2D norms and decoder head)",
+    reference=f"{_REF}:group_norm_silu",
+    exact=f"{_EXACT}:group_norm_silu_fp64",
+    impls=(triton_impl(_GN, "group_norm_silu_cl"),),
+    key=(K("x", tail_shape=True), K("num_groups", value=True), K("weight"), K("bias"), K("eps", value=True),
+         K("silu", value=True)),
+    key_note="the batch only changes the grid; channels, groups and spatial size fix every chain and tree",
+    # channels-last out by design (eager writes NCHW): the values are compared, and the sites
+    # calling it hand the output to a channels-last convolution (modulate.conv_bias_cl)
+    own_layout=True,
+)
+
 _WR = "norm.wan_rms_norm_silu_triton"
 
 WAN_RMS_NORM_SILU = OpDescriptor(
@@ -179,5 +196,6 @@ GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE = OpDescriptor(
 
 DESCRIPTORS = (LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE_FP32,
                GATE_RESIDUAL_LAYERNORM_MODULATE_FP32, GROUP_NORM_SILU, GROUP_NORM_SILU_FP32,
+               GROUP_NORM_SILU_CL,
                WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, WAN_RMS_NORM_SILU_FP32, RMS_NORM_DIFFUSERS_SCALE,
                GATE_RESIDUAL_RMS_NORM_DIFFUSERS, GATE_RESIDUAL_RMS_NORM_DIFFUSERS_SCALE)

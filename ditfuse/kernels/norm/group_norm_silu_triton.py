@@ -460,6 +460,63 @@ def _gn_stats_out_kernel(ws_ptr, mean_ptr, rstd_ptr, NGW, eps, W: tl.constexpr,
     tl.store(rstd_ptr + i, _rstd(tl.math.div_rn(m2, nf), eps, RSQ))
 
 
+# ----------------------------------------------------------------------------- channels-last output (exact)
+#
+# The lossless AutoencoderKL decode hands every ResnetBlock2D norm's output to a convolution that
+# cuDNN runs as NCHW->NHWC transpose, NHWC kernel, NHWC->NCHW transpose. The exact statistics
+# need NCHW memory (aten's chains walk it), but the epilogue may write anywhere: written
+# channels-last, the convolution reads it as it is (layout.conv_channels_last's observation:
+# same NHWC kernel, same bits, gated per signature) and the transposes are gone.
+
+
+@triton.jit(do_not_specialize=["C", "HW", "D", "G", "NG"])
+def _gn_apply_cl_out_kernel(
+    x_ptr, w_ptr, b_ptr, stat_ptr, out_ptr, C, HW, D, G, NG,
+    DTYPE: tl.constexpr, BHW: tl.constexpr, BC: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
+    B_FMA: tl.constexpr, Y_FMA: tl.constexpr, SILU_EXP: tl.constexpr, SILU_DIV: tl.constexpr,
+):
+    """Program (hw tile, channel tile, n): the epilogue of ``_gn_apply_kernel`` (HxW > 1) on a
+    tile of BHW positions x BC channels of NCHW x, stored channels-last (``[N, HW, C]`` rows).
+    ``stat``: fp32 [2, N*G] mean / rstd as the exact fold computes them (``_gn_stats_out_kernel``)."""
+    hw = tl.program_id(0) * BHW + tl.arange(0, BHW)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    n = tl.program_id(2).to(tl.int64)
+    cm = c < C
+    m = (hw < HW)[:, None] & cm[None, :]
+    grp = n * G + c // D
+    mean = tl.load(stat_ptr + grp, mask=cm, other=0.0)
+    rstd = tl.load(stat_ptr + NG + grp, mask=cm, other=0.0)
+    # RowwiseMomentsCUDAKernel stores mean / rstd as the input dtype
+    mean = round_to(mean, DTYPE).to(tl.float32)
+    rstd = round_to(rstd, DTYPE).to(tl.float32)
+    x = load_f32(x_ptr + n * C * HW + c[None, :].to(tl.int64) * HW + hw[:, None], m)
+    if HAS_W or HAS_B:  # ComputeFusedParams per channel, then y = a*x + b
+        if HAS_W:
+            a = rstd * load_f32(w_ptr + c, cm)
+        else:
+            a = rstd
+        if HAS_B:
+            b0 = load_f32(b_ptr + c, cm)
+        else:
+            b0 = tl.zeros_like(a)  # the kernel adds a literal 0 (-0 products become +0)
+        if B_FMA:
+            b = _fma_b(a, mean, b0)
+        else:
+            b = neg(a) * mean + b0
+        ab = tl.broadcast_to(a[None, :], [BHW, BC])
+        bb = tl.broadcast_to(b[None, :], [BHW, BC])
+        if Y_FMA:
+            y = fma_exact(ab, x, bb)
+        else:
+            y = ab * x + bb
+    else:
+        y = (x - tl.broadcast_to(mean[None, :], [BHW, BC])) * tl.broadcast_to(rstd[None, :], [BHW, BC])
+    if SILU:
+        y = _silu(rround(y, DTYPE), SILU_EXP, SILU_DIV)
+    tl.store(out_ptr + n * HW * C + hw[:, None].to(tl.int64) * C + c[None, :], round_to(y, DTYPE), mask=m)
+
+
 # ----------------------------------------------------------------------------- channels-last (close)
 #
 # quality="high" decodes AutoencoderKL in channels-last memory (cuDNN's NHWC convolutions without
@@ -716,6 +773,49 @@ def _launch_cl(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bi
     return out
 
 
+def _launch_cl_out(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                   eps: float, silu: bool) -> torch.Tensor:
+    """The exact GroupNorm (+ SiLU), output channels-last: the statistics as :func:`_launch`
+    computes them (aten's chains on NCHW memory; a channels-last x is made contiguous first, as
+    native_group_norm does), the epilogue from NCHW tiles into channels-last rows."""
+    if x.dim() != 4 or x.numel() == 0 or x.shape[2] * x.shape[3] == 1:
+        # nothing to turn around (a [N, C, 1, 1] tensor is channels-last already)
+        return _launch(x, num_groups, weight, bias, eps, silu).contiguous(memory_format=torch.channels_last)
+    x = x.contiguous()
+    N, C = x.shape[0], x.shape[1]
+    G = int(num_groups)
+    D = C // G
+    HxW = x.shape[2] * x.shape[3]
+    L = D * HxW
+    NG = N * G
+    v = DEFAULT_VARIANT
+    stat = torch.empty((2, NG), dtype=torch.float32, device=x.device)
+    threads = _threads(L)
+    W = threads // LANES
+    J = cdiv(L, threads)
+    K = min(CHAIN_STEPS, next_pow2(J))
+    ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
+    _gn_chain_kernel[(NG, W)](
+        x, ws, L, cdiv(J, K), NG * W,
+        THREADS=threads, K=K, **{k: v[k] for k in CHAIN_VARIANTS},
+        num_warps=1, enable_fp_fusion=False,
+    )
+    _gn_stats_out_kernel[(NG,)](
+        ws, stat[0], stat[1], NG * W, _eps_for_kernel(x.dtype, eps), W=W, CMB_MEAN_FMA=v["CMB_MEAN_FMA"],
+        CMB_M2_MODE=v["CMB_M2_MODE"], RSQ=v["RSQ"], num_warps=1, enable_fp_fusion=False,
+    )
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+    BHW, BC = 64, min(64, next_pow2(C))
+    _gn_apply_cl_out_kernel[(cdiv(HxW, BHW), cdiv(C, BC), N)](
+        x, weight.contiguous() if weight is not None else x, bias.contiguous() if bias is not None else x,
+        stat, out, C, HxW, D, G, NG,
+        DTYPE=_DTYPES[x.dtype], BHW=BHW, BC=BC, HAS_W=weight is not None, HAS_B=bias is not None,
+        SILU=bool(silu), B_FMA=v["B_FMA"], Y_FMA=v["Y_FMA"], SILU_EXP=v["SILU_EXP"], SILU_DIV=v["SILU_DIV"],
+        num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return out
+
+
 def group_stats(
     x: torch.Tensor,
     num_groups: int,
@@ -841,6 +941,22 @@ def _(x, num_groups, weight, bias, eps, silu):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _cl_out_fake(x, num_groups, weight, bias, eps, silu):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
+
+
+@torch.library.custom_op("ditfuse::group_norm_silu_cl", mutates_args=())
+def _group_norm_silu_cl_op(
+    x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float, silu: bool,
+) -> torch.Tensor:
+    return _launch_cl_out(x, num_groups, weight, bias, eps, silu)
+
+
+_group_norm_silu_cl_op.register_fake(_cl_out_fake)
+
+
+
 # ----------------------------------------------------------------------------- public API
 
 
@@ -932,7 +1048,42 @@ def group_norm_silu_fp32(
     return _launch(x, num_groups, weight, bias, float(eps), silu, exact=False)
 
 
+def _cl_out_reason(x, num_groups, weight, bias, eps, silu) -> str | None:
+    r = _unsupported_reason(x, num_groups, weight, bias, eps, silu)
+    if r is None and x.dim() != 4:
+        return f"a channels-last output needs a 4-D [N, C, H, W] input, got {x.dim()}-D"
+    return r
+
+
+def can_use_group_norm_silu_cl(
+    x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float = 1e-6, silu: bool = True,
+) -> bool:
+    """True when :func:`group_norm_silu_cl` takes these arguments: those
+    of :func:`can_use_group_norm_silu` with a 4-D x."""
+    return _cl_out_reason(x, num_groups, weight, bias, eps, silu) is None
+
+
+def group_norm_silu_cl(
+    x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    eps: float = 1e-6, silu: bool = True,
+) -> torch.Tensor:
+    """:func:`group_norm_silu` (``out = r(silu(r(GN(x))))``, bit-exact vs torch 2.11 CUDA eager:
+    the same statistics kernels, the same epilogue arithmetic) with the output written
+    channels-last, for a convolution to read without cuDNN's NCHW -> NHWC transpose. The values
+    are eager's; the layout is the op's own. Raises UnsupportedInput where
+    :func:`can_use_group_norm_silu_cl` is False."""
+    reason = _cl_out_reason(x, num_groups, weight, bias, eps, silu)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if use_custom_op():
+        return torch.ops.ditfuse.group_norm_silu_cl(x, num_groups, weight, bias, float(eps), silu)
+    return _launch_cl_out(x, num_groups, weight, bias, float(eps), silu)
+
+
 __all__ = [
+    "group_norm_silu_cl",
+    "can_use_group_norm_silu_cl",
     "group_norm_silu",
     "can_use_group_norm_silu",
     "group_norm_silu_fp32",
