@@ -333,6 +333,12 @@ def wan_upsample(x: torch.Tensor) -> torch.Tensor:
     return F.interpolate(x.float(), None, (2.0, 2.0), "nearest-exact", None, recompute_scale_factor=None).type_as(x)
 
 
+def upsample_nearest2d(x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``Upsample2D`` interpolation: ``F.interpolate(x, scale_factor=2.0, mode="nearest")``
+    (each value repeated 2x2; channels-last in, channels-last out)."""
+    return F.interpolate(x, scale_factor=2.0, mode="nearest")
+
+
 def bias_residual(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """A cuDNN convolution's bias as aten adds it (``output.add_(bias.reshape(1, C, 1, ...))``),
     then the residual block's ``x + h``: ``r(r(x + bias) + h)``."""
@@ -396,7 +402,8 @@ def heads_to_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 __all__ += ["channels_last_format", "dense_channels_last", "wan_rms_norm", "wan_rms_norm_silu", "wan_rms_norm_silu_pad", "wan_upsample", "bias_residual", "conv_channels_last", "linear_cat", "head_cat",
-            "heads_to_tokens", "conv_bias_residual", "conv_bias", "conv_bias_nchw", "conv_bias_residual_nchw"]
+            "heads_to_tokens", "conv_bias_residual", "conv_bias", "conv_bias_nchw", "conv_bias_residual_nchw",
+            "upsample_nearest2d"]
 
 
 # ----------------------------------------------------------------------------- image families

@@ -10,17 +10,26 @@ SiLU that follows every ResnetBlock2D norm. Sites:
   fused call; on CUDA ``conv2`` runs without its bias and ``modulate.conv_bias_residual`` adds
   the bias and the residual in one pass (aten adds a cuDNN convolution's bias in a broadcast pass
   of its own, then the block adds the residual, then divides by ``output_scale_factor``, which
-  is 1: an exact copy, skipped); up/down sampling stays diffusers'.
+  is 1: an exact copy, skipped); up/down sampling stays diffusers'. In bf16/fp16 on CUDA (the
+  lossless decode) the block runs as a channels-last chain: each norm's epilogue writes
+  channels-last (``norm.group_norm_silu_cl``: the statistics still walk NCHW memory in aten's
+  order), conv1 and conv2 read it as cuDNN's NHWC kernel does (``modulate.conv_bias_cl``,
+  ``conv_bias_residual_cl``: held against the NCHW convolution by the gate; the same kernel cuDNN
+  wraps in NCHW <-> NHWC transposes, so the same bits), and the block's output keeps eager's layout.
 - ``Conv2d`` (every other biased one, on CUDA: conv_in, conv1, the shortcuts, the up/down
   samplers' convolutions, conv_out): ``modulate.conv_bias``, cuDNN's convolution and then its
   bias in one vectorized pass instead of aten's broadcast add.
-- ``Decoder``: its head ``conv_norm_out -> conv_act`` as one GroupNorm+SiLU call. Under
+- ``Decoder``: its head ``conv_norm_out -> conv_act`` as one GroupNorm+SiLU call (lossless
+  bf16/fp16: written channels-last for ``conv_out``, the image made NCHW again). Under
   quality="high" the decode runs in channels-last memory: the latent enters channels-last and
   every op keeps that layout (cuDNN's NHWC convolutions without the NCHW <-> NHWC transposes it
   wraps around an NCHW one, ~9 ms of an H100 1024² decode; the close GroupNorm reads and writes
   channels-last rows; nearest upsampling, the bias passes and the attention's views follow their
-  input); the image leaves contiguous. Lossless stays NCHW: the exact GroupNorm's chains walk
-  NCHW memory in aten's order, which channels-last memory would turn into strided reads.
+  input); the image leaves contiguous. Lossless cannot decode channels-last throughout: the
+  exact GroupNorm's chains walk NCHW memory in aten's order, which channels-last memory would turn
+  into strided reads; only its output is channels-last (above).
+- ``Upsample2D`` (the up blocks' upsamplers): on channels-last memory (the high decode) the
+  nearest x2 repeat as one Triton pass; NCHW (the lossless decode) keeps aten's kernel.
 - ``GroupNorm`` (every other one: the mid-block attention's ``group_norm``): the GroupNorm alone,
   same kernel with ``silu=False``.
 
@@ -36,6 +45,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..contracts.quality import Quality
+from ..kernels.layout import UPSAMPLE_NEAREST2D
 from ..kernels.modulate import CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL, CONV_BIAS_RESIDUAL_CL
 from ..kernels.norm import GROUP_NORM_SILU, GROUP_NORM_SILU_CL
 from .base import Adapter, Site, plain_module
@@ -167,6 +177,38 @@ def _decoder_applies(dec: Any) -> str | None:
     return None
 
 
+def upsample_forward(up, original, hidden_states: torch.Tensor, output_size: int | None = None, *args: Any,
+                     _ops: OpSet = LOSSLESS, **kwargs: Any) -> torch.Tensor:
+    """Upsample2D.forward (nearest x2, then its convolution) with the repeat on channels-last
+    memory as ``layout.upsample_nearest2d`` (the quality="high" decode's layout; aten's NHWC
+    upsample kernel ran 2.84 ms of its 1024² H100 decode). Other layouts, an explicit
+    ``output_size``, batches >= 64 and diffusers' ``scale`` argument take diffusers' forward."""
+    x = hidden_states
+    if args or kwargs or output_size is not None or not _canonical_channels_last(x) or x.shape[0] >= 64:
+        return original(hidden_states, output_size, *args, **kwargs)
+    h = _ops.upsample_nearest2d(x)
+    return up.conv(h) if up.use_conv else h
+
+
+def _canonical_channels_last(x: torch.Tensor) -> bool:
+    if x.dim() != 4 or x.is_contiguous():
+        return False
+    N, C, H, W = x.shape
+    return x.stride() == (H * W * C, 1, W * C, C) and x.numel() * 2 <= 2**31
+
+
+def _upsample_applies(up: Any) -> str | None:
+    if up.norm is not None:
+        return "has a norm (applied before the interpolation)"
+    if up.use_conv_transpose:
+        return "use_conv_transpose (no interpolation)"
+    if not up.interpolate:
+        return "interpolate=False"
+    if up.use_conv and up.name != "conv":
+        return f"convolution named {up.name!r} (the fast forward calls .conv)"
+    return None
+
+
 def _plain_conv(conv: Any) -> bool:
     """A Conv2d the conv ops take (:func:`_conv_applies`) whose forward nothing but ditfuse's own
     site intercepts: its output is ``F.conv2d(x, weight, bias, ...)``, so an op may read its weight
@@ -251,6 +293,16 @@ SITES = (
         applies=_decoder_applies,
         description="Decoder: conv_norm_out + conv_act as one GroupNorm+SiLU kernel; quality=\"high\" "
                     "decodes in channels-last memory (no cuDNN layout transposes)",
+    ),
+    Site(
+        name="vae.upsample",
+        cls="diffusers.models.upsampling:Upsample2D",
+        params=("self", "hidden_states", "output_size", "args", "kwargs"),
+        forward=upsample_forward,
+        ops=(UPSAMPLE_NEAREST2D,),
+        applies=_upsample_applies,
+        description="Upsample2D on channels-last memory (the quality=\"high\" decode): the nearest x2 "
+                    "repeat as one Triton pass",
     ),
     Site(
         name="vae.group_norm",

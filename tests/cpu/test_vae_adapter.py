@@ -37,7 +37,7 @@ def test_decode_on_reference_chains_equals_diffusers(batch, monkeypatch):
         rep = h.report().components[0]
         assert rep.status == "mounted" and rep.adapter == "autoencoder_kl"
         sites = {s for _, s in rep.sites}
-        assert sites == {"vae.resnet", "vae.group_norm", "vae.conv", "vae.decoder"}
+        assert sites == {"vae.resnet", "vae.group_norm", "vae.conv", "vae.decoder", "vae.upsample"}
         assert_bitwise_equal(_decode(vae, z), base, "decode")
     finally:
         h.unmount()
@@ -272,3 +272,36 @@ def test_high_tier_needs_admission_then_runs_the_close_group_norm():
         assert_bitwise_equal(_decode(vae, z), base, "back to lossless")
     finally:
         h.unmount()
+
+
+def test_upsample_site_on_channels_last_memory(monkeypatch):
+    """vae.upsample: a channels-last input (the high decode's) takes layout.upsample_nearest2d and
+    then the upsampler's conv, bitwise Upsample2D's forward; NCHW input and output_size keep
+    diffusers' forward (the op never sees them)."""
+    from diffusers.models.upsampling import Upsample2D
+
+    from ditfuse.models import autoencoder_kl as akl
+
+    up = Upsample2D(8, use_conv=True, out_channels=8).to(torch.bfloat16).eval()
+    assert akl._upsample_applies(up) is None
+    assert "norm" in akl._upsample_applies(Upsample2D(8, use_conv=True, norm_type="rms_norm", eps=1e-6))
+    x = torch.randn(2, 8, 5, 7).to(torch.bfloat16)
+    xc = x.contiguous(memory_format=torch.channels_last)
+    calls = []
+
+    class Ops:
+        def upsample_nearest2d(self, t):
+            calls.append(t.shape)
+            from ditfuse.kernels.layout.upsample_nearest_triton import upsample_nearest2d
+
+            return upsample_nearest2d(t)
+
+    with torch.no_grad():
+        want = up(xc)
+        got = akl.upsample_forward(up, up.forward, xc, _ops=Ops())
+        assert calls == [xc.shape]
+        assert_bitwise_equal(got, want, "upsample channels-last")
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        akl.upsample_forward(up, up.forward, x, _ops=Ops())
+        akl.upsample_forward(up, up.forward, xc, output_size=(10, 14), _ops=Ops())
+    assert len(calls) == 1

@@ -37,3 +37,27 @@ def test_matches_eager(dtype):
             failures.append(f"{list(shape)} {dtype}: bit patterns differ (NaN payloads?)")
         del x, got, exp
     assert not failures, "\n".join(failures)
+
+
+# AutoencoderKL's Upsample2D inputs in the channels-last (quality="high") decode at 1024x1024,
+# batch 2, and odd sizes
+KL_SHAPES = [(1, 512, 128, 128), (1, 512, 256, 256), (1, 256, 512, 512), (2, 512, 64, 64), (1, 40, 3, 7)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_upsample_nearest2d_matches_eager(dtype):
+    """layout.upsample_nearest2d (diffusers' Upsample2D: F.interpolate nearest x2 on the input's
+    dtype, no round trip) vs eager on channels-last x: a bit copy, NaN payloads kept."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    failures = []
+    for shape in KL_SHAPES:
+        x = (torch.randn(shape, generator=gen, device="cuda") * 3).to(dtype)
+        if dtype != torch.float32:
+            x.view(torch.int16).view(-1)[:3] = torch.tensor([0x7FC1, -91, 1], dtype=torch.int16, device="cuda")
+        x = x.contiguous(memory_format=torch.channels_last)
+        got, exp = up.upsample_nearest2d(x), ref.upsample_nearest2d(x)
+        assert got.stride() == exp.stride(), (got.stride(), exp.stride())
+        if not torch.equal(got.contiguous().view(torch.uint8), exp.contiguous().view(torch.uint8)):
+            failures.append(f"{list(shape)} {dtype}: bit patterns differ; {compare_outputs(got, exp)}")
+        del x, got, exp
+    assert not failures, "\n".join(failures)

@@ -204,6 +204,8 @@ def test_high_tier_admitted_and_closer_than_eager(which):
         assert ops.CLOSE[op].calls["kernel"] > 0
         if which == "kl":  # AutoencoderKL's high decode is channels-last: every GroupNorm on its in-place path
             assert ops.CLOSE[op].calls["eager"] == 0
+            up = ditfuse.gate.report().calls.get("layout.upsample_nearest2d", {})
+            assert up.get("kernel", 0) > 0 and not up.get("unsupported"), up
             assert len(cl_calls) == 2 * sum(type(m) is torch.nn.GroupNorm for m in vae.decoder.modules())
         err_hi, err_eager = (hi - ref32).norm().item(), (base - ref32).norm().item()
         assert err_hi <= 1.05 * err_eager, (err_hi, err_eager)

@@ -45,6 +45,18 @@ UPSAMPLE_NEAREST2X = OpDescriptor(
     key_note="every shape (a copy: the shape fixes the launch)",
 )
 
+UPSAMPLE_NEAREST2D = OpDescriptor(
+    op="layout.upsample_nearest2d",
+    contract=Contract.BIT_EXACT,
+    replaces="up2(x) (F.interpolate nearest x2, aten's NHWC kernel) -> one channels-last repeat pass",
+    summary="diffusers' Upsample2D nearest x2 on channels-last memory (AutoencoderKL's quality=\"high\" "
+            "decode): each value stored 2x2, a bit copy",
+    reference="ditfuse.kernels.reference:upsample_nearest2d",
+    impls=(triton_impl("layout.upsample_nearest_triton", "upsample_nearest2d"),),
+    key=(K("x", dims=(0,), tail_shape=True),),
+    key_note="every shape (a copy: the shape fixes the launch)",
+)
+
 _LC = "ditfuse.kernels.layout.linear_cat_torch"
 
 LINEAR_CAT = OpDescriptor(
@@ -87,4 +99,4 @@ HEADS_TO_TOKENS = OpDescriptor(
     key_note="dtype and stride class (a copy: no size changes the bits)",
 )
 
-DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, LINEAR_CAT, HEAD_CAT, HEADS_TO_TOKENS)
+DESCRIPTORS = (CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X, UPSAMPLE_NEAREST2D, LINEAR_CAT, HEAD_CAT, HEADS_TO_TOKENS)
