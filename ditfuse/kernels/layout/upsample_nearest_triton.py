@@ -142,12 +142,17 @@ _upsample_nearest2d_op.register_fake(lambda x: torch.empty(
     memory_format=torch.channels_last))
 
 
+def can_use_upsample_nearest2d(x: torch.Tensor) -> bool:
+    """True when :func:`upsample_nearest2d` takes x (the rules of :func:`can_use_upsample_nearest2x`)."""
+    return _unsupported_reason(x) is None
+
+
 def upsample_nearest2d(x: torch.Tensor) -> torch.Tensor:
     """``F.interpolate(x, scale_factor=2.0, mode="nearest")`` (diffusers' Upsample2D) on a
     channels-last x: each value repeated 2x2, a bit copy; channels-last out, bit-exact vs torch
     2.11 CUDA eager (whose NHWC upsample kernel ran at ~35 % of copy bandwidth in the
     channels-last AutoencoderKL decode). Raises UnsupportedInput where
-    :func:`can_use_upsample_nearest2x` is False (the same rules)."""
+    :func:`can_use_upsample_nearest2d` is False."""
     reason = _unsupported_reason(x)
     if reason is not None:
         raise UnsupportedInput(reason)
@@ -156,4 +161,4 @@ def upsample_nearest2d(x: torch.Tensor) -> torch.Tensor:
     return _launch(x, cast=False)
 
 
-__all__ = ["upsample_nearest2x", "can_use_upsample_nearest2x", "upsample_nearest2d"]
+__all__ = ["upsample_nearest2x", "can_use_upsample_nearest2x", "upsample_nearest2d", "can_use_upsample_nearest2d"]
