@@ -159,6 +159,8 @@ class BitExactGate:
         self._eager_only: dict[str, set[Hashable]] = {}
         # ops whose output layout is their own by design (OpDescriptor.own_layout): values only
         self._own_layout: set[str] = set()
+        # ops whose mismatch is a property of one signature (OpDescriptor.per_signature)
+        self._per_signature: set[str] = set()
         self._fallbacks: list[Fallback] = []
         self._calls: dict[str, Counter] = {}
         self._unsupported_seen: set[tuple[str, str]] = set()
@@ -185,6 +187,12 @@ class BitExactGate:
         the sites calling it own that layout (``OpDescriptor.own_layout``; kept across reset)."""
         with self._lock:
             self._own_layout.add(op)
+
+    def per_signature(self, op: str) -> None:
+        """A bitwise mismatch of ``op`` sends that signature to eager, not the whole op
+        (``OpDescriptor.per_signature``; kept across reset)."""
+        with self._lock:
+            self._per_signature.add(op)
 
     def is_verified(self, op: str, signature: Hashable) -> bool:
         return signature in self._verified.get(op, ())
@@ -318,6 +326,18 @@ class BitExactGate:
         reason = f"bitwise mismatch for signature {signature!r}: {mismatch}"
         if strict:
             raise BitExactMismatch(reason)
+        if op in self._per_signature:
+            self._count(op, "mismatch")
+            with self._lock:
+                self._eager_only.setdefault(op, set()).add(signature)
+            self._fallback(op, signature, reason)
+            logger.warning(
+                "ditfuse: %s differs from eager for %r (first difference at %s: kernel %r, eager %r; %d of %d "
+                "elements); this signature runs eager for the rest of this process (the op's other "
+                "signatures are verified one by one)",
+                op, signature, list(mismatch.index), mismatch.actual, mismatch.expected, mismatch.count, mismatch.numel,
+            )
+            return r_out
         self.disable(op, reason)
         self._fallback(op, signature, reason)
         logger.warning(

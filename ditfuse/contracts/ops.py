@@ -144,6 +144,8 @@ class GatedOp(_RegisteredOp):
         self._sigs: dict[tuple, Hashable] = {}
         if descriptor.own_layout:
             gate.owns_layout(descriptor.op)
+        if descriptor.per_signature:
+            gate.per_signature(descriptor.op)
 
     def signature(self, *args: Any, **kwargs: Any) -> Hashable:
         if self._binder is None:

@@ -201,6 +201,10 @@ class OpDescriptor:
     convolution on channels-last memory writes channels-last where its reference writes
     contiguous): the gate then compares values only, and every site calling the op keeps that
     layout inside its own region and hands eager's layout back where the region ends.
+    per_signature: the op's exactness is an observation per problem, not a construction (cuDNN
+    picks its convolution kernel per shape and layout): a bitwise mismatch sends that signature
+    to eager for the rest of the process, not the whole op (the other signatures were or will be
+    verified one by one, at first sight).
     """
 
     op: str
@@ -214,6 +218,7 @@ class OpDescriptor:
     key_note: str = ""
     lossless: "OpDescriptor | None" = None
     own_layout: bool = False
+    per_signature: bool = False
 
     def __post_init__(self) -> None:
         domain, dot, name = self.op.partition(".")

@@ -112,9 +112,9 @@ def _resnet_channels_last(block, input_tensor: torch.Tensor, _ops: OpSet) -> tor
     (``norm.group_norm_silu_cl``) and conv1 / conv2 reading it as cuDNN's NHWC kernel does
     (``modulate.conv_bias_cl`` / ``conv_bias_residual_cl``, each held against the NCHW convolution
     by the gate): eager's four NCHW <-> NHWC transposes around conv1 and conv2 are gone. conv1's
-    output reaches norm2 channels-last, which the exact statistics read as native_group_norm does
-    (a contiguous copy first: the transpose cuDNN would have made). The block's output has eager's
-    layout: the residual's."""
+    bias pass writes NCHW (cuDNN's output transpose and aten's bias add in one tiled pass), which
+    norm2's exact statistics need; conv2's bias + residual pass writes the residual's layout, so
+    the block's output has eager's."""
     n1, n2, c1, c2 = block.norm1, block.norm2, block.conv1, block.conv2
     h = _ops.group_norm_silu_cl(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, True)
     h = _ops.conv_bias_cl(h, c1.weight, c1.bias, c1.stride, c1.padding, c1.dilation, c1.groups)

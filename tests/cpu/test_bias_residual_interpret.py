@@ -211,19 +211,19 @@ def test_channels_last_conv_ops_are_their_composition(dtype):
     assert br.can_use_conv_bias_cl(x, w, b, *geo)
     got = br.conv_bias_cl(x, w, b, *geo)
     y = torch.nn.functional.conv2d(x, w, None, 1, 1)
-    assert got.is_contiguous(memory_format=torch.channels_last)
+    assert got.is_contiguous()  # the bias pass writes NCHW: eager's layout, norm2's statistics' input
     assert compare_outputs(got, y.clone().add_(b.reshape(1, -1, 1, 1)), "conv_bias_cl") is None
+    got = br.conv_bias_cl(x.contiguous(), w, b, *geo)  # NCHW x (the norm ran its reference): served too
+    assert got.is_contiguous() and compare_outputs(got, y.clone().add_(b.reshape(1, -1, 1, 1)), "NCHW x") is None
+    torch.library.opcheck(torch.ops.ditfuse.bias_add_to_nchw, (y, b))
     for h in (_rand(tuple(y.shape), dtype, 34), cl(_rand(tuple(y.shape), dtype, 35))):
         assert br.can_use_conv_bias_residual_cl(x, w, b, h, *geo)
         got = br.conv_bias_residual_cl(x, w, b, h, *geo)
         exp = h + y.clone().add_(b.reshape(1, -1, 1, 1))
         assert got.stride() == exp.stride() == h.stride()
         assert compare_outputs(got, exp, "conv_bias_residual_cl") is None
-    # refused: NCHW x (nothing to save; the NCHW ops serve it), fp32 (cuDNN's NHWC fp32 kernels
-    # accumulate differently), groups
-    xn = x.contiguous()
-    assert not br.can_use_conv_bias_cl(xn, w, b, *geo)
+    # refused: fp32 (cuDNN's NHWC fp32 kernels accumulate differently), groups, strided x
     assert not br.can_use_conv_bias_cl(x.float(), w.float(), b.float(), *geo)
-    assert not br.can_use_conv_bias_residual_cl(xn, w, b, _rand(tuple(y.shape), dtype, 36), *geo)
+    assert not br.can_use_conv_bias_cl(x[..., :-1], w, b, *geo)
     wg = _rand((6, 3, 3, 3), dtype, 37)
     assert not br.can_use_conv_bias_cl(x, wg, _rand((6,), dtype, 38), (1, 1), (1, 1), (1, 1), 2)

@@ -68,6 +68,33 @@ def test_mismatch_disables_permanently_and_returns_reference(g, caplog):
     assert "1 of 32 elements differ" in rep.fallbacks[0].reason
 
 
+def test_per_signature_op_mismatch_sends_only_that_signature_to_eager(g, caplog):
+    """OpDescriptor.per_signature (cuDNN-observation ops): a mismatch sends that signature to the
+    reference for good; the op stays on, its other signatures verified one by one."""
+    def bad_on_odd(x):
+        y = ref_fn(x)
+        if x.shape[0] % 2:
+            y[0, 0] += 1
+        return y
+
+    g.per_signature("t.cudnn")
+    kern, ref = Counting(bad_on_odd), Counting(ref_fn)
+    odd, even = torch.randn(3, 8), torch.randn(4, 8)
+    with caplog.at_level(logging.WARNING, logger="ditfuse.gate"):
+        assert torch.equal(g.call("t.cudnn", ("odd",), kern, ref, odd), ref_fn(odd))
+    assert not g.is_disabled("t.cudnn")
+    assert "this signature runs eager" in " ".join(r.getMessage() for r in caplog.records)
+    for _ in range(3):  # the bad signature: reference only, the kernel is not called again
+        assert torch.equal(g.call("t.cudnn", ("odd",), kern, ref, odd), ref_fn(odd))
+    assert kern.calls == 1
+    for _ in range(3):  # another signature: verified, then the kernel alone
+        assert torch.equal(g.call("t.cudnn", ("even",), kern, ref, even), ref_fn(even))
+    assert kern.calls == 4
+    rep = g.report()
+    assert rep.verified["t.cudnn"] == {("even",)} or sorted(rep.verified["t.cudnn"]) == [("even",)]
+    assert [f.op for f in rep.fallbacks] == ["t.cudnn"] and "bitwise mismatch" in rep.fallbacks[0].reason
+
+
 def test_nan_inputs_compared_bitwise(g):
     x = torch.tensor([1.0, float("nan"), float("inf"), -0.0])
     # NaN in the same place: equal, even with another payload

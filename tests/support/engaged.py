@@ -11,10 +11,17 @@ import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
 
 
-def assert_engaged(ops) -> None:
+def assert_engaged(ops, per_signature_ok: tuple[str, ...] = ()) -> None:
+    """Every op in ``ops`` verified, ran its kernel, nothing disabled or fallen back. For the ops in
+    ``per_signature_ok`` (``OpDescriptor.per_signature``: exactness observed per cuDNN problem) a
+    signature the gate found unequal and sent to eager is the gate doing its job: allowed, printed."""
     rep = ditfuse.gate.report()
     assert not rep.disabled, f"ops disabled: {rep.disabled}"
-    assert not rep.fallbacks, f"fallbacks: {[(f.op, f.reason) for f in rep.fallbacks]}"
+    allowed = [f for f in rep.fallbacks if f.op in per_signature_ok and f.reason.startswith("bitwise mismatch")]
+    for f in allowed:
+        print(f"[engaged] {f.op}: one signature runs eager by the gate's verdict: {f.reason}")
+    rest = [f for f in rep.fallbacks if f not in allowed]
+    assert not rest, f"fallbacks: {[(f.op, f.reason) for f in rest]}"
     for op in ops:
         c = rep.calls.get(op, {})
         assert rep.verified.get(op), f"{op} never verified; calls {dict(c)}"

@@ -30,6 +30,7 @@ CONV_CHANNELS_LAST = OpDescriptor(
     # channels-last out by design (the reference, NCHW's way, writes contiguous); the Wan VAE's
     # decoder site keeps the decode channels-last and returns it contiguous, as eager does
     own_layout=True,
+    per_signature=True,
 )
 
 UPSAMPLE_NEAREST2X = OpDescriptor(

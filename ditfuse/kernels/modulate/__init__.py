@@ -61,15 +61,16 @@ CONV_BIAS_CL = OpDescriptor(
     op="modulate.conv_bias_cl",
     contract=Contract.BIT_EXACT,
     replaces="NCHW->NHWC transpose + conv + NHWC->NCHW transpose + broadcast bias add -> the NHWC conv "
-             "on channels-last x + one vectorized bias pass",
+             "on channels-last x + one bias pass writing NCHW",
     summary="a biased Conv2d whose input eager has in NCHW, run on the channels-last copy a "
             "norm_cl op wrote: cuDNN's NHWC kernel without its transposes (verified against the "
-            "NCHW convolution at first sight), then the bias in one pass; output channels-last",
+            "NCHW convolution at first sight), then the bias in one tiled pass that writes NCHW "
+            "(eager's layout: cuDNN's output transpose and aten's bias add in one)",
     reference="ditfuse.kernels.reference:conv_bias_nchw",
     impls=(triton_impl("modulate.bias_residual_triton", "conv_bias_cl"),),
     key=_CONV_KEY,
     key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
-    own_layout=True,
+    per_signature=True,
 )
 
 CONV_BIAS_RESIDUAL_CL = OpDescriptor(
@@ -83,6 +84,7 @@ CONV_BIAS_RESIDUAL_CL = OpDescriptor(
     impls=(triton_impl("modulate.bias_residual_triton", "conv_bias_residual_cl"),),
     key=(*_CONV_KEY[:3], K("h"), *_CONV_KEY[3:]),
     key_note="every shape: cuDNN's heuristic picks its kernel from the whole problem",
+    per_signature=True,
 )
 
 DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL, CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL_CL)

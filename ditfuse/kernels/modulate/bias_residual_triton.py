@@ -51,9 +51,10 @@ def _bias_residual_kernel(x_ptr, b_ptr, h_ptr, out_ptr, n, C, HW, DTYPE: tl.cons
 
 @triton.jit(do_not_specialize=["C", "HW"])
 def _bias_residual_mixed_kernel(y_ptr, b_ptr, h_ptr, out_ptr, C, HW, DTYPE: tl.constexpr, Y_CL: tl.constexpr,
-                                BHW: tl.constexpr, BC: tl.constexpr):
+                                BHW: tl.constexpr, BC: tl.constexpr, HAS_H: tl.constexpr = True):
     """``out = r(r(y + bias[c]) + h)`` where y and h have different layouts (one contiguous NCHW,
-    the other channels innermost); out has h's. Tiles of BHW positions x BC channels, so both
+    the other channels innermost); out has h's. Without h: ``out = r(y + bias[c])`` in the other
+    layout than y's (a transpose with the bias add). Tiles of BHW positions x BC channels, so both
     sides load coalesced (the compiler turns the tile around through shared memory)."""
     hw = tl.program_id(0) * BHW + tl.arange(0, BHW)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -67,8 +68,12 @@ def _bias_residual_mixed_kernel(y_ptr, b_ptr, h_ptr, out_ptr, C, HW, DTYPE: tl.c
     else:
         y_off = nchw
         h_off = cl
-    v = rround(load_f32(y_ptr + y_off, m) + load_f32(b_ptr + c, c < C)[None, :], DTYPE)
-    tl.store(out_ptr + h_off, round_to(v + load_f32(h_ptr + h_off, m), DTYPE), mask=m)
+    if HAS_H:
+        v = rround(load_f32(y_ptr + y_off, m) + load_f32(b_ptr + c, c < C)[None, :], DTYPE)
+        tl.store(out_ptr + h_off, round_to(v + load_f32(h_ptr + h_off, m), DTYPE), mask=m)
+    else:
+        tl.store(out_ptr + h_off, round_to(load_f32(y_ptr + y_off, m) + load_f32(b_ptr + c, c < C)[None, :], DTYPE),
+                 mask=m)
 
 
 def _channels_innermost(t: torch.Tensor) -> bool:
@@ -214,16 +219,28 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return _launch_mixed(y, bias, h)
 
 
-def _launch_mixed(y: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    out = torch.empty_like(h)
+def _launch_mixed(y: torch.Tensor, bias: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
+    """h given: ``r(r(y + b) + h)`` in h's layout (y's is the other one); h None: ``r(y + b)`` from
+    channels-last y into a new NCHW tensor."""
+    out = torch.empty_like(h) if h is not None else torch.empty(y.shape, dtype=y.dtype, device=y.device)
     N, C = y.shape[0], y.shape[1]
     HW = y.numel() // (N * C) if y.numel() else 0
     if y.numel():
         BHW, BC = 64, min(64, max(16, 1 << (C - 1).bit_length()))
         _bias_residual_mixed_kernel[(cdiv(HW, BHW), cdiv(C, BC), N)](
-            y, bias.contiguous(), h, out, C, HW, DTYPE=tl_dtype(y.dtype), Y_CL=not y.is_contiguous(),
-            BHW=BHW, BC=BC, num_warps=4, enable_fp_fusion=False)
+            y, bias.contiguous(), y if h is None else h, out, C, HW, DTYPE=tl_dtype(y.dtype),
+            Y_CL=not y.is_contiguous(), BHW=BHW, BC=BC, HAS_H=h is not None, num_warps=4, enable_fp_fusion=False)
     return out
+
+
+@torch.library.custom_op("ditfuse::bias_add_to_nchw", mutates_args=())
+def _bias_add_to_nchw_op(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    return _launch_mixed(y, bias, None)
+
+
+@_bias_add_to_nchw_op.register_fake
+def _(y, bias):
+    return torch.empty(y.shape, dtype=y.dtype, device=y.device)
 
 
 @torch.library.custom_op("ditfuse::bias_residual_mixed", mutates_args=())
@@ -281,8 +298,6 @@ def _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> st
     if x.dtype not in (torch.bfloat16, torch.float16):
         return (f"dtype {x.dtype}: bf16 / fp16 only (cuDNN's fp32 NHWC kernels accumulate unlike its NCHW path, "
                 "layout.conv_channels_last's finding)")
-    if x.is_contiguous() or not _channels_innermost(x):
-        return "x must be channels-last (a norm_cl op's output)"
     if groups != 1:
         return f"groups={groups} (only 1)"
     if torch.backends.cudnn.benchmark:
@@ -292,7 +307,8 @@ def _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> st
 
 def can_use_conv_bias_cl(x, weight, bias, stride, padding, dilation, groups) -> bool:
     """True when :func:`conv_bias_cl` takes these arguments: :func:`can_use_conv_bias`'s rules with
-    x channels-last (not also contiguous), bf16 or fp16, one group, ``cudnn.benchmark`` off."""
+    bf16 or fp16, one group, ``cudnn.benchmark`` off (x channels-last saves the transposes; an
+    NCHW x, where the norm before it ran its reference, is served as conv_bias would)."""
     return _cl_conv_reason(x, weight, bias, None, stride, padding, dilation, groups) is None
 
 
@@ -300,7 +316,8 @@ def conv_bias_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stri
                  padding: tuple[int, int], dilation: tuple[int, int], groups: int) -> torch.Tensor:
     """``F.conv2d(x.contiguous(), weight, bias, ...)`` (the NCHW convolution eager runs) computed on
     channels-last x: cuDNN's NHWC kernel without the NCHW <-> NHWC transposes it wraps around an
-    NCHW convolution, then the bias in one vectorized pass; output channels-last, bit-exact vs
+    NCHW convolution, then the bias in one tiled pass that writes NCHW (eager's layout: cuDNN's
+    output transpose and aten's bias add in one pass); bit-exact vs
     torch 2.11 CUDA eager where the gate's first sight says so (an observation about cuDNN's
     heuristics: bench/probes/probe_vae_channels_last.py found all 35 AutoencoderKL decoder
     convolutions bitwise equal). Raises :class:`UnsupportedInput` where :func:`can_use_conv_bias_cl`
@@ -308,7 +325,17 @@ def conv_bias_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stri
     reason = _cl_conv_reason(x, weight, bias, None, stride, padding, dilation, groups)
     if reason is not None:
         raise UnsupportedInput(reason)
-    return conv_bias(x, weight, bias, stride, padding, dilation, groups)
+    y = _unbiased_conv(x, weight, bias, None, stride, padding, dilation, groups)
+    if y.is_contiguous():  # an NCHW x (the norm fell back to its reference): conv_bias's pass
+        if use_custom_op():
+            return torch.ops.ditfuse.bias_add_nchw(y, bias)
+        _fire(y, bias, None, y)
+        return y
+    if not _channels_innermost(y):
+        raise UnsupportedInput(f"cuDNN returned strides {y.stride()} (neither NCHW nor channels-last)")
+    if use_custom_op():
+        return torch.ops.ditfuse.bias_add_to_nchw(y, bias)
+    return _launch_mixed(y, bias, None)
 
 
 def can_use_conv_bias_residual_cl(x, weight, bias, h, stride, padding, dilation, groups) -> bool:
