@@ -15,7 +15,9 @@ SiLU that follows every ResnetBlock2D norm. Sites:
   channels-last (``norm.group_norm_silu_cl``: the statistics still walk NCHW memory in aten's
   order), conv1 and conv2 read it as cuDNN's NHWC kernel does (``modulate.conv_bias_cl``,
   ``conv_bias_residual_cl``: held against the NCHW convolution by the gate; the same kernel cuDNN
-  wraps in NCHW <-> NHWC transposes, so the same bits), and the block's output keeps eager's layout.
+  wraps in NCHW <-> NHWC transposes, so the same bits), and the block's output keeps eager's
+  layout. Off unless ``DITFUSE_VAE_CL=1`` (:func:`channels_last_chain_enabled`: bitwise on the
+  H100, but slower than the NCHW path so far).
 - ``Conv2d`` (every other biased one, on CUDA: conv_in, conv1, the shortcuts, the up/down
   samplers' convolutions, conv_out): ``modulate.conv_bias``, cuDNN's convolution and then its
   bias in one vectorized pass instead of aten's broadcast add.
@@ -45,6 +47,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..contracts.quality import Quality
+from ..kernels.env import env
 from ..kernels.layout import UPSAMPLE_NEAREST2D
 from ..kernels.modulate import CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL, CONV_BIAS_RESIDUAL_CL
 from ..kernels.norm import GROUP_NORM_SILU, GROUP_NORM_SILU_CL
@@ -127,11 +130,22 @@ def _resnet_channels_last(block, input_tensor: torch.Tensor, _ops: OpSet) -> tor
     return out if block.output_scale_factor == 1.0 else out / block.output_scale_factor
 
 
+def channels_last_chain_enabled() -> bool:
+    """``DITFUSE_VAE_CL=1``: the lossless channels-last chain (:func:`_resnet_channels_last` and the
+    decoder head). Off by default: bitwise and engaged on the H100 (round 15), but its decode was
+    slower (63.8 vs 41.9 ms at 1024²): the channels-last epilogue kernel ran at ~30 % of the NCHW
+    one's speed and the residual stream after the mid-block attention (channels-last) still paid
+    aten's slow channels-last -> NCHW copies in norm1 (notes/runtime.md, round 15)."""
+    return env("DITFUSE_VAE_CL", "0").strip() not in ("", "0")
+
+
 def _channels_last_chain(block, x: torch.Tensor) -> bool:
-    """The block may run :func:`_resnet_channels_last`: CUDA, bf16/fp16 (cuDNN's fp32 NHWC kernels
-    are another computation), 4-D, inference, no up/down sampling between norm1 and conv1, both
-    convolutions plain (the ops read their weights), ``cudnn.benchmark`` off."""
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4 and not block.training
+    """The block may run :func:`_resnet_channels_last`: switched on (:func:`channels_last_chain_enabled`),
+    CUDA, bf16/fp16 (cuDNN's fp32 NHWC kernels are another computation), 4-D, inference, no
+    up/down sampling between norm1 and conv1, both convolutions plain (the ops read their
+    weights), ``cudnn.benchmark`` off."""
+    return (channels_last_chain_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dim() == 4 and not block.training
             and block.upsample is None and block.downsample is None and not torch.backends.cudnn.benchmark
             and _plain_conv(block.conv1) and _plain_conv(block.conv2))
 
@@ -164,7 +178,7 @@ def decoder_forward(dec, original, sample: torch.Tensor, latent_embeds: torch.Te
 
 
 def _head_channels_last(dec, x: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4
+    return (channels_last_chain_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4
             and not torch.backends.cudnn.benchmark and _plain_conv(dec.conv_out))
 
 

@@ -32,7 +32,9 @@ def _kl_ops(dtype):
     """The AutoencoderKL ops a lossless decode runs: in bf16/fp16 every ResnetBlock2D takes the
     channels-last chain (norms writing channels-last, conv1 / conv2 without cuDNN's transposes,
     the decoder head alike); fp32 stays NCHW (cuDNN's fp32 NHWC kernels are another computation)."""
-    if dtype == torch.float32:
+    from ditfuse.models.autoencoder_kl import channels_last_chain_enabled
+
+    if dtype == torch.float32 or not channels_last_chain_enabled():
         return ("norm.group_norm_silu", "modulate.conv_bias", "modulate.conv_bias_residual")
     return ("norm.group_norm_silu", "norm.group_norm_silu_cl", "modulate.conv_bias", "modulate.conv_bias_cl",
             "modulate.conv_bias_residual_cl")
@@ -74,6 +76,17 @@ def test_tiny(dtype, batch, hw):
     vae = _vae(TINY, dtype)
     z = torch.randn(batch, 16, *hw, device=DEV).to(dtype)
     _compare(vae, z, f"tiny {dtype} B={batch} {hw}")
+
+
+@pytest.mark.parametrize("hw", [(8, 8), (9, 13)], ids=["8x8", "odd9x13"])
+def test_channels_last_chain_opt_in(hw, monkeypatch):
+    """DITFUSE_VAE_CL=1: every ResnetBlock2D and the decoder head on the channels-last chain
+    (off by default: slower so far), bitwise, its ops engaged; the FLUX.1 VAE at 1024² batch 2 too."""
+    monkeypatch.setenv("DITFUSE_VAE_CL", "1")
+    _compare(_vae(TINY, torch.bfloat16), torch.randn(2, 16, *hw, device=DEV).to(torch.bfloat16), f"tiny cl {hw}")
+    if hw == (8, 8):
+        vae = _vae(FLUX_VAE, torch.bfloat16)
+        _compare(vae, torch.randn(2, 16, 128, 128, device=DEV).to(torch.bfloat16), "FLUX VAE cl 1024 B=2")
 
 
 @pytest.mark.parametrize("batch", [1, 2])
