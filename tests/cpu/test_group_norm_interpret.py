@@ -416,3 +416,15 @@ def test_reference_equals_diffusers_modules():
             arg = hs.transpose(1, 2)
             assert arg.is_contiguous()
             assert compare_outputs(ref.group_norm(arg, 32, b.norm1.weight, b.norm1.bias, 1e-6), b.norm1(arg)) is None
+
+
+def test_channels_last_input_copy_is_a_bit_copy():
+    """native_group_norm's ``X.contiguous()`` for a channels-last x runs as a tiled Triton copy
+    (aten's strided copy was slow): the same bits, NaN payloads included, NCHW out."""
+    x = _rand((2, 70, 5, 9), torch.bfloat16, 89).contiguous(memory_format=torch.channels_last)
+    x.view(torch.int16).view(-1)[:3] = torch.tensor([0x7FC1, -91, 1], dtype=torch.int16)
+    got = gn._contiguous(x)
+    assert got.is_contiguous()
+    assert torch.equal(got.view(torch.int16), x.contiguous().view(torch.int16))
+    sl = x[:, :, 1:]  # not canonical channels-last: aten's copy
+    assert torch.equal(gn._contiguous(sl).view(torch.int16), sl.contiguous().view(torch.int16))

@@ -477,20 +477,19 @@ def _gn_apply_cl_out_kernel(
     B_FMA: tl.constexpr, Y_FMA: tl.constexpr, SILU_EXP: tl.constexpr, SILU_DIV: tl.constexpr,
 ):
     """Program (hw tile, channel tile, n): the epilogue of ``_gn_apply_kernel`` (HxW > 1) on a
-    tile of BHW positions x BC channels of NCHW x, stored channels-last (``[N, HW, C]`` rows).
+    ``[BC, BHW]`` tile of NCHW x (channel rows, positions contiguous: coalesced loads), turned
+    around with ``tl.trans`` and stored as ``[BHW, BC]`` channels-last rows (coalesced stores).
     ``stat``: fp32 [2, N*G] mean / rstd as the exact fold computes them (``_gn_stats_out_kernel``)."""
     hw = tl.program_id(0) * BHW + tl.arange(0, BHW)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     n = tl.program_id(2).to(tl.int64)
     cm = c < C
-    m = (hw < HW)[:, None] & cm[None, :]
+    m = cm[:, None] & (hw < HW)[None, :]
     grp = n * G + c // D
-    mean = tl.load(stat_ptr + grp, mask=cm, other=0.0)
-    rstd = tl.load(stat_ptr + NG + grp, mask=cm, other=0.0)
     # RowwiseMomentsCUDAKernel stores mean / rstd as the input dtype
-    mean = round_to(mean, DTYPE).to(tl.float32)
-    rstd = round_to(rstd, DTYPE).to(tl.float32)
-    x = load_f32(x_ptr + n * C * HW + c[None, :].to(tl.int64) * HW + hw[:, None], m)
+    mean = round_to(tl.load(stat_ptr + grp, mask=cm, other=0.0), DTYPE).to(tl.float32)
+    rstd = round_to(tl.load(stat_ptr + NG + grp, mask=cm, other=0.0), DTYPE).to(tl.float32)
+    x = load_f32(x_ptr + n * C * HW + c[:, None].to(tl.int64) * HW + hw[None, :], m)
     if HAS_W or HAS_B:  # ComputeFusedParams per channel, then y = a*x + b
         if HAS_W:
             a = rstd * load_f32(w_ptr + c, cm)
@@ -504,17 +503,45 @@ def _gn_apply_cl_out_kernel(
             b = _fma_b(a, mean, b0)
         else:
             b = neg(a) * mean + b0
-        ab = tl.broadcast_to(a[None, :], [BHW, BC])
-        bb = tl.broadcast_to(b[None, :], [BHW, BC])
+        ab = tl.broadcast_to(a[:, None], [BC, BHW])
+        bb = tl.broadcast_to(b[:, None], [BC, BHW])
         if Y_FMA:
             y = fma_exact(ab, x, bb)
         else:
             y = ab * x + bb
     else:
-        y = (x - tl.broadcast_to(mean[None, :], [BHW, BC])) * tl.broadcast_to(rstd[None, :], [BHW, BC])
+        y = (x - tl.broadcast_to(mean[:, None], [BC, BHW])) * tl.broadcast_to(rstd[:, None], [BC, BHW])
     if SILU:
         y = _silu(rround(y, DTYPE), SILU_EXP, SILU_DIV)
-    tl.store(out_ptr + n * HW * C + hw[:, None].to(tl.int64) * C + c[None, :], round_to(y, DTYPE), mask=m)
+    out = tl.trans(round_to(y, DTYPE))
+    tl.store(out_ptr + n * HW * C + hw[:, None].to(tl.int64) * C + c[None, :], out, mask=tl.trans(m))
+
+
+@triton.jit(do_not_specialize=["C", "HW"])
+def _cl_to_nchw_kernel(x_ptr, out_ptr, C, HW, BHW: tl.constexpr, BC: tl.constexpr):
+    """A bit copy of channels-last x (``[N, HW, C]`` rows) into NCHW: ``[BHW, BC]`` tiles loaded
+    along the channels, stored along the positions (``tl.trans`` in between)."""
+    hw = tl.program_id(0) * BHW + tl.arange(0, BHW)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    base = tl.program_id(2).to(tl.int64) * HW * C
+    m = (hw < HW)[:, None] & (c < C)[None, :]
+    v = tl.load(x_ptr + base + hw[:, None].to(tl.int64) * C + c[None, :], mask=m)
+    tl.store(out_ptr + base + c[:, None].to(tl.int64) * HW + hw[None, :], tl.trans(v), mask=tl.trans(m))
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    """``x.contiguous()`` (native_group_norm's first step: the same values in NCHW memory) with a
+    channels-last 4-D x copied by a tiled Triton pass (aten's strided copy of a channels-last
+    tensor ran at a few % of copy bandwidth in the AutoencoderKL decode)."""
+    if x.is_contiguous() or x.dim() != 4 or x.numel() == 0:
+        return x.contiguous()
+    N, C, H, W = x.shape
+    if x.stride() != (H * W * C, 1, W * C, C):
+        return x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    BHW, BC = 64, min(64, next_pow2(C))
+    _cl_to_nchw_kernel[(cdiv(H * W, BHW), cdiv(C, BC), N)](x, out, C, H * W, BHW=BHW, BC=BC, num_warps=4)
+    return out
 
 
 # ----------------------------------------------------------------------------- channels-last (close)
@@ -663,7 +690,7 @@ def _launch(
     ``eps_override`` exist for the GPU order probe. The defaults are the bit-exact configuration."""
     if not exact and _cl_path(x, num_groups) and chain_steps is None and apply_block is None:
         return _launch_cl(x, num_groups, weight, bias, eps, silu)
-    x = x.contiguous()  # native_group_norm on CUDA: X.contiguous() (a bit copy)
+    x = _contiguous(x)  # native_group_norm on CUDA: X.contiguous() (a bit copy)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.numel() == 0:
         return out
@@ -781,7 +808,7 @@ def _launch_cl_out(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     if x.dim() != 4 or x.numel() == 0 or x.shape[2] * x.shape[3] == 1:
         # nothing to turn around (a [N, C, 1, 1] tensor is channels-last already)
         return _launch(x, num_groups, weight, bias, eps, silu).contiguous(memory_format=torch.channels_last)
-    x = x.contiguous()
+    x = _contiguous(x)
     N, C = x.shape[0], x.shape[1]
     G = int(num_groups)
     D = C // G
