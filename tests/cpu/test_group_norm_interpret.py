@@ -421,8 +421,9 @@ def test_reference_equals_diffusers_modules():
 def test_channels_last_input_copy_is_a_bit_copy():
     """native_group_norm's ``X.contiguous()`` for a channels-last x runs as a tiled Triton copy
     (aten's strided copy was slow): the same bits, NaN payloads included, NCHW out."""
-    x = _rand((2, 70, 5, 9), torch.bfloat16, 89).contiguous(memory_format=torch.channels_last)
+    x = _rand((2, 70, 5, 9), torch.bfloat16, 89)
     x.view(torch.int16).view(-1)[:3] = torch.tensor([0x7FC1, -91, 1], dtype=torch.int16)
+    x = x.contiguous(memory_format=torch.channels_last)
     got = gn._contiguous(x)
     assert got.is_contiguous()
     assert torch.equal(got.view(torch.int16), x.contiguous().view(torch.int16))
