@@ -16,8 +16,7 @@ SiLU that follows every ResnetBlock2D norm. Sites:
   order), conv1 and conv2 read it as cuDNN's NHWC kernel does (``modulate.conv_bias_cl``,
   ``conv_bias_residual_cl``: held against the NCHW convolution by the gate; the same kernel cuDNN
   wraps in NCHW <-> NHWC transposes, so the same bits), and the block's output keeps eager's
-  layout. Off unless ``DITFUSE_VAE_CL=1`` (:func:`channels_last_chain_enabled`: bitwise on the
-  H100, but slower than the NCHW path so far).
+  layout. On by default; ``DITFUSE_VAE_CL=0`` keeps the NCHW path (:func:`channels_last_chain_enabled`).
 - ``Conv2d`` (every other biased one, on CUDA: conv_in, conv1, the shortcuts, the up/down
   samplers' convolutions, conv_out): ``modulate.conv_bias``, cuDNN's convolution and then its
   bias in one vectorized pass instead of aten's broadcast add.
@@ -131,12 +130,11 @@ def _resnet_channels_last(block, input_tensor: torch.Tensor, _ops: OpSet) -> tor
 
 
 def channels_last_chain_enabled() -> bool:
-    """``DITFUSE_VAE_CL=1``: the lossless channels-last chain (:func:`_resnet_channels_last` and the
-    decoder head). Off by default: bitwise and engaged on the H100 (round 15), but its decode was
-    slower (63.8 vs 41.9 ms at 1024²): the channels-last epilogue kernel ran at ~30 % of the NCHW
-    one's speed and the residual stream after the mid-block attention (channels-last) still paid
-    aten's slow channels-last -> NCHW copies in norm1 (notes/runtime.md, round 15)."""
-    return env("DITFUSE_VAE_CL", "0").strip() not in ("", "0")
+    """The lossless channels-last chain (:func:`_resnet_channels_last` and the decoder head); on
+    unless ``DITFUSE_VAE_CL=0``. H100, 1024² decode: 38.38 ms against 41.78 for the NCHW path
+    (2048²: 208.42 vs 221.00), bitwise (bench/results/vae_cl_chain_round15_f_h100.log). Its
+    channels-last epilogue kernel is still ~3x slower than the NCHW apply (notes/runtime.md)."""
+    return env("DITFUSE_VAE_CL", "1").strip() not in ("", "0")
 
 
 def _channels_last_chain(block, x: torch.Tensor) -> bool:

@@ -53,7 +53,7 @@ def test_channels_last_chain_on_reference_chains_equals_diffusers(batch, monkeyp
     from ditfuse.models import autoencoder_kl as akl
 
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
-    assert not akl.channels_last_chain_enabled()  # opt-in (DITFUSE_VAE_CL=1)
+    assert akl.channels_last_chain_enabled()  # on unless DITFUSE_VAE_CL=0
     ran = []
     real = akl._resnet_channels_last
     monkeypatch.setattr(akl, "_channels_last_chain", lambda block, x: x.dim() == 4 and block.upsample is None)

@@ -79,14 +79,14 @@ def test_tiny(dtype, batch, hw):
 
 
 @pytest.mark.parametrize("hw", [(8, 8), (9, 13)], ids=["8x8", "odd9x13"])
-def test_channels_last_chain_opt_in(hw, monkeypatch):
-    """DITFUSE_VAE_CL=1: every ResnetBlock2D and the decoder head on the channels-last chain
-    (off by default: slower so far), bitwise, its ops engaged; the FLUX.1 VAE at 1024² batch 2 too."""
-    monkeypatch.setenv("DITFUSE_VAE_CL", "1")
-    _compare(_vae(TINY, torch.bfloat16), torch.randn(2, 16, *hw, device=DEV).to(torch.bfloat16), f"tiny cl {hw}")
+def test_nchw_path_opt_out(hw, monkeypatch):
+    """DITFUSE_VAE_CL=0: the NCHW path (every ResnetBlock2D's convolutions through cuDNN's own
+    transposes), bitwise, its ops engaged; the FLUX.1 VAE at 1024² batch 2 too."""
+    monkeypatch.setenv("DITFUSE_VAE_CL", "0")
+    _compare(_vae(TINY, torch.bfloat16), torch.randn(2, 16, *hw, device=DEV).to(torch.bfloat16), f"tiny nchw {hw}")
     if hw == (8, 8):
         vae = _vae(FLUX_VAE, torch.bfloat16)
-        _compare(vae, torch.randn(2, 16, 128, 128, device=DEV).to(torch.bfloat16), "FLUX VAE cl 1024 B=2")
+        _compare(vae, torch.randn(2, 16, 128, 128, device=DEV).to(torch.bfloat16), "FLUX VAE nchw 1024 B=2")
 
 
 @pytest.mark.parametrize("batch", [1, 2])
