@@ -63,6 +63,9 @@ GATE_RESIDUAL_LAYERNORM_MODULATE_FP32 = OpDescriptor(
 )
 
 _GN = "norm.group_norm_silu_triton"
+_GN_KEY = (K("x", tail_shape=True), K("num_groups", value=True), K("weight"), K("bias"), K("eps", value=True),
+           K("silu", value=True))
+_GN_NOTE = "the batch only changes the grid; channels, groups and spatial size fix every chain and tree"
 
 GROUP_NORM_SILU = OpDescriptor(
     op="norm.group_norm_silu",
@@ -73,9 +76,8 @@ GROUP_NORM_SILU = OpDescriptor(
     reference=f"{_REF}:group_norm_silu",
     exact=f"{_EXACT}:group_norm_silu_fp64",
     impls=(triton_impl(_GN, "group_norm_silu"),),
-    key=(K("x", tail_shape=True), K("num_groups", value=True), K("weight"), K("bias"), K("eps", value=True),
-         K("silu", value=True)),
-    key_note="the batch only changes the grid; channels, groups and spatial size fix every chain and tree",
+    key=_GN_KEY,
+    key_note=_GN_NOTE,
 )
 
 GROUP_NORM_SILU_FP32 = OpDescriptor(
@@ -96,9 +98,8 @@ GROUP_NORM_SILU_CL = OpDescriptor(
     reference=f"{_REF}:group_norm_silu",
     exact=f"{_EXACT}:group_norm_silu_fp64",
     impls=(triton_impl(_GN, "group_norm_silu_cl"),),
-    key=(K("x", tail_shape=True), K("num_groups", value=True), K("weight"), K("bias"), K("eps", value=True),
-         K("silu", value=True)),
-    key_note="the batch only changes the grid; channels, groups and spatial size fix every chain and tree",
+    key=_GN_KEY,
+    key_note=_GN_NOTE,
     # channels-last out by design (eager writes NCHW): the values are compared, and the sites
     # calling it hand the output to a channels-last convolution (modulate.conv_bias_cl)
     own_layout=True,
