@@ -22,7 +22,8 @@
 #   parallel (>= 2 GPUs; not in `all`) context parallelism: the 2-GPU bitwise tests
 #            (tests/gpu/test_context_parallel_gpu.py) and FLUX.1-dev / Wan-1.3B step time on 1 GPU
 #            and on NGPUS (default 2) GPUs, eager vs lossless, Ulysses and ring     -> parallel_h200.csv
-# Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above (at most
+# File names say h200 above; each run tags them with its card (CARD, from torch's device name:
+# h200, h100, ...). Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above (at most
 # 8 files: the device tool's limit; PNGs are drawn afterwards from the CSVs by bench/plot_results.py).
 # Per-phase time limits: *_TIMEOUT variables; extra arguments: *_ARGS variables.
 set -uo pipefail
@@ -45,6 +46,9 @@ try:
 except Exception as e:
     print("diffusers missing:", e)
 PY
+# The card's short name tags every result file (h200, h100, ...): the device tool may lend either.
+CARD="${CARD:-$(python3 -c 'import torch; n = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else ""; print(next((t for t in ("h200", "h100", "b200", "a100") if t in n), "gpu"))' 2>/dev/null || echo gpu)}"
+echo "card tag: $CARD" | tee -a "$LOG"
 phases=("$@"); [ ${#phases[@]} -eq 0 ] && phases=(all)
 status=0
 summary=()
@@ -70,24 +74,24 @@ if want tests; then
   summary+=("  tests: $(grep -E '(passed|failed)' "$LOG" | tail -n 1)")
 fi
 want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${ADMIT_ARGS:-}
-want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
+want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_${CARD}.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}
 if want vae; then
-  run_phase group_norm "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_h200.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${GN_ARGS:-}
+  run_phase group_norm "${VAE_TIMEOUT:-200}" python3 bench/bench_group_norm.py --out "$OUT/group_norm_${CARD}.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${GN_ARGS:-}
 fi
 if want vae || want vaekl; then
-  run_phase vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --out "$OUT/vae_decode_h200.csv" \
-    --breakdown "$OUT/vae_breakdown_h200.csv" ${VAE_ARGS:-}
+  run_phase vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --out "$OUT/vae_decode_${CARD}.csv" \
+    --breakdown "$OUT/vae_breakdown_${CARD}.csv" ${VAE_ARGS:-}
 fi
 if want vae || want wanvae; then
-  run_phase wan_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model wan --out "$OUT/wan_vae_decode_h200.csv" \
-    --breakdown "$OUT/wan_vae_breakdown_h200.csv" ${WANVAE_ARGS:-}
+  run_phase wan_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model wan --out "$OUT/wan_vae_decode_${CARD}.csv" \
+    --breakdown "$OUT/wan_vae_breakdown_${CARD}.csv" ${WANVAE_ARGS:-}
 fi
-want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" ${FLUX_ARGS:-}
-want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" ${WAN_ARGS:-}
-want flux2 && run_phase flux2 "${FLUX2_TIMEOUT:-400}" python3 bench/bench_step.py --family flux2 --out-dir "$OUT" ${FLUX2_ARGS:-}
-want sd3 && run_phase sd3 "${SD3_TIMEOUT:-300}" python3 bench/bench_step.py --family sd3 --out-dir "$OUT" ${SD3_ARGS:-}
-want qwenimage && run_phase qwenimage "${QWEN_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage --out-dir "$OUT" ${QWEN_ARGS:-}
-want zimage && run_phase zimage "${ZIMAGE_TIMEOUT:-300}" python3 bench/bench_step.py --family zimage --out-dir "$OUT" ${ZIMAGE_ARGS:-}
+want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" --tag "$CARD" ${FLUX_ARGS:-}
+want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" --tag "$CARD" ${WAN_ARGS:-}
+want flux2 && run_phase flux2 "${FLUX2_TIMEOUT:-400}" python3 bench/bench_step.py --family flux2 --out-dir "$OUT" --tag "$CARD" ${FLUX2_ARGS:-}
+want sd3 && run_phase sd3 "${SD3_TIMEOUT:-300}" python3 bench/bench_step.py --family sd3 --out-dir "$OUT" --tag "$CARD" ${SD3_ARGS:-}
+want qwenimage && run_phase qwenimage "${QWEN_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage --out-dir "$OUT" --tag "$CARD" ${QWEN_ARGS:-}
+want zimage && run_phase zimage "${ZIMAGE_TIMEOUT:-300}" python3 bench/bench_step.py --family zimage --out-dir "$OUT" --tag "$CARD" ${ZIMAGE_ARGS:-}
 want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null
 if [[ " ${phases[*]} " == *" parallel "* ]]; then  # explicit only: needs a multi-GPU machine
   n="${NGPUS:-2}"
@@ -95,13 +99,13 @@ if [[ " ${phases[*]} " == *" parallel "* ]]; then  # explicit only: needs a mult
     tests/gpu/test_context_parallel_gpu.py ${PYTEST_ARGS:-}
   for fam in flux wan; do
     run_phase "parallel_${fam}_1gpu" "${PARALLEL_TIMEOUT:-600}" python3 bench/bench_parallel.py --family "$fam" \
-      --out "$OUT/parallel_h200.csv"
+      --out "$OUT/parallel_${CARD}.csv"
     for mode in ulysses ring; do
       run_phase "parallel_${fam}_${n}gpu_${mode}" "${PARALLEL_TIMEOUT:-600}" python3 -m torch.distributed.run --standalone \
-        --nproc-per-node "$n" bench/bench_parallel.py --family "$fam" --mode "$mode" --out "$OUT/parallel_h200.csv"
+        --nproc-per-node "$n" bench/bench_parallel.py --family "$fam" --mode "$mode" --out "$OUT/parallel_${CARD}.csv"
     done
   done
-  python3 bench/bench_parallel.py --summarize "$OUT/parallel_h200.csv" 2>&1 | tee -a "$LOG"
+  python3 bench/bench_parallel.py --summarize "$OUT/parallel_${CARD}.csv" 2>&1 | tee -a "$LOG"
 fi
 echo "== summary ==" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"
