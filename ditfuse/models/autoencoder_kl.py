@@ -138,14 +138,18 @@ def channels_last_chain_enabled() -> bool:
 
 
 def _channels_last_chain(block, x: torch.Tensor) -> bool:
-    """The block may run :func:`_resnet_channels_last`: switched on (:func:`channels_last_chain_enabled`),
-    CUDA, bf16/fp16 (cuDNN's fp32 NHWC kernels are another computation), 4-D, inference, no
-    up/down sampling between norm1 and conv1, both convolutions plain (the ops read their
-    weights), ``cudnn.benchmark`` off."""
-    return (channels_last_chain_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
-            and x.dim() == 4 and not block.training
-            and block.upsample is None and block.downsample is None and not torch.backends.cudnn.benchmark
+    """The block may run :func:`_resnet_channels_last`: :func:`_channels_last_input`, inference,
+    no up/down sampling between norm1 and conv1, both convolutions plain (the ops read their
+    weights)."""
+    return (_channels_last_input(x) and not block.training and block.upsample is None and block.downsample is None
             and _plain_conv(block.conv1) and _plain_conv(block.conv2))
+
+
+def _channels_last_input(x: torch.Tensor) -> bool:
+    """x may enter the channels-last chain: switched on (:func:`channels_last_chain_enabled`), CUDA,
+    4-D bf16/fp16 (cuDNN's fp32 NHWC kernels are another computation), ``cudnn.benchmark`` off."""
+    return (channels_last_chain_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+            and x.dim() == 4 and not torch.backends.cudnn.benchmark)
 
 
 def decoder_forward(dec, original, sample: torch.Tensor, latent_embeds: torch.Tensor | None = None, *,
@@ -176,8 +180,7 @@ def decoder_forward(dec, original, sample: torch.Tensor, latent_embeds: torch.Te
 
 
 def _head_channels_last(dec, x: torch.Tensor) -> bool:
-    return (channels_last_chain_enabled() and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.dim() == 4
-            and not torch.backends.cudnn.benchmark and _plain_conv(dec.conv_out))
+    return _channels_last_input(x) and _plain_conv(dec.conv_out)
 
 
 def _decoder_applies(dec: Any) -> str | None:

@@ -174,10 +174,10 @@ def _conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str |
     return None
 
 
-def _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups) -> torch.Tensor:
-    """The predicate, then ``F.conv2d(x, weight, None, ...)``: the cuDNN call aten's
-    ``_convolution`` makes before it adds a bias in a pass of its own."""
-    reason = _conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
+def _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups, predicate=None) -> torch.Tensor:
+    """The predicate (``_conv_reason`` unless another is given), then ``F.conv2d(x, weight, None,
+    ...)``: the cuDNN call aten's ``_convolution`` makes before it adds a bias in a pass of its own."""
+    reason = (predicate or _conv_reason)(x, weight, bias, h, stride, padding, dilation, groups)
     if reason is not None:
         raise UnsupportedInput(reason)
     return torch.nn.functional.conv2d(x, weight, None, tuple(stride), tuple(padding), tuple(dilation), groups)
@@ -204,11 +204,18 @@ def conv_bias_residual(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     h differ in layout, a tiled pass whose output takes h's layout, as eager's ``h + y`` does). Bit-exact vs torch 2.11 CUDA eager where the
     gate's first sight says so. Raises :class:`UnsupportedInput` where
     :func:`can_use_conv_bias_residual` is False or the convolution's output shape is not h's."""
-    y = _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups)
+    return _bias_residual_after_conv(_unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups), bias, h)
+
+
+def _bias_residual_after_conv(y: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``r(r(y + bias[c]) + h)`` for a convolution's unbiased output y (the predicates have checked
+    dtypes, devices and h's layout), in h's layout."""
     if y.shape != h.shape:
         raise UnsupportedInput(f"convolution output {tuple(y.shape)} is not h's shape {tuple(h.shape)} (eager would broadcast)")
     if (y.is_contiguous() and h.is_contiguous()) or (_channels_innermost(y) and _channels_innermost(h)):
-        return bias_residual(y, bias, h)
+        if use_custom_op():
+            return torch.ops.ditfuse.bias_residual(y, bias, h)
+        return _launch(y, bias, h)
     if not (y.is_contiguous() or _channels_innermost(y)):
         raise UnsupportedInput(f"cuDNN returned strides {y.stride()} (neither NCHW nor channels-last)")
     # One layout each: in the NCHW decode the residual stream turns channels-last after the
@@ -271,7 +278,13 @@ def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride:
     y = _unbiased_conv(x, weight, bias, None, stride, padding, dilation, groups)
     if not (y.is_contiguous() or _channels_innermost(y)):  # another layout: aten's own add keeps it
         return y.add_(bias.reshape(1, -1, 1, 1))
-    if use_custom_op():  # torch.compile tracing: one opaque node (functional: a new tensor)
+    return _bias_in_place(y, bias)
+
+
+def _bias_in_place(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``r(y + bias[c])`` written into y (NCHW or channels-last); under torch.compile tracing one
+    opaque functional node instead."""
+    if use_custom_op():
         return torch.ops.ditfuse.bias_add_nchw(y, bias)
     _fire(y, bias, None, y)
     return y
@@ -322,15 +335,9 @@ def conv_bias_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stri
     heuristics: bench/probes/probe_vae_channels_last.py found all 35 AutoencoderKL decoder
     convolutions bitwise equal). Raises :class:`UnsupportedInput` where :func:`can_use_conv_bias_cl`
     is False."""
-    reason = _cl_conv_reason(x, weight, bias, None, stride, padding, dilation, groups)
-    if reason is not None:
-        raise UnsupportedInput(reason)
-    y = _unbiased_conv(x, weight, bias, None, stride, padding, dilation, groups)
+    y = _unbiased_conv(x, weight, bias, None, stride, padding, dilation, groups, _cl_conv_reason)
     if y.is_contiguous():  # an NCHW x (the norm fell back to its reference): conv_bias's pass
-        if use_custom_op():
-            return torch.ops.ditfuse.bias_add_nchw(y, bias)
-        _fire(y, bias, None, y)
-        return y
+        return _bias_in_place(y, bias)
     if not _channels_innermost(y):
         raise UnsupportedInput(f"cuDNN returned strides {y.stride()} (neither NCHW nor channels-last)")
     if use_custom_op():
@@ -352,10 +359,8 @@ def conv_bias_residual_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     and the residual in one pass; output in h's layout (eager's). Bit-exact vs torch 2.11 CUDA eager
     where the gate's first sight says so. Raises :class:`UnsupportedInput` where
     :func:`can_use_conv_bias_residual_cl` is False."""
-    reason = _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups)
-    if reason is not None:
-        raise UnsupportedInput(reason)
-    return conv_bias_residual(x, weight, bias, h, stride, padding, dilation, groups)
+    y = _unbiased_conv(x, weight, bias, h, stride, padding, dilation, groups, _cl_conv_reason)
+    return _bias_residual_after_conv(y, bias, h)
 
 
 __all__ = ["conv_bias_cl", "can_use_conv_bias_cl", "conv_bias_residual_cl", "can_use_conv_bias_residual_cl",

@@ -811,31 +811,15 @@ def _launch_cl_out(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
     x = _contiguous(x)
     N, C = x.shape[0], x.shape[1]
     G = int(num_groups)
-    D = C // G
     HxW = x.shape[2] * x.shape[3]
-    L = D * HxW
     NG = N * G
     v = DEFAULT_VARIANT
-    stat = torch.empty((2, NG), dtype=torch.float32, device=x.device)
-    threads = _threads(L)
-    W = threads // LANES
-    J = cdiv(L, threads)
-    K = min(CHAIN_STEPS, next_pow2(J))
-    ws = torch.empty((3, NG * W), dtype=torch.float32, device=x.device)
-    _gn_chain_kernel[(NG, W)](
-        x, ws, L, cdiv(J, K), NG * W,
-        THREADS=threads, K=K, **{k: v[k] for k in CHAIN_VARIANTS},
-        num_warps=1, enable_fp_fusion=False,
-    )
-    _gn_stats_out_kernel[(NG,)](
-        ws, stat[0], stat[1], NG * W, _eps_for_kernel(x.dtype, eps), W=W, CMB_MEAN_FMA=v["CMB_MEAN_FMA"],
-        CMB_M2_MODE=v["CMB_M2_MODE"], RSQ=v["RSQ"], num_warps=1, enable_fp_fusion=False,
-    )
+    stat = _exact_stats(x, G, eps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     BHW, BC = 64, min(64, next_pow2(C))
     _gn_apply_cl_out_kernel[(cdiv(HxW, BHW), cdiv(C, BC), N)](
         x, weight.contiguous() if weight is not None else x, bias.contiguous() if bias is not None else x,
-        stat, out, C, HxW, D, G, NG,
+        stat, out, C, HxW, C // G, G, NG,
         DTYPE=_DTYPES[x.dtype], BHW=BHW, BC=BC, HAS_W=weight is not None, HAS_B=bias is not None,
         SILU=bool(silu), B_FMA=v["B_FMA"], Y_FMA=v["Y_FMA"], SILU_EXP=v["SILU_EXP"], SILU_DIV=v["SILU_DIV"],
         num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False,
@@ -856,11 +840,18 @@ def group_stats(
     returns as its 2nd and 3rd outputs for an fp32 input (for bf16/fp16 it returns them rounded
     to the input dtype). For tests and the GPU order probe; no checks."""
     x = x.contiguous()
+    stat = _exact_stats(x, int(num_groups), eps, chain_steps=chain_steps, variant=variant, eps_override=eps_override)
+    return stat[0].reshape(x.shape[0], -1), stat[1].reshape(x.shape[0], -1)
+
+
+def _exact_stats(x: torch.Tensor, G: int, eps: float, *, chain_steps: int | None = None,
+                 variant: dict[str, Any] | None = None, eps_override: float | None = None) -> torch.Tensor:
+    """Per-group (mean, rstd) of contiguous x as the exact kernels compute them (aten's chains, the
+    apply kernel's fold written out by ``_gn_stats_out_kernel``), fp32 ``[2, N*G]``."""
     N, C = x.shape[0], x.shape[1]
-    G = int(num_groups)
     L = (C // G) * (x.numel() // (N * C))
     NG = N * G
-    v = dict(DEFAULT_VARIANT, **(variant or {}))
+    v = dict(DEFAULT_VARIANT, **variant) if variant else DEFAULT_VARIANT
     threads = _threads(L)
     W = threads // LANES
     J = cdiv(L, threads)
@@ -871,14 +862,13 @@ def group_stats(
         THREADS=threads, K=K, **{k: v[k] for k in CHAIN_VARIANTS},
         num_warps=1, enable_fp_fusion=False,
     )
-    mean = torch.empty(NG, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(NG, dtype=torch.float32, device=x.device)
+    stat = torch.empty((2, NG), dtype=torch.float32, device=x.device)
     eps_k = _eps_for_kernel(x.dtype, eps) if eps_override is None else float(eps_override)
     _gn_stats_out_kernel[(NG,)](
-        ws, mean, rstd, NG * W, eps_k, W=W, CMB_MEAN_FMA=v["CMB_MEAN_FMA"],
+        ws, stat[0], stat[1], NG * W, eps_k, W=W, CMB_MEAN_FMA=v["CMB_MEAN_FMA"],
         CMB_M2_MODE=v["CMB_M2_MODE"], RSQ=v["RSQ"], num_warps=1, enable_fp_fusion=False,
     )
-    return mean.reshape(N, G), rstd.reshape(N, G)
+    return stat
 
 
 # ----------------------------------------------------------------------------- validation
