@@ -4,7 +4,9 @@ A real-size random-weight transformer of the family (``--config``, default ``dev
 size for flux, Wan2.1-1.3B size for wan; timings do not depend on the weights' values) at the
 family's benchmark size (``--size``: 1024x1024 for flux, 832x480x81 for wan), batch 1 and 2.
 Providers: diffusers eager, ditfuse lossless, ditfuse lossless + CUDA graph, torch.compile
-(default mode), ditfuse high. Median step time over ``--steps`` timed steps after warm-up, each
+(default mode, the whole transformer), ditfuse high; on request ``compile_regional`` (torch.compile
+of each repeated block, as diffusers' ``compile_repeated_blocks``: one compilation per block class,
+so it finishes in a phase's time where compiling a 38-60-block model may not). Median step time over ``--steps`` timed steps after warm-up, each
 timed with CUDA events. Each ditfuse lossless provider's output is checked bitwise against eager
 (column ``bitwise_equal``); high's and torch.compile's relative difference is reported instead. A
 torch.profiler kernel-time breakdown (GEMM, attention, norms, elementwise, copies, other) of eager,
@@ -306,12 +308,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 torch._dynamo.reset()
                 cm = torch.compile(model)
                 fn = lambda: (lambda o: torch.stack(list(o)) if isinstance(o, (list, tuple)) else o)(cm(**inp)[0])
+            elif prov == "compile_regional":
+                torch._dynamo.reset()
+                regions = compile_regional(model)
+                print(f"[bench] B={batch} compile_regional: torch.compile on {len(regions)} blocks "
+                      f"({', '.join(sorted({type(m).__name__ for m in regions}))})", flush=True)
             try:
                 t1 = time.time()
                 with torch.no_grad():
                     host = []
                     times, out = time_steps(fn, args.steps, args.warmup, host)
-                    syncs = sync_points(fn) if prov != "compile" else "n/a"
+                    syncs = sync_points(fn) if prov not in COMPILED else "n/a"
                 mm = first_mismatch(out, ref_out)
                 rel = relative_l2(out, ref_out)
                 record(prov, times, mm is None, rel, host)
@@ -338,10 +345,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     handle.unmount()
                 if prov == "compile":
                     del cm
+                if prov == "compile_regional":
+                    uncompile_regional(regions)
+                if prov in COMPILED:
                     torch._dynamo.reset()
 
         for prov in providers:
-            if prov not in ("eager", "compile"):
+            if prov != "eager" and prov not in COMPILED:
                 measure(prov)
         # Profiles after the timed providers: a torch.profiler session leaves host-side overhead
         # behind that slowed the next host-bound measurement (FLUX B=1: 155.6 ms vs 129.5 ms for the
@@ -362,8 +372,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if handle is not None:
                         handle.unmount()
             write_breakdown()
-        if "compile" in providers:
-            measure("compile")
+        for prov in COMPILED:
+            if prov in providers:
+                measure(prov)
         torch.cuda.empty_cache()
 
     _plot(rows, out_dir / f"{stem}.png")
@@ -405,8 +416,53 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 # lossless_nohandoff: DITFUSE_HANDOFF=0 (cross-block fusion off, models/handoff.py);
 # lossless_linear_cat: DITFUSE_LINEAR_CAT=1 (the joint value's projections into one buffer).
 _AB_ENV = {"DITFUSE_HANDOFF": ("lossless_nohandoff", "0"), "DITFUSE_LINEAR_CAT": ("lossless_linear_cat", "1")}
-PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_linear_cat", "lossless_graph", "compile", "high"]
-DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("lossless_nohandoff", "lossless_linear_cat")]
+PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_linear_cat", "lossless_graph", "compile",
+             "compile_regional", "high"]
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("lossless_nohandoff", "lossless_linear_cat", "compile_regional")]
+# torch.compile providers: measured last (their compilation may run out a phase's time limit).
+# compile: the whole transformer; compile_regional: each repeated block compiled on its own
+# (compile_regional below; diffusers' compile_repeated_blocks does the same for models that name
+# their blocks), one compilation shared by every block of a class: minutes less compile time.
+COMPILED = ("compile", "compile_regional")
+
+
+def repeated_blocks(model: Any) -> list[Any]:
+    """The modules regional compilation compiles: those whose class the model names in diffusers'
+    ``_repeated_blocks`` (FLUX.1, FLUX.2, Wan, Qwen-Image, Z-Image in 0.42.1), else the entries of
+    every ``nn.ModuleList`` child that holds two or more modules of one class (SD3's
+    ``transformer_blocks``: SD3Transformer2DModel names none)."""
+    import torch
+
+    names = set(getattr(model, "_repeated_blocks", None) or ())
+    if names:
+        return [m for m in model.modules() if type(m).__name__ in names]
+    out = []
+    for child in model.children():
+        if isinstance(child, torch.nn.ModuleList):
+            counts: dict[type, int] = {}
+            for m in child:
+                counts[type(m)] = counts.get(type(m), 0) + 1
+            out += [m for m in child if counts[type(m)] > 1]
+    return out
+
+
+def compile_regional(model: Any, **compile_kwargs: Any) -> list[Any]:
+    """torch.compile each of :func:`repeated_blocks` (``nn.Module.compile``: the module's calls go
+    through one compiled wrapper; dynamo compiles a block class once and reuses the code for every
+    instance of it). Returns the compiled modules, for :func:`uncompile_regional`. Raises when the
+    model has no repeated blocks."""
+    blocks = repeated_blocks(model)
+    if not blocks:
+        raise ValueError(f"{type(model).__name__}: no repeated blocks to compile regionally")
+    for m in blocks:
+        m.compile(**compile_kwargs)
+    return blocks
+
+
+def uncompile_regional(blocks: list[Any]) -> None:
+    """Undo :func:`compile_regional`: the modules call their own forward again."""
+    for m in blocks:
+        m._compiled_call_impl = None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
