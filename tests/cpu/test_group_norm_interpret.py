@@ -209,6 +209,29 @@ def test_channels_last_output_is_the_exact_kernel(shape, G, dtype, silu, affine)
     assert not gn.can_use_group_norm_silu_cl(x.flatten(2), G, w, b, EPS, silu)  # 3-D: not a conv input
 
 
+@pytest.mark.parametrize("tile", [(64, 64, 4), (32, 16, 4), (128, 32, 8), (16, 128, 4)], ids=str)
+@pytest.mark.parametrize(
+    "shape,G,dtype",
+    [((1, 64, 8, 8), 32, torch.bfloat16),  # EVEN for every tile but (128, 32): HxW 64
+     ((2, 32, 16, 8), 4, torch.float16),  # EVEN for (64, 64), (32, 16), (128, 32)
+     ((1, 24, 5, 7), 3, torch.bfloat16)],  # never EVEN
+    ids=["C64-8x8", "B2-C32", "odd"],
+)
+def test_channels_last_epilogue_tiles(tile, shape, G, dtype):
+    """The channels-last epilogue's tile (and with it the unmasked EVEN path) never changes bits:
+    every tile the probe sweeps equals the simulation, NaN/Inf included."""
+    x = _rand(shape, dtype, 97)
+    x.view(-1)[3] = float("nan")
+    x.view(-1)[-2] = float("-inf")
+    w, b = _params(shape[1], dtype, 101)
+    stat = gn._exact_stats(x, G, EPS)
+    got = gn._apply_cl_out(x, G, stat, w, b, True, tile=tile)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    exp = sim.group_norm_silu(x, G, w, b, EPS, silu_after=True)
+    mm = compare_outputs(got, exp, f"cl-out tile {tile} {shape} G={G} {dtype}")
+    assert mm is None, str(mm)
+
+
 def test_close_variant_tracks_fp64():
     x = _rand((1, 8, 33, 17), torch.bfloat16, 43, 2.0, 0.5)
     w, b = _params(8, torch.bfloat16, 47)

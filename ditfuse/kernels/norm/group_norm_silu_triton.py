@@ -475,29 +475,49 @@ def _gn_apply_cl_out_kernel(
     DTYPE: tl.constexpr, BHW: tl.constexpr, BC: tl.constexpr,
     HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
     B_FMA: tl.constexpr, Y_FMA: tl.constexpr, SILU_EXP: tl.constexpr, SILU_DIV: tl.constexpr,
+    EVEN: tl.constexpr,
 ):
     """Program (hw tile, channel tile, n): the epilogue of ``_gn_apply_kernel`` (HxW > 1) on a
     ``[BC, BHW]`` tile of NCHW x (channel rows, positions contiguous: coalesced loads), turned
     around with ``tl.trans`` and stored as ``[BHW, BC]`` channels-last rows (coalesced stores).
-    ``stat``: fp32 [2, N*G] mean / rstd as the exact fold computes them (``_gn_stats_out_kernel``)."""
+    ``stat``: fp32 [2, N*G] mean / rstd as the exact fold computes them (``_gn_stats_out_kernel``).
+    ``EVEN``: the tiles divide C and HxW (every decoder shape), so no load or store is masked;
+    otherwise the store's mask is built in the stored orientation (not transposed: a transposed
+    mask is a second trip through shared memory)."""
     hw = tl.program_id(0) * BHW + tl.arange(0, BHW)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     n = tl.program_id(2).to(tl.int64)
-    cm = c < C
-    m = cm[:, None] & (hw < HW)[None, :]
     grp = n * G + c // D
+    x_at = x_ptr + n * C * HW + c[:, None].to(tl.int64) * HW + hw[None, :]
+    out_at = out_ptr + n * HW * C + hw[:, None].to(tl.int64) * C + c[None, :]
     # RowwiseMomentsCUDAKernel stores mean / rstd as the input dtype
-    mean = round_to(tl.load(stat_ptr + grp, mask=cm, other=0.0), DTYPE).to(tl.float32)
-    rstd = round_to(tl.load(stat_ptr + NG + grp, mask=cm, other=0.0), DTYPE).to(tl.float32)
-    x = load_f32(x_ptr + n * C * HW + c[:, None].to(tl.int64) * HW + hw[None, :], m)
-    if HAS_W or HAS_B:  # ComputeFusedParams per channel, then y = a*x + b
+    if EVEN:
+        mean = round_to(tl.load(stat_ptr + grp), DTYPE).to(tl.float32)
+        rstd = round_to(tl.load(stat_ptr + NG + grp), DTYPE).to(tl.float32)
+        x = load_f32(x_at, None)
+        w = rstd
+        b0 = rstd
         if HAS_W:
-            a = rstd * load_f32(w_ptr + c, cm)
-        else:
-            a = rstd
+            w = load_f32(w_ptr + c, None)
+        if HAS_B:
+            b0 = load_f32(b_ptr + c, None)
+    else:
+        cm = c < C
+        mean = round_to(tl.load(stat_ptr + grp, mask=cm, other=0.0), DTYPE).to(tl.float32)
+        rstd = round_to(tl.load(stat_ptr + NG + grp, mask=cm, other=0.0), DTYPE).to(tl.float32)
+        x = load_f32(x_at, cm[:, None] & (hw < HW)[None, :])
+        w = rstd
+        b0 = rstd
+        if HAS_W:
+            w = load_f32(w_ptr + c, cm)
         if HAS_B:
             b0 = load_f32(b_ptr + c, cm)
+    if HAS_W or HAS_B:  # ComputeFusedParams per channel, then y = a*x + b
+        if HAS_W:
+            a = rstd * w
         else:
+            a = rstd
+        if not HAS_B:
             b0 = tl.zeros_like(a)  # the kernel adds a literal 0 (-0 products become +0)
         if B_FMA:
             b = _fma_b(a, mean, b0)
@@ -514,7 +534,10 @@ def _gn_apply_cl_out_kernel(
     if SILU:
         y = _silu(rround(y, DTYPE), SILU_EXP, SILU_DIV)
     out = tl.trans(round_to(y, DTYPE))
-    tl.store(out_ptr + n * HW * C + hw[:, None].to(tl.int64) * C + c[None, :], out, mask=tl.trans(m))
+    if EVEN:
+        tl.store(out_at, out)
+    else:
+        tl.store(out_at, out, mask=(hw < HW)[:, None] & (c < C)[None, :])
 
 
 @triton.jit(do_not_specialize=["C", "HW"])
@@ -809,20 +832,32 @@ def _launch_cl_out(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
         # nothing to turn around (a [N, C, 1, 1] tensor is channels-last already)
         return _launch(x, num_groups, weight, bias, eps, silu).contiguous(memory_format=torch.channels_last)
     x = _contiguous(x)
-    N, C = x.shape[0], x.shape[1]
     G = int(num_groups)
-    HxW = x.shape[2] * x.shape[3]
-    NG = N * G
+    return _apply_cl_out(x, G, _exact_stats(x, G, eps), weight, bias, silu)
+
+
+# (BHW, BC, num_warps) of the channels-last epilogue; bench/probes/probe_gn_cl_out.py sweeps them.
+CL_OUT_TILE = (64, 64, 4)
+
+
+def _apply_cl_out(x: torch.Tensor, G: int, stat: torch.Tensor, weight: torch.Tensor | None,
+                  bias: torch.Tensor | None, silu: bool,
+                  tile: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """The epilogue of :func:`_launch_cl_out` on contiguous NCHW ``x`` with its exact ``stat``
+    (fp32 ``[2, N*G]``), into a new channels-last tensor. ``tile``: (BHW, BC, num_warps), default
+    :data:`CL_OUT_TILE` (any tile gives the same bits: elements are independent)."""
+    N, C, H, W = x.shape
+    HxW = H * W
+    BHW, BC, warps = tile or CL_OUT_TILE
+    BC = min(BC, next_pow2(C))
     v = DEFAULT_VARIANT
-    stat = _exact_stats(x, G, eps)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
-    BHW, BC = 64, min(64, next_pow2(C))
     _gn_apply_cl_out_kernel[(cdiv(HxW, BHW), cdiv(C, BC), N)](
         x, weight.contiguous() if weight is not None else x, bias.contiguous() if bias is not None else x,
-        stat, out, C, HxW, C // G, G, NG,
+        stat, out, C, HxW, C // G, G, N * G,
         DTYPE=_DTYPES[x.dtype], BHW=BHW, BC=BC, HAS_W=weight is not None, HAS_B=bias is not None,
         SILU=bool(silu), B_FMA=v["B_FMA"], Y_FMA=v["Y_FMA"], SILU_EXP=v["SILU_EXP"], SILU_DIV=v["SILU_DIV"],
-        num_warps=4, enable_fp_fusion=False, enable_reflect_ftz=False,
+        EVEN=(HxW % BHW == 0 and C % BC == 0), num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return out
 
