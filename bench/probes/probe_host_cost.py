@@ -4,7 +4,8 @@ Each row is the mean wall time per call of N back-to-back calls with no synchron
 the loop (the GPU queue absorbs the kernels; for a kernel shorter than its launch cost this is
 the time the host needs per call): the eager chain, the GatedOp (gate + key + predicate + launch),
 the public kernel function (predicate + launch), the module's ``_launch`` (argument preparation +
-Triton launch), and the Triton launch alone with prepared arguments. Since round 11 the GatedOp
+Triton launch), and the Triton launch alone with prepared arguments. Every row twice: with Triton's ``JITFunction.run``
+and with the cached launcher of kernels/common/launch.py. Since round 11 the GatedOp
 and public-function rows take the cached path (one geometry key, the cached recipe:
 kernels/common/plans.py); ``_launch`` is the uncached path, ``_fire`` a cached recipe's launch.
 
@@ -75,9 +76,19 @@ def main() -> int:
         ("QK FLUX _launch (uncached)", lambda: qk._launch(q, k, w, w, cos, sin, 1e-6, qt, kt, w, w, True)),
         ("torch.empty_like", lambda: torch.empty_like(x)),
     ]
-    print(f"{'call':<40} {'us per call':>12}")
+    # Each row with Triton's own launch (DITFUSE_FAST_LAUNCH=0: JITFunction.run) and with
+    # kernels/common/launch.py's cached launcher (the default since round 16).
+    import os
+
+    from ditfuse.kernels.common import launch as fast
+
+    print(f"{'call':<40} {'us, triton run':>15} {'us, fast launch':>16}")
     for name, fn in rows:
-        print(f"{name:<40} {per_call_us(fn):>12.1f}")
+        os.environ["DITFUSE_FAST_LAUNCH"] = "0"
+        slow = per_call_us(fn)
+        os.environ["DITFUSE_FAST_LAUNCH"] = "1"
+        print(f"{name:<40} {slow:>15.1f} {per_call_us(fn):>16.1f}")
+    print("fast launches:", fast.stats())
     print("gate:", gate.report().summary().replace("\n", " | "))
     return 0
 

@@ -39,6 +39,7 @@ from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl
 from ..common.plans import Recipes, call_key
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 # float(M_SQRT2 * M_2_SQRTPI * 0.5) and 0.044715f: exactly representable fp32 values.
 _K_BETA: tl.constexpr = tl.constexpr(0.7978845834732056)  # 0x3F4C422A
@@ -168,7 +169,7 @@ def _launch(
     block_r, block_d, warps = tile(D, per_program=4096)
     R = B * S
     grid = (cdiv(R, block_r), cdiv(D, block_d))
-    _gelu_tanh_kernel[grid](
+    launch(_gelu_tanh_kernel, grid,
         x, out,
         R, S, D,
         sx[0], sx[1], sx[2],

@@ -33,6 +33,7 @@ from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl
 from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 
 @triton.jit
@@ -71,7 +72,7 @@ def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
     block_r, block_d, warps = tile(D, per_program=4096)
     R = B * S
     grid = (cdiv(R, block_r), cdiv(D, block_d))
-    _swiglu_kernel[grid](
+    launch(_swiglu_kernel, grid,
         gate_in, up, out,
         R, S, D,
         sa[0], sa[1], sa[2],

@@ -18,6 +18,7 @@ from triton.language.extra import libdevice
 
 from .host import cdiv, next_pow2
 from .rounding import INTERPRET
+from .launch import launch
 
 
 def as_3d(*tensors: torch.Tensor) -> tuple[tuple[int, int, int], list[tuple[int, int, int]]] | None:
@@ -264,7 +265,7 @@ def act_cat_fire(recipe: tuple | None, act, p, attn: torch.Tensor, x: torch.Tens
         return out
     grid, scalars, (block_r, block_d, warps), pad = recipe
     uu = x if u is None else u
-    act_cat_kernel[grid](
+    launch(act_cat_kernel, grid,
         attn, x, uu, out, *scalars,
         ACT=act, P=p, DTYPE=dtype_tl, BLOCK_R=block_r, BLOCK_D=block_d,
         I64=not fits_int32(attn, x, uu, out, rows_pad=pad),

@@ -32,6 +32,7 @@ from ..common.elementwise import fits_int32
 from ..common.host import SUPPORTED_DTYPES, cdiv, device_reason, grad_reason, next_pow2, use_custom_op
 from ..common.plans import Recipes, call_key
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def _fire(r: tuple | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if r is None:
         return out
     grid, scalars, consts = r
-    _head_cat_kernel[grid](a, b, out, *scalars, I64=not fits_int32(a, b, out), **consts)
+    launch(_head_cat_kernel, grid, a, b, out, *scalars, I64=not fits_int32(a, b, out), **consts)
     return out
 
 
@@ -210,7 +211,7 @@ def _tokens_fire(r: tuple | None, x: torch.Tensor) -> torch.Tensor:
     if r is None:
         return out
     grid, scalars, consts = r
-    _head_cat_kernel[grid](x, x, out, *scalars, I64=not fits_int32(x, out), **consts)
+    launch(_head_cat_kernel, grid, x, x, out, *scalars, I64=not fits_int32(x, out), **consts)
     return out
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from ditfuse.kernels.reference import dense_channels_last
+from ditfuse.kernels.common.launch import launch
 
 
 @triton.jit
@@ -74,9 +75,10 @@ def padded_channels_last(shape: tuple[int, ...] | torch.Size, pad: tuple[int, ..
             raise ValueError(f"cache {tuple(cache.shape)} {cache.dtype} strides {cache.stride()} does not fit "
                              f"the front of {tuple(out.shape)} {dtype} (dense channels-last, <= {front} frames)")
     if out.numel() and (front or ht or hb or wl or wr):
-        _border_kernel[(Tp * Hp, B)](out, out if cache is None or tc == 0 else cache, Hp, Wp * C, front, tc, ht, hb,
-                                     wl * C, wr * C, out.stride(0), tc * Hh * Ww * C, Hh * Ww * C, Ww * C,
-                                     HAS_CACHE=tc > 0, BLOCK=1024, num_warps=4)
+        launch(_border_kernel, (Tp * Hp, B),
+               out, out if cache is None or tc == 0 else cache, Hp, Wp * C, front, tc, ht, hb,
+               wl * C, wr * C, out.stride(0), tc * Hh * Ww * C, Hh * Ww * C, Ww * C,
+               HAS_CACHE=tc > 0, BLOCK=1024, num_warps=4)
     return out
 
 

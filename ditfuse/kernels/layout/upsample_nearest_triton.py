@@ -27,6 +27,7 @@ from ditfuse.kernels.common.host import cdiv, interpreter_on, next_pow2, use_cus
 from ditfuse.kernels.common.rounding import INTERPRET
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.reference import channels_last_format
+from ditfuse.kernels.common.launch import launch
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -100,7 +101,7 @@ def _launch(x: torch.Tensor, cast: bool = True) -> torch.Tensor:
     CB = min(next_pow2(C), 128)
     BW = max(1, 2048 // CB)
     BW = min(BW, next_pow2(W))
-    _up2_cl_kernel[(N * H, cdiv(W, BW), cdiv(C, CB))](
+    launch(_up2_cl_kernel, (N * H, cdiv(W, BW), cdiv(C, CB)),
         x, out, W, C, CAST=cast and x.dtype != torch.float32, BW=BW, CB=CB, num_warps=4)
     return out
 

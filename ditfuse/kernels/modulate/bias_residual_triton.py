@@ -29,6 +29,7 @@ from ..common.elementwise import load_f32
 from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 BLOCK = 4096
 
@@ -117,10 +118,10 @@ def _fire(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor | None, out: torc
         # both walks give every element its channel there)
         nchw = not _channels_innermost(x) or (h is not None and not _channels_innermost(h))
         C = x.shape[1]
-        _bias_residual_kernel[(cdiv(n, BLOCK),)](x, bias.contiguous(), x if h is None else h, out, n, C,
-                                                 n // (x.shape[0] * C) if nchw else 1,
-                                                 DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, NCHW=nchw, HAS_H=h is not None,
-                                                 num_warps=8, enable_fp_fusion=False)
+        launch(_bias_residual_kernel, (cdiv(n, BLOCK),),
+               x, bias.contiguous(), x if h is None else h, out, n, C, n // (x.shape[0] * C) if nchw else 1,
+               DTYPE=tl_dtype(x.dtype), BLOCK=BLOCK, NCHW=nchw, HAS_H=h is not None,
+               num_warps=8, enable_fp_fusion=False)
 
 
 def _launch(x: torch.Tensor, bias: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -234,7 +235,7 @@ def _launch_mixed(y: torch.Tensor, bias: torch.Tensor, h: torch.Tensor | None) -
     HW = y.numel() // (N * C) if y.numel() else 0
     if y.numel():
         BHW, BC = 64, min(64, max(16, 1 << (C - 1).bit_length()))
-        _bias_residual_mixed_kernel[(cdiv(HW, BHW), cdiv(C, BC), N)](
+        launch(_bias_residual_mixed_kernel, (cdiv(HW, BHW), cdiv(C, BC), N),
             y, bias.contiguous(), y if h is None else h, out, C, HW, DTYPE=tl_dtype(y.dtype),
             Y_CL=not y.is_contiguous(), BHW=BHW, BC=BC, HAS_H=h is not None, num_warps=4, enable_fp_fusion=False)
     return out

@@ -23,6 +23,7 @@ from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..env import env
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 
 @triton.jit
@@ -158,7 +159,7 @@ def _fire(r: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: t
     kernel, grid, scalars, consts = r
     # int32 addressing depends on the storages' sizes, which the geometry key does not hold
     i64 = not fits_int32(residual, gate, update, out)
-    kernel[grid](residual, gate, update, out, *scalars, I64=i64, **consts)
+    launch(kernel, grid, residual, gate, update, out, *scalars, I64=i64, **consts)
     return in_eager_layout(out, residual)
 
 

@@ -61,6 +61,7 @@ from ditfuse.kernels.common.host import (
     use_custom_op,
     warp_plan,
 )
+from ditfuse.kernels.common.launch import launch
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.warp import warp_layout_ok, warp_rows
 from ditfuse.kernels.common.welford import (
@@ -590,13 +591,13 @@ def _fire(r: _Recipe, x, gate, update, scale, shift, weight, bias) -> tuple[torc
             shift if shift is not None else x, h, out)
     if r.warp is not None:
         grid, scalars, kw = r.warp
-        compiled = _ln_warp_kernel[grid](*ptrs, *scalars, **kw)
+        compiled = launch(_ln_warp_kernel, grid, *ptrs, *scalars, **kw)
         # the binary's shuffle layout is checked before its result is used
         if warp_layout_ok(compiled, "norm.layernorm_modulate"):
             return _eager_h(r, h, x), out
         # refused: the 128-thread kernel below rewrites h and out completely
     grid, scalars, kw = r.block
-    _ln_kernel[grid](*ptrs, *scalars, **kw)
+    launch(_ln_kernel, grid, *ptrs, *scalars, **kw)
     return _eager_h(r, h, x), out
 
 

@@ -62,6 +62,7 @@ from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..common.welford import rsqrt_approx
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 _HALF = (torch.bfloat16, torch.float16)
 _MAX_THREADS = 512  # Reduce.cuh's max threads per block for an fp32 reduction (sm_90)
@@ -418,7 +419,7 @@ def _fire(mode: int, r: tuple | None, x, residual, gate, scale, w, w2):
     views = _views(x, residual, gate, scale)
     wt = w.contiguous() if w is not None else x
     wt2 = w2.contiguous() if w2 is not None else x
-    _rms_d_kernel[grid](x, views[1], views[2], views[3], wt, wt2, h, out, *scalars, **consts)
+    launch(_rms_d_kernel, grid, x, views[1], views[2], views[3], wt, wt2, h, out, *scalars, **consts)
     return out, h
 
 

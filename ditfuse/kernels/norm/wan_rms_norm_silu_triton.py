@@ -45,6 +45,7 @@ from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.layout.pad_channels_last_triton import padded_channels_last
 from ditfuse.kernels.norm.group_norm_silu_triton import _silu
 from ditfuse.kernels.reference import channels_last_format, dense_channels_last
+from ditfuse.kernels.common.launch import launch
 
 _DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 VT0 = 4  # gpu_reduce_kernel's accumulators per thread
@@ -311,7 +312,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     scale = _sqrt_c_f32(C)
     pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
     kT = FHW * C
-    _wan_rms_kernel[(B, cdiv(S, BP))](
+    launch(_wan_rms_kernel, (B, cdiv(S, BP)),
         x, g, b, pb, out, kept if keep else out, C, T, HW, sB, sC, sT, sP, cdiv(C, ksub * R), scale,
         NORM_EPS, oB, oT, oH, Wd, FHW, PT, PH, PW, x.shape[2] - keep if keep else 0, keep * kT, kT,
         DTYPE=_DTYPES[x.dtype], H=H, BP=BP, EXACT=exact, HAS_B=has_b, SILU=bool(silu),

@@ -52,6 +52,7 @@ from ..common.rms import RMS_VEC_WIDTH, fma_rn, rms_fold_4warps_in_registers, rm
 from ..common.rounding import round_to, rround
 from ..common.warp import warp_layout_ok, warp_rows
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 _THREADS: tl.constexpr = tl.constexpr(128)
 _VEC: tl.constexpr = tl.constexpr(4)
@@ -343,7 +344,7 @@ def _warp_launch(x, w, out, cos, sin, heads, eps, exact: bool, R: int, second: t
         pair = dict(x2_ptr=x2, w2_ptr=w2 if w2 is not None else x2, out2_ptr=out2,
                     x2sb=x2.stride(0), x2ss=x2.stride(1), x2sd=x2.stride(2),
                     w2sd=w2.stride(0) if w2 is not None else 0, PAIR=True, HAS_W2=w2 is not None)
-    compiled = _rms_rope_warp_kernel[(cdiv(M, R),)](
+    compiled = launch(_rms_rope_warp_kernel, (cdiv(M, R),),
         x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
         M, S, D, float(eps),
         *x.stride(), w.stride(0) if w is not None else 0,
@@ -379,7 +380,7 @@ def _launch_one(x, w, cos, sin, heads, eps, exact: bool, rows_per_program: int |
     # bench/results/probe_held_rows_h200.csv found R = 1, 2, 4 within 1 %)
     R = rows_per_program or common_rows_per_program(M, JS, 6)
     p_dt = promote(x.dtype, cos.dtype) if has_rope else x.dtype
-    _rms_rope_kernel[(cdiv(M, R),)](
+    launch(_rms_rope_kernel, (cdiv(M, R),),
         x, w if w is not None else x, cos if has_rope else x, sin if has_rope else x, out,
         M, S, D, nvec, J, float(eps),
         *x.stride(), w.stride(0) if w is not None else 0,

@@ -58,6 +58,7 @@ from ..common.rounding import INTERPRET, round_to, rround
 from ..common.welford import fma_rn, rsqrt_approx
 from ..env import env
 from ..errors import UnsupportedInput
+from ..common.launch import launch
 
 _ROPE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -828,11 +829,11 @@ def _fire(r: _Recipe, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_we
     )
     if r.lanes is not None:
         grid, kw, lanes = r.lanes
-        compiled = _qk_lanes_kernel[grid](*args, **kw)
+        compiled = launch(_qk_lanes_kernel, grid, *args, **kw)
         if lane_layout_ok(compiled, lanes):
             return q_out, k_out
     grid, kw = r.tile
-    _qk_rmsnorm_rope_kernel[grid](*args, **kw)
+    launch(_qk_rmsnorm_rope_kernel, grid, *args, **kw)
     return q_out, k_out
 
 
