@@ -414,11 +414,15 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 # A/B providers: lossless with one switch flipped, asked for by name (not in the defaults).
 # lossless_nohandoff: DITFUSE_HANDOFF=0 (cross-block fusion off, models/handoff.py);
-# lossless_linear_cat: DITFUSE_LINEAR_CAT=1 (the joint value's projections into one buffer).
-_AB_ENV = {"DITFUSE_HANDOFF": ("lossless_nohandoff", "0"), "DITFUSE_LINEAR_CAT": ("lossless_linear_cat", "1")}
-PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_linear_cat", "lossless_graph", "compile",
-             "compile_regional", "high"]
-DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in ("lossless_nohandoff", "lossless_linear_cat", "compile_regional")]
+# lossless_linear_cat: DITFUSE_LINEAR_CAT=1 (the joint value's projections into one buffer);
+# lossless_tritonlaunch: DITFUSE_FAST_LAUNCH=0 (every kernel through Triton's JITFunction.run,
+# as before round 16: kernels/common/launch.py).
+_AB_ENV = {"DITFUSE_HANDOFF": ("lossless_nohandoff", "0"), "DITFUSE_LINEAR_CAT": ("lossless_linear_cat", "1"),
+           "DITFUSE_FAST_LAUNCH": ("lossless_tritonlaunch", "0")}
+PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_linear_cat", "lossless_tritonlaunch",
+             "lossless_graph", "compile", "compile_regional", "high"]
+DEFAULT_PROVIDERS = [p for p in PROVIDERS
+                     if p not in ("lossless_nohandoff", "lossless_linear_cat", "lossless_tritonlaunch", "compile_regional")]
 # torch.compile providers: measured last (their compilation may run out a phase's time limit).
 # compile: the whole transformer; compile_regional: each repeated block compiled on its own
 # (compile_regional below; diffusers' compile_repeated_blocks does the same for models that name
