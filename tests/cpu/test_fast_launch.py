@@ -171,3 +171,19 @@ def test_disabled_by_default_under_the_interpreter(monkeypatch):
     assert not fl._enabled()
     monkeypatch.setenv("DITFUSE_FAST_LAUNCH", "1")
     assert fl._enabled()
+
+
+def test_wrapper_without_signature_is_always_launched_through(gpu_like):
+    """A stand-in for a kernel (tests/support/launch_count.py's Counting) has no signature: every
+    launch goes through its [grid], so it sees (and counts) each one."""
+    from collections import Counter
+
+    from tests.support.launch_count import Counting
+
+    counts: Counter = Counter()
+    fn = FakeJIT()
+    wrapped = Counting(fn, "k", counts)
+    x = torch.zeros(4)
+    for _ in range(3):
+        fl.launch(wrapped, (1,), x, x, 1, 1.0, 0, BLOCK=4)
+    assert counts["k"] == 3 and [e[0] for e in fn.log] == ["slow"] * 3

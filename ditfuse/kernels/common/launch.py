@@ -15,7 +15,8 @@ with a new combination goes through ``kernel[grid]`` (compiling if needed) and k
 kernel it returns; later calls hand the arguments in signature order straight to that kernel's
 launcher, exactly as ``JITFunction.run`` would. Anything unusual takes the ordinary path: the
 interpreter (``TRITON_INTERPRET=1``), a launch hook (profilers such as proton set one), an
-unhashable argument, a non-strided tensor. With no hook set the fast launch passes no launch
+unhashable argument, a non-strided tensor, a kernel object without a ``signature`` (a wrapper
+standing in for the JITFunction). With no hook set the fast launch passes no launch
 metadata and no hooks (Triton passes its empty hook chains and builds the metadata for them). ``DITFUSE_FAST_LAUNCH=0`` turns the fast path off.
 
 The key holds more than Triton's own specialisation (every int's value, not just its
@@ -112,7 +113,9 @@ def launch(fn: Any, grid: tuple, *args: Any, **kw: Any) -> Any:
     """``fn[grid](*args, **kw)``, through the compiled kernel's launcher once this combination of
     specialising facts has been launched before (module docstring). Returns what ``fn[grid]``
     returns (the CompiledKernel on the GPU)."""
-    if not _enabled() or type(grid) is not tuple:  # a callable grid is Triton's to evaluate
+    if not _enabled() or type(grid) is not tuple or getattr(fn, "signature", None) is None:
+        # a callable grid is Triton's to evaluate; an object without a signature is not a
+        # JITFunction (a wrapper, e.g. tests/support/launch_count.py's): its [grid] must run
         return fn[grid](*args, **kw)
     cache = _CACHES.get(id(fn))
     try:
