@@ -209,7 +209,7 @@ def test_channels_last_output_is_the_exact_kernel(shape, G, dtype, silu, affine)
     assert not gn.can_use_group_norm_silu_cl(x.flatten(2), G, w, b, EPS, silu)  # 3-D: not a conv input
 
 
-@pytest.mark.parametrize("tile", [(64, 64, 4), (32, 16, 4), (128, 32, 8), (16, 128, 4)], ids=str)
+@pytest.mark.parametrize("tile", [(64, 64, 4), (32, 16, 4), (128, 32, 8), (16, 128, 4), (16, 256, 4)], ids=str)
 @pytest.mark.parametrize(
     "shape,G,dtype",
     [((1, 64, 8, 8), 32, torch.bfloat16),  # EVEN for every tile but (128, 32): HxW 64

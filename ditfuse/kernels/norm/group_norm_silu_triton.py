@@ -837,10 +837,12 @@ def _launch_cl_out(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None
 
 
 # (BHW, BC, num_warps) of the channels-last epilogue; bench/probes/probe_gn_cl_out.py sweeps them.
-# H100, round 16: 32x128x4 was the fastest of ten tiles at every 1024² decoder shape, 1.60x the
-# NCHW apply's time where the round-15 tile (64x64x4) took 2.63x: channel tiles as wide as the
-# rows make the channels-last stores long and contiguous.
-CL_OUT_TILE = (32, 128, 4)
+# H100, round 16 (bench/results/probe_gn_cl_out_round16_b_h100.csv): 16x256x4 (16x128x4 where
+# C = 128) was the fastest of 13 tiles at every 1024² decoder shape but one (there 2 % behind),
+# at 62-66 % of copy bandwidth; the round-15 tile 64x64x4 ran at 34-41 %, and the NCHW apply at
+# ~90 %. Wide channel tiles make the channels-last stores long; short position tiles keep each
+# channel's loads to one 32-byte sector and the transposed tile small.
+CL_OUT_TILE = (16, 256, 4)
 
 
 def _apply_cl_out(x: torch.Tensor, G: int, stat: torch.Tensor, weight: torch.Tensor | None,
