@@ -23,8 +23,8 @@
 #            (tests/gpu/test_context_parallel_gpu.py) and FLUX.1-dev / Wan-1.3B step time on 1 GPU
 #            and on NGPUS (default 2) GPUs, eager vs lossless, Ulysses and ring     -> parallel_h200.csv
 # File names say h200 above; each run tags them with its card (CARD, from torch's device name:
-# h200, h100, ...). Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above (at most
-# 8 files: the device tool's limit; PNGs are drawn afterwards from the CSVs by bench/plot_results.py).
+# h200, h100, ...). Output goes to $OUT (or out/gpu): suite.log with everything printed plus the files above;
+# when they are more than the device tool's 8 files, all but suite.log are packed into results.tar.gz (PACK).
 # Per-phase time limits: *_TIMEOUT variables; extra arguments: *_ARGS variables.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -109,4 +109,15 @@ if [[ " ${phases[*]} " == *" parallel "* ]]; then  # explicit only: needs a mult
 fi
 echo "== summary ==" | tee -a "$LOG"
 printf '%s\n' "${summary[@]}" | tee -a "$LOG"
+# The device tool returns at most 8 files from $OUT (round 16 lost a suite.log and three result
+# files that way): with more, every file but suite.log goes into results.tar.gz (PACK=1 always,
+# PACK=0 never; default auto).
+files=()
+while IFS= read -r f; do files+=("$f"); done < <(cd "$OUT" && find . -maxdepth 1 -type f ! -name suite.log ! -name results.tar.gz -printf '%f\n' | sort)
+if [ "${PACK:-auto}" = 1 ] || { [ "${PACK:-auto}" = auto ] && [ $(( ${#files[@]} + 1 )) -gt 8 ]; }; then
+  if [ ${#files[@]} -gt 0 ] && (cd "$OUT" && tar czf results.tar.gz "${files[@]}"); then
+    (cd "$OUT" && rm -f "${files[@]}")
+    echo "packed ${#files[@]} result files into $OUT/results.tar.gz (tar xzf results.tar.gz)" | tee -a "$LOG"
+  fi
+fi
 exit $status
