@@ -187,3 +187,50 @@ def test_wrapper_without_signature_is_always_launched_through(gpu_like):
     for _ in range(3):
         fl.launch(wrapped, (1,), x, x, 1, 1.0, 0, BLOCK=4)
     assert counts["k"] == 3 and [e[0] for e in fn.log] == ["slow"] * 3
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("family,layers", [("sd3", (2,)), ("flux", (2, 2)), ("qwenimage", (2,)), ("zimage", (2, 1))])
+def test_launch_keys_are_stable_across_steps(monkeypatch, family, layers):
+    """A real step's launches (every family's fused ops, Triton interpreted): the second and third
+    steps make no launch key the first did not, so on a GPU every launch after the first step
+    takes the fast path (a scalar that changed per call would send each launch down Triton's
+    path and grow the cache)."""
+    import collections
+    import sys
+
+    import ditfuse
+    from ditfuse.models import families
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("DITFUSE_VERIFY", "off")
+    keys: dict = collections.defaultdict(set)
+
+    def recording_launch(fn, grid, *args, **kw):
+        # the interpreter's kernels have no signature (launch() would not key them): key here
+        k = fl._key(grid, args, kw)
+        keys[k is None].add(k)
+        return fn[grid](*args, **kw)
+
+    fam = families.get(family)
+    torch.manual_seed(0)
+    m = fam.load_class()(**fam.config("tiny", layers)).to(torch.bfloat16).eval().requires_grad_(False)
+    inp = fam.make_inputs(m, 1, "64x48", device="cpu", dtype=torch.bfloat16, txt_tokens=7)
+    handle = ditfuse.accelerate(m)
+    try:
+        with torch.no_grad():
+            m(**inp)  # first step: every kernel module the step uses is imported by now
+        real = fl.launch
+        for mod in list(sys.modules.values()):
+            if (getattr(mod, "__name__", "").startswith("ditfuse.kernels") and mod is not fl
+                    and getattr(mod, "launch", None) is real):
+                monkeypatch.setattr(mod, "launch", recording_launch)
+        counts = []
+        for _ in range(3):
+            with torch.no_grad():
+                m(**inp)
+            counts.append(len(keys[False]))
+    finally:
+        handle.unmount()
+    assert not keys[True], "a launch could not be keyed"
+    assert counts[0] > 0 and counts[0] == counts[1] == counts[2], f"{family}: distinct launch keys per step {counts}"
