@@ -13,12 +13,13 @@ import inspect
 
 import pytest
 import torch
+import triton.language as tl  # noqa: F401  (the stand-in kernel's string annotations name it)
 
 from ditfuse.kernels.common import launch as fl
 
 
-def _kernel_src(x_ptr, y_ptr, n, eps, s0, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False,  # noqa: F821
-                MODE: "tl.constexpr" = 3):  # noqa: F821
+def _kernel_src(x_ptr, y_ptr, n, eps, s0, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False,
+                MODE: "tl.constexpr" = 3):
     pass
 
 
