@@ -235,3 +235,21 @@ def test_launch_keys_are_stable_across_steps(monkeypatch, family, layers):
         handle.unmount()
     assert not keys[True], "a launch could not be keyed"
     assert counts[0] > 0 and counts[0] == counts[1] == counts[2], f"{family}: distinct launch keys per step {counts}"
+
+
+def test_tensor_passed_by_keyword_is_never_cached(gpu_like):
+    fn = FakeJIT()
+    x = torch.zeros(4)
+    for _ in range(2):
+        fl.launch(fn, (1,), x, n=1, eps=1.0, s0=0, BLOCK=4, y_ptr=x)
+    assert [e[0] for e in fn.log] == ["slow", "slow"]
+
+
+def test_equal_scalars_of_other_types_are_other_keys(gpu_like):
+    """1, True and 1.0 are one dict key, but Triton specialises them apart (i32 == 1, i1, fp32)."""
+    fn = FakeJIT()
+    x = torch.zeros(4)
+    for s0 in (1, True, 1.0, 1, True, 1.0):
+        fl.launch(fn, (1,), x, x, 3, 0.5, s0, BLOCK=4)
+    assert [e[0] for e in fn.log] == ["slow"] * 3 + ["fast"] * 3
+    assert [type(e[2][4]) for e in fn.log] == [int, bool, float] * 2

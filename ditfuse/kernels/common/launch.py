@@ -100,12 +100,16 @@ def full_arguments(fn: Any, args: tuple, kw: dict) -> tuple:
 def _key(grid: tuple, args: tuple, kw: dict) -> tuple | None:
     parts = []
     for a in args:
-        if isinstance(a, _TENSOR):
+        t = type(a)
+        if t is int:
+            parts.append(a)
+        elif isinstance(a, _TENSOR):
             if a.layout is not torch.strided:
                 return None
             parts.append((a.dtype, a.data_ptr() & 15))
         else:
-            parts.append(a)
+            # typed: True == 1 == 1.0 as dict keys, but Triton specialises them apart (i1 / i32 / fp32)
+            parts.append((t, a))
     return (grid, tuple(parts), tuple(kw.items()))
 
 
@@ -138,7 +142,8 @@ def launch(fn: Any, grid: tuple, *args: Any, **kw: Any) -> Any:
             return k
     _stats["slow"] += 1
     k = fn[grid](*args, **kw)
-    if key is not None and hasattr(k, "function") and hasattr(k, "packed_metadata") and not _hooks_set():
+    if (key is not None and hasattr(k, "function") and hasattr(k, "packed_metadata") and not _hooks_set()
+            and not any(isinstance(v, _TENSOR) for v in kw.values())):  # a tensor by keyword: not keyed, never cached
         names = _params(fn)
         full_arguments(fn, args, kw)  # raises now rather than at a fast launch if the call is malformed
         if cache is None:
