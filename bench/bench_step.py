@@ -218,6 +218,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import triton
 
     import ditfuse
+    from ditfuse.kernels.common import launch as fast_launch
     from ditfuse.kernels.compare import first_mismatch, relative_l2
     from ditfuse.models import families
 
@@ -315,6 +316,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                       f"({', '.join(sorted({type(m).__name__ for m in regions}))})", flush=True)
             try:
                 t1 = time.time()
+                launches0 = fast_launch.stats()
                 with torch.no_grad():
                     host = []
                     times, out = time_steps(fn, args.steps, args.warmup, host)
@@ -331,6 +333,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                              f"handoffs={ho.get('used', 0)}/{ho.get('links', 0)}x{len(times) + args.warmup + 1}")  # +1: sync_points' step
                     if any(pt.values()):
                         extra += f" rope_tables={pt['hits']}/{pt['hits'] + pt['misses'] + pt['uncached']}"
+                    # kernels/common/launch.py: launches that took the cached launcher / Triton's
+                    # JITFunction.run in this provider's steps (first sight and warm-up included)
+                    launches = fast_launch.stats()
+                    extra += (f" launches=fast {launches['fast'] - launches0['fast']}"
+                              f"/triton {launches['slow'] - launches0['slow']}")
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
                       f"(host enqueue {statistics.median(host):.1f} ms, {min(host):.1f}-{max(host):.1f}) "
                       f"syncs={syncs or 0} bitwise={mm is None} "

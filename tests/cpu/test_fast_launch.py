@@ -148,6 +148,7 @@ def test_hooks_interpreter_switch_and_odd_grids_take_the_slow_path(gpu_like, mon
     call(grid=[1])  # a list: not the tuple the cache was filled with
     call(grid=lambda meta: (1,))
     assert [e[0] for e in fn.log] == ["slow"] * 6
+    assert fl.stats() == {"fast": 0, "slow": 6}  # every path through kernel[grid] is counted
     call()
     assert fn.log[-1][0] == "fast"
 

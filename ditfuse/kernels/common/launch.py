@@ -121,6 +121,7 @@ def launch(fn: Any, grid: tuple, *args: Any, **kw: Any) -> Any:
     if not _enabled() or type(grid) is not tuple or getattr(fn, "signature", None) is None:
         # a callable grid is Triton's to evaluate; an object without a signature is not a
         # JITFunction (a wrapper, e.g. tests/support/launch_count.py's): its [grid] must run
+        _stats["slow"] += 1
         return fn[grid](*args, **kw)
     cache = _CACHES.get(id(fn))
     try:
