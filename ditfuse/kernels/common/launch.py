@@ -32,6 +32,7 @@ import inspect
 from typing import Any
 
 import torch
+from triton import knobs
 
 from ..env import env
 
@@ -66,8 +67,6 @@ def _hook_set(h: Any) -> bool:
 
 
 def _hooks_set() -> bool:
-    from triton import knobs
-
     rt = knobs.runtime
     return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
