@@ -152,6 +152,34 @@ def qk_rmsnorm_rope(
     return q, k
 
 
+def qk_fp32_rmsnorm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flux3AttnProcessor (diffusers 0.42.1) from the unflattened projections to the tensors
+    attention consumes: ``norm_q(query.float())`` (``torch.nn.RMSNorm`` kept in fp32 by
+    ``_keep_in_fp32_modules``: fp32 in, fp32 weight, fp32 out), ``apply_rotary_emb`` on the fp32
+    result (fp32 out), then ``.to(value.dtype)``: one rounding to q's dtype. Arguments as
+    :func:`qk_rmsnorm_rope` (FLUX.3 itself passes no text stream)."""
+    dtype = q.dtype
+
+    def up(t):
+        return None if t is None else t.float()
+
+    qn, kn = qk_rmsnorm_rope(up(q), up(k), q_weight, k_weight, cos, sin, eps, up(q_txt), up(k_txt),
+                             q_txt_weight, k_txt_weight)
+    return qn.to(dtype), kn.to(dtype)
+
+
 def rope_pairs(x: torch.Tensor, freqs_cos: torch.Tensor, freqs_sin: torch.Tensor) -> torch.Tensor:
     """Wan's ``apply_rotary_emb`` (WanAttnProcessor, diffusers 0.42.1) for x [B, S, H, D] and
     repeat-interleaved freqs [1, S, 1, D] (fp32, or bf16 after a plain ``.to(bf16)``)::

@@ -190,16 +190,19 @@ def feed_forward_forward(ff, original, x: torch.Tensor, *, _ops: OpSet = LOSSLES
     return ff.linear_out(x)
 
 
-def _swiglu_module(act) -> str | None:
-    if type(act) is not _tf().Flux2SwiGLU:
-        return f"activation is {type(act).__name__}, not Flux2SwiGLU"
+def swiglu_reason(act, cls: type | None = None) -> str | None:
+    """None when ``act`` is a ``Flux2SwiGLU`` (or ``cls``, a copy of it such as FLUX.3's) with its
+    ``nn.SiLU`` gate, the chain :func:`feed_forward_forward` replaces; else why not."""
+    cls = cls or _tf().Flux2SwiGLU
+    if type(act) is not cls:
+        return f"activation is {type(act).__name__}, not {cls.__name__}"
     if type(act.gate_fn) is not torch.nn.SiLU:
-        return f"Flux2SwiGLU.gate_fn is {type(act.gate_fn).__name__}, not nn.SiLU"
+        return f"{cls.__name__}.gate_fn is {type(act.gate_fn).__name__}, not nn.SiLU"
     return None
 
 
 def _ff_applies(ff) -> str | None:
-    return _swiglu_module(ff.act_fn)
+    return swiglu_reason(ff.act_fn)
 
 
 # -- attention --------------------------------------------------------------------------------
@@ -294,7 +297,7 @@ def _parallel_applies(attn) -> str | None:
         return f"processor is {type(attn.processor).__name__}, not Flux2ParallelSelfAttnProcessor"
     if attn.mlp_mult_factor != 2:
         return f"mlp_mult_factor is {attn.mlp_mult_factor}, not 2 (SwiGLU halves)"
-    return _rms_norms_reason(attn, ("norm_q", "norm_k")) or _swiglu_module(attn.mlp_act_fn)
+    return _rms_norms_reason(attn, ("norm_q", "norm_k")) or swiglu_reason(attn.mlp_act_fn)
 
 
 def parallel_attention_forward(

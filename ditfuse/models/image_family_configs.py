@@ -1,4 +1,4 @@
-"""Configs for the issue-12 families (Qwen-Image, SD3/3.5, FLUX.2, Z-Image): constructor
+"""Configs for the issue-12 families (Qwen-Image, SD3/3.5, FLUX.2, Z-Image) and FLUX.3: constructor
 kwargs of diffusers 0.42.1's transformer classes, tiny (every block type, for CPU tests) and real
 size (random-weight step benchmarks), plus the 1024x1024 step-input shapes.
 
@@ -40,6 +40,13 @@ TINY: dict[str, dict[str, Any]] = {
         patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=2, joint_attention_dim=24, timestep_guidance_channels=16,
         mlp_ratio=3.0, axes_dims_rope=(4, 4, 4, 4), rope_theta=2000, eps=1e-6, guidance_embeds=True,
+    ),
+    # 2 per-mode blocks per mode (text, image, reference image) + 2 joint single blocks; 4 RoPE
+    # axes of 4 (head_dim 16); 8 image / 12 reference channels (the two embedders differ).
+    "flux3": dict(
+        in_channels=8, cond_in_channels=12, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, timestep_channels=16, mlp_ratio=3.0,
+        axes_dims_rope=(4, 4, 4, 4), rope_theta=10000, eps=1e-6,
     ),
     # 1 noise refiner (modulated), 1 context refiner (unmodulated), 2 main blocks; dim 32 ->
     # FFN hidden int(32 / 3 * 8) = 85 (odd); head_dim 16 = 4 + 6 + 6.
@@ -87,6 +94,14 @@ REAL: dict[str, dict[str, Any]] = {
         mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6,
         guidance_embeds=True,
     ),
+    # FLUX.3 as diffusers 0.42.1's Flux3Transformer2DModel defaults declare it: 5 per-mode blocks
+    # per token mode + 28 joint single blocks, width 24 x 128 = 3072, SwiGLU 3x, 128 latent
+    # channels, stacked Qwen3-VL text states of width 20480.
+    "flux3": dict(
+        in_channels=128, cond_in_channels=128, num_layers=5, num_single_layers=28, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=20480, timestep_channels=256, mlp_ratio=3.0,
+        axes_dims_rope=(32, 32, 32, 32), rope_theta=10000, eps=1e-6,
+    ),
     # Tongyi-MAI/Z-Image(-Turbo), 6B: 30 main + 2 noise-refiner + 2 context-refiner blocks,
     # width 30 x 128 = 3840, SwiGLU FFN 10240.
     "zimage": dict(
@@ -101,7 +116,7 @@ REAL: dict[str, dict[str, Any]] = {
 # (Z-Image pads it to a multiple of 32); 512 is the pipelines' max_sequence_length. SD3 is always
 # 77 (CLIP) + 256 (T5) = 333. FLUX.2 pads to max_sequence_length = 512.
 TEXT_TOKENS = {"qwenimage": 512, "sd35_large": 333, "sd35_medium": 333, "sd3_medium": 333,
-               "flux2": 512, "zimage": 512}
+               "flux2": 512, "flux3": 512, "zimage": 512}
 
 CLASS_NAMES = {
     "qwenimage": "QwenImageTransformer2DModel",
@@ -109,6 +124,7 @@ CLASS_NAMES = {
     "sd35_large": "SD3Transformer2DModel", "sd35_medium": "SD3Transformer2DModel",
     "sd3_medium": "SD3Transformer2DModel",
     "flux2": "Flux2Transformer2DModel",
+    "flux3": "Flux3Transformer2DModel",
     "zimage": "ZImageTransformer2DModel",
 }
 
@@ -139,13 +155,15 @@ def build(name: str, size: str = "tiny", dtype=None, device=None, seed: int = 0)
 
 
 def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int = 1024,
-                text_tokens: int | None = None, dtype=None, device="cpu", seed: int = 1) -> dict[str, Any]:
+                text_tokens: int | None = None, dtype=None, device="cpu", seed: int = 1,
+                cond_tokens: int = 0) -> dict[str, Any]:
     """Keyword inputs of one denoising step at ``height`` x ``width`` pixels (random values).
 
     Latent geometry per family: Qwen-Image / SD3 / Z-Image VAEs downsample 8x (16 latent
     channels); Qwen-Image packs 2x2 patches (64 channels), SD3 / Z-Image patchify 2x2 inside the
-    transformer; FLUX.2's VAE downsamples 8x to 32 channels and the pipeline packs 2x2 (128).
-    All give (height/16) x (width/16) image tokens (4096 at 1024x1024).
+    transformer; FLUX.2's VAE downsamples 8x to 32 channels and the pipeline packs 2x2 (128), as
+    FLUX.3's inputs here do. All give (height/16) x (width/16) image tokens (4096 at 1024x1024).
+    ``cond_tokens``: FLUX.3's reference-image tokens (image-to-image), none by default.
     """
     import torch
 
@@ -196,6 +214,28 @@ def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int
             guidance=torch.full((batch,), 4.0, device=device, dtype=dtype) if cfg.guidance_embeds else None,
             return_dict=False,
         )
+    if family == "flux3":
+        # (t, h, w, l) position ids; text tokens along l (the FLUX.2 layout). A reference image
+        # (``cond_tokens``) sits at t = 1 on its own grid.
+        img_ids = torch.zeros(h * w, 4)
+        img_ids[:, 1] = torch.arange(h * w) // w
+        img_ids[:, 2] = torch.arange(h * w) % w
+        txt_ids = torch.zeros(txt, 4)
+        txt_ids[:, 3] = torch.arange(txt)
+        out = dict(
+            hidden_states=rnd(batch, h * w, cfg.in_channels),
+            encoder_hidden_states=rnd(batch, txt, cfg.joint_attention_dim),
+            timestep=torch.full((batch,), 0.7, device=device, dtype=dtype),
+            img_ids=img_ids.to(device),
+            txt_ids=txt_ids.to(device),
+            return_dict=False,
+        )
+        if cond_tokens:
+            cond_ids = img_ids[:cond_tokens].clone()
+            cond_ids[:, 0] = 1
+            out.update(image_cond_hidden_states=rnd(batch, cond_tokens, cfg.cond_in_channels),
+                       image_cond_ids=cond_ids.to(device))
+        return out
     if family == "zimage":
         return dict(
             x=[rnd(cfg.in_channels, 1, 2 * h, 2 * w) for _ in range(batch)],

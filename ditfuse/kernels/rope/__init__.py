@@ -1,8 +1,8 @@
 """rope: QK RMSNorm + rotary embeddings — the op descriptors. Data only.
 
 Kernels: qk_rmsnorm_rope_triton.py (FLUX: per-head norm, text/image concat, interleaved RoPE;
-and, in the same kernel body, Qwen-Image's diffusers-RMSNorm + complex RoPE) and
-qk_rmsnorm_across_heads_rope_triton.py (Wan: one norm over all heads, pair RoPE), each with both
+and, in the same kernel body, FLUX.3's fp32 norm + RoPE and Qwen-Image's diffusers-RMSNorm +
+complex RoPE) and qk_rmsnorm_across_heads_rope_triton.py (Wan: one norm over all heads, pair RoPE), each with both
 contracts in one kernel body.
 """
 
@@ -31,6 +31,20 @@ QK_RMSNORM_ROPE_FP32 = OpDescriptor(
     summary="the same kernel with the rounding switch off: no rounding between norm and RoPE",
     impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_rope_fp32"),),
     lossless=QK_RMSNORM_ROPE,
+)
+
+QK_FP32_RMSNORM_ROPE = OpDescriptor(
+    op="rope.qk_fp32_rmsnorm_rope",
+    contract=Contract.BIT_EXACT,
+    replaces="r(rope32(RMSNorm32(x32))), x32 = q.float() | k.float(): norm (fp32 weight) and RoPE in fp32, "
+             "one rounding",
+    summary="FLUX.3's QK chain: torch.nn.RMSNorm on the fp32 copy + interleaved fp32 RoPE, rounded "
+            "once to q's dtype (the qk_rmsnorm_rope kernel without its mid rounding; no fp32 copies)",
+    reference=f"{_REF}:qk_fp32_rmsnorm_rope",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_fp32_rmsnorm_rope"),),
+    key=(K("q", dims=(-1,)), K("k"), K("q_weight"), K("k_weight"), K("cos"), K("sin"), K("eps", value=True),
+         K("q_txt"), K("k_txt"), K("q_txt_weight"), K("k_txt_weight")),
+    key_note="head_dim fixes the RMS reduction; heads and sequence lengths only change the grid",
 )
 
 _WAN = "rope.qk_rmsnorm_across_heads_rope_triton"
@@ -97,6 +111,6 @@ QK_RMSNORM_DIFFUSERS_CAT = OpDescriptor(
              "call's shapes as torch's launch does (as for rope.qk_rmsnorm_diffusers_rope_complex)",
 )
 
-DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_RMSNORM_ACROSS_HEADS_ROPE,
+DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_FP32_RMSNORM_ROPE, QK_RMSNORM_ACROSS_HEADS_ROPE,
                QK_RMSNORM_ACROSS_HEADS_ROPE_FP32, QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,
                QK_RMSNORM_DIFFUSERS_CAT)

@@ -607,7 +607,12 @@ def _unsupported_reason(
     k_txt: torch.Tensor | None,
     q_txt_weight: torch.Tensor | None,
     k_txt_weight: torch.Tensor | None,
+    norm_dtype: torch.dtype | None = None,
 ) -> str | None:
+    """Why the kernel does not reproduce the chain (None: it does). ``norm_dtype``: the dtype
+    torch normalises in when the chain upcasts first (``norm(q.float())``, FLUX.3): the weights
+    must be of that dtype, and an input of another dtype reaches ``F.rms_norm`` as a fresh copy,
+    whose alignment is the allocator's, not the input's."""
     if (cos is None) != (sin is None):
         return "cos and sin must be given together"
     reason = _qk_inputs_reason(q, k, q_weight, k_weight, q_txt, k_txt, q_txt_weight, k_txt_weight, (cos, sin))
@@ -616,7 +621,7 @@ def _unsupported_reason(
     B, S_img, H, D = q.shape
     inputs = [t for t in (q, k, q_txt, k_txt) if t is not None]
     weights = [t for t in (q_weight, k_weight, q_txt_weight, k_txt_weight) if t is not None]
-    dtype = q.dtype
+    dtype = norm_dtype or q.dtype
     if D % RMS_VEC_WIDTH != 0:
         return f"head_dim {D} is not a multiple of 4 (torch takes its non-vectorized RMSNorm path)"
     if D > RMS_MAX_WIDTH:
@@ -625,11 +630,12 @@ def _unsupported_reason(
         if w.dim() != 1 or w.shape[0] != D:
             return f"a weight has shape {tuple(w.shape)}, expected ({D},)"
         if w.dtype != dtype:
-            return "a weight dtype differs from the input dtype (F.rms_norm then runs its composite path)"
+            return (f"a weight is {w.dtype}, the normalised input {dtype} (F.rms_norm then runs its "
+                    "composite path)")
     for t in inputs:
         if _suggests_channels_last(t):
             return "an input's strides suggest channels-last (F.rms_norm then runs its composite path)"
-    for t in inputs + weights:
+    for t in [t for t in inputs if t.dtype == dtype] + weights:
         if not _vector_aligned(t):
             return "a contiguous input or weight is not 4-element aligned (torch's non-vectorized path)"
     if cos is not None:
@@ -909,21 +915,23 @@ def qk_rmsnorm_rope(
 
 
 _STD_RECIPES = {True: Recipes(), False: Recipes()}  # exact, close
+_FP32_NORM_RECIPES = Recipes()  # qk_fp32_rmsnorm_rope
 
 
 def _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, exact: bool,
-          key: tuple | None = None):
+          key: tuple | None = None, norm_dtype: torch.dtype | None = None):
+    args = (q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
     if use_custom_op():
-        reason = _unsupported_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+        reason = _unsupported_reason(*args, norm_dtype)
         if reason is not None:
             raise UnsupportedInput(reason)
         return torch.ops.ditfuse.qk_rmsnorm_rope(
             q, k, q_weight, k_weight, cos, sin, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight, exact)
-    args = (q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
-    cache = _STD_RECIPES[exact]
+    # The fp32-norm op has its own cache: its predicate accepts what the close op's refuses.
+    cache = _FP32_NORM_RECIPES if norm_dtype is not None else _STD_RECIPES[exact]
     if key is None:
         key = call_key(args)
-    r = cache.checked(key, lambda: _unsupported_reason(*args), lambda: _recipe(*args, exact))
+    r = cache.checked(key, lambda: _unsupported_reason(*args, norm_dtype), lambda: _recipe(*args, exact))
     return _fire(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
 
 
@@ -948,6 +956,49 @@ def qk_rmsnorm_rope_fp32(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=Non
     """Close (quality="high"): :func:`qk_rmsnorm_rope` without rounding the normalised q/k to the
     input dtype before RoPE; each output element is rounded once. Same arguments and rejections."""
     return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, False)
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_fp32_rmsnorm_rope (FLUX.3): the close variant's arithmetic is another chain's exact one
+
+
+def can_use_qk_fp32_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
+                                 q_txt_weight=None, k_txt_weight=None) -> bool:
+    """True when :func:`qk_fp32_rmsnorm_rope` is bit-exact for these inputs: those of
+    :func:`can_use_qk_rmsnorm_rope`, except that the weights must be fp32 (torch normalises the
+    fp32 copy; a weight of another dtype sends ``F.rms_norm`` to its composite path) and a bf16 /
+    fp16 input's alignment does not matter (torch normalises a fresh copy)."""
+    return _unsupported_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
+                               k_txt_weight, torch.float32) is None
+
+
+def qk_fp32_rmsnorm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
+                         q_txt_weight=None, k_txt_weight=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FLUX.3's QK chain (diffusers 0.42.1 ``Flux3AttnProcessor``) in one launch, bitwise equal
+    to ``ditfuse.kernels.reference.qk_fp32_rmsnorm_rope`` on CUDA (torch 2.11)::
+
+        n   = w * (rstd * x32)    x32 = q.float(), rstd = rsqrtf(sum(x32*x32) / D + eps): torch's
+                                  ``_fused_rms_norm`` on the fp32 copy (fp32 weight), not rounded
+        out = r(r32(r32(n[2i] * cos) - r32(n[2i+1] * sin)), ...)   the interleaved fp32 RoPE,
+                                  then ``.to(q.dtype)``: one rounding
+
+    That is the arithmetic of the close :func:`qk_rmsnorm_rope_fp32` (FLUX.1's chain without its
+    mid rounding), which here is the eager chain itself: torch's reduction order is the same for
+    fp32 rows (the vectorized kernel takes 4-element vectors in every dtype; docs/numerics.md).
+    q, k: [B, S, H, D] bf16 / fp16 / fp32, any strides; weights fp32 [D] or None; cos, sin:
+    [S_txt + S_img, D] fp32 or None. Returns contiguous (q, k) in q's dtype. Raises
+    :class:`UnsupportedInput` exactly where :func:`can_use_qk_fp32_rmsnorm_rope` is False."""
+    return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, False,
+                 norm_dtype=torch.float32)
+
+
+def _keyed_fp32_norm(key, q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None, q_txt_weight=None,
+                     k_txt_weight=None):
+    return _call(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, False, key,
+                 norm_dtype=torch.float32)
+
+
+qk_fp32_rmsnorm_rope.keyed = _keyed_fp32_norm
 
 
 # ---------------------------------------------------------------------------------------------
