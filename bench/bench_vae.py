@@ -2,10 +2,11 @@
 ``--steps`` decodes, bitwise check against eager; CSV. Random bf16 weights.
 
 ``--model flux``: AutoencoderKL, the FLUX.1 VAE (16 latent channels, blocks 128/256/512/512) at
-``--sizes`` 1024 and 2048 (square). ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
+``--sizes`` 1024 and 2048 (square). ``--model flux2``: AutoencoderKLFlux2, the FLUX.2 / FLUX.3 VAE
+as its class defaults declare it (32 latent channels, the same blocks), same sizes. ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
 mults 1/2/4/4, two residual blocks per stage) at 480x832 with ``--frames`` 17 (5 latent frames).
 
-    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|wan] [--sizes 1024 2048 | 480x832]
+    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|flux2|wan] [--sizes 1024 2048 | 480x832]
         [--frames 17] [--no-compile] [--out PATH] [--breakdown PATH]
 """
 
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("flux", "wan"), default="flux")
+    p.add_argument("--model", choices=("flux", "flux2", "wan"), default="flux")
     p.add_argument("--sizes", nargs="+", default=None, help="HxW or a square size (default 1024 2048 / 480x832)")
     p.add_argument("--frames", type=int, default=17, help="wan: video frames (4k + 1)")
     p.add_argument("--batches", type=int, nargs="+", default=[1])
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import triton
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLWan
 
     import ditfuse
     from ditfuse.kernels.compare import first_mismatch, relative_l2
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     if args.model == "flux":
         vae = AutoencoderKL(**FLUX_VAE).to("cuda", torch.bfloat16).eval()
+        sizes = args.sizes or ["1024", "2048"]
+    elif args.model == "flux2":
+        vae = AutoencoderKLFlux2().to("cuda", torch.bfloat16).eval()
         sizes = args.sizes or ["1024", "2048"]
     else:
         vae = AutoencoderKLWan(**WAN_VAE).to("cuda", torch.bfloat16).eval()
@@ -84,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         H, _, W = size.partition("x")
         H, W = int(H), int(W or H)
-        label = f"{H}x{W}" if args.model == "flux" else f"{H}x{W}x{args.frames}f"
+        image = args.model != "wan"
+        label = f"{H}x{W}" if image else f"{H}x{W}x{args.frames}f"
         for batch in args.batches:
-            lat = (H // 8, W // 8) if args.model == "flux" else ((args.frames - 1) // 4 + 1, H // 8, W // 8)
-            z = torch.randn(batch, 16, *lat, device="cuda").to(torch.bfloat16)
+            lat = (H // 8, W // 8) if image else ((args.frames - 1) // 4 + 1, H // 8, W // 8)
+            channels = vae.config.latent_channels if image else vae.config.z_dim
+            z = torch.randn(batch, channels, *lat, device="cuda").to(torch.bfloat16)
 
             dec = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731
             with torch.no_grad():

@@ -1,5 +1,10 @@
-"""AutoencoderKL adapter (the FLUX.1 / SD3 / SD VAE): GroupNorm (+ SiLU) in diffusers 0.42.1's
-ResnetBlock2D and every other GroupNorm of the model, on the bit-exact ``norm.group_norm_silu``.
+"""AutoencoderKL adapter (the FLUX.1 / SD3 / SD VAE, and AutoencoderKLFlux2, the FLUX.2 / FLUX.3
+VAE): GroupNorm (+ SiLU) in diffusers 0.42.1's ResnetBlock2D and every other GroupNorm of the
+model, on the bit-exact ``norm.group_norm_silu``.
+
+AutoencoderKLFlux2 decodes with the same ``vae.Decoder`` (32 latent channels; its BatchNorm over
+the patchified latents belongs to the pipeline's latent scaling, not to ``decode``), so every
+site below applies to it unchanged; only the model class differs.
 
 aten's CUDA GroupNorm computes each (sample, group)'s statistics in one block, 32 blocks for a
 batch-1 decoder with 32 groups on a 132-SM GPU; the kernel reproduces that order bit for bit
@@ -332,7 +337,7 @@ SITES = (
 
 ADAPTER = Adapter(
     family="autoencoder_kl",
-    model_classes=("AutoencoderKL",),
+    model_classes=("AutoencoderKL", "AutoencoderKLFlux2"),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
 )

@@ -27,6 +27,8 @@ _spec.loader.exec_module(bench_step)
 EXPECTED = {
     "flux": ((2, 3), {"FluxTransformerBlock": 2, "FluxSingleTransformerBlock": 3}),
     "flux2": ((2, 3), {"Flux2TransformerBlock": 2, "Flux2SingleTransformerBlock": 3}),
+    # per-mode blocks for each of the three token modes (text, image, reference image)
+    "flux3": ((2, 3), {"Flux3ModeTransformerBlock": 6, "Flux3SingleTransformerBlock": 3}),
     # SD3Transformer2DModel names no _repeated_blocks in diffusers 0.42.1: the ModuleList fallback
     "sd3": ((3,), {"JointTransformerBlock": 3}),
     "qwenimage": ((3,), {"QwenImageTransformerBlock": 3}),

@@ -21,6 +21,19 @@ def _vae(dtype=torch.float32, seed=0):
     return vae.to(dtype).eval()
 
 
+def _flux2_vae(dtype=torch.float32, seed=0):
+    """A tiny AutoencoderKLFlux2 (FLUX.2 / FLUX.3's VAE class: the same Decoder, quant convs on)."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLFlux2(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(8, 16), layers_per_block=1,
+        latent_channels=4, norm_num_groups=4, sample_size=32,
+    )
+    return vae.to(dtype).eval()
+
+
 def _decode(vae, z):
     with torch.no_grad():
         return vae.decode(z, return_dict=False)[0]
@@ -42,6 +55,45 @@ def test_decode_on_reference_chains_equals_diffusers(batch, monkeypatch):
     finally:
         h.unmount()
     assert_bitwise_equal(_decode(vae, z), base, "after unmount")
+
+
+@pytest.mark.parametrize("tiled", [False, True], ids=["plain", "tiled+sliced"])
+def test_flux2_vae_mounts_and_decodes_on_reference_chains(tiled, monkeypatch):
+    """AutoencoderKLFlux2 (FLUX.2 / FLUX.3) takes the same sites: every one mounts, nothing is
+    skipped, and the decode on the reference chains is bitwise diffusers' (plain, tiled + sliced)."""
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    vae = _flux2_vae()
+    z = torch.randn(2, 4, 9, 7)
+    if tiled:
+        vae.enable_tiling()
+        vae.tile_sample_min_size, vae.tile_latent_min_size = 32, 8
+        vae.enable_slicing()
+        z = torch.randn(2, 4, 20, 12)
+    base = _decode(vae, z)
+    h = ditfuse.accelerate(vae)
+    try:
+        rep = h.report().components[0]
+        assert rep.status == "mounted" and rep.adapter == "autoencoder_kl", h.report().summary()
+        assert {s for _, s in rep.sites} == {"vae.resnet", "vae.group_norm", "vae.conv", "vae.decoder", "vae.upsample"}
+        assert not rep.skipped_sites, rep.skipped_sites
+        assert_bitwise_equal(_decode(vae, z), base, "AutoencoderKLFlux2 decode")
+    finally:
+        h.unmount()
+    assert_bitwise_equal(_decode(vae, z), base, "after unmount")
+
+
+@pytest.mark.slow  # the GroupNorm kernel through the interpreter
+def test_flux2_vae_fast_path_reaches_the_gate():
+    vae = _flux2_vae()
+    z = torch.randn(1, 4, 6, 6)
+    base = _decode(vae, z)
+    h = ditfuse.accelerate(vae)
+    try:
+        assert_bitwise_equal(_decode(vae, z), base, "AutoencoderKLFlux2, interpreter kernels through the gate")
+        c = ditfuse.gate.report().calls.get("norm.group_norm_silu", {})
+        assert sum(c.values()) > 0, c
+    finally:
+        h.unmount()
 
 
 @pytest.mark.parametrize("batch", [1, 2])

@@ -1,6 +1,7 @@
 """VAE adapters on CUDA: accelerated decode bitwise equal to plain diffusers, with the kernels
 verified and nothing fallen back. AutoencoderKL (tiny and FLUX.1-VAE-size configs, batch 1 and
-2, odd latent sizes, tiled + sliced decode, bf16 and fp32) and AutoencoderKLWan (tiny and the
+2, odd latent sizes, tiled + sliced decode, bf16 and fp32), AutoencoderKLFlux2 (the FLUX.2 /
+FLUX.3 VAE at its default size, 1024² B=1 and 2, tiled; a narrow fp32 one at an odd size) and AutoencoderKLWan (tiny and the
 Wan 2.1 VAE config, chunked cached decode over several latent frames, tiled; the channels-last
 decode from the second call on)."""
 
@@ -100,6 +101,32 @@ def test_flux_vae_odd_size_fp32():
     vae = _vae(FLUX_VAE, torch.float32)
     z = torch.randn(1, 16, 37, 29, device=DEV)
     _compare(vae, z, "FLUX VAE fp32 296x232")
+
+
+def _flux2_vae(dtype, **cfg):
+    """AutoencoderKLFlux2 (the FLUX.2 / FLUX.3 VAE) as its class defaults declare it (blocks
+    128/256/512/512, 32 latent channels, quant convs), random weights."""
+    from diffusers import AutoencoderKLFlux2
+
+    torch.manual_seed(0)
+    return AutoencoderKLFlux2(**cfg).to(DEV, dtype).eval()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_flux2_vae_1024(batch):
+    vae = _flux2_vae(torch.bfloat16)
+    z = torch.randn(batch, 32, 128, 128, device=DEV).to(torch.bfloat16)
+    _compare(vae, z, f"FLUX.2 VAE 1024x1024 B={batch}")
+
+
+def test_flux2_vae_odd_size_fp32_and_tiled():
+    vae = _flux2_vae(torch.float32, block_out_channels=(32, 64), down_block_types=("DownEncoderBlock2D",) * 2,
+                     up_block_types=("UpDecoderBlock2D",) * 2, layers_per_block=1, sample_size=64)
+    _compare(vae, torch.randn(1, 32, 37, 29, device=DEV), "FLUX.2 VAE class fp32 odd")
+    vae = _flux2_vae(torch.bfloat16)
+    vae.enable_tiling()
+    vae.tile_sample_min_size, vae.tile_latent_min_size = 256, 32
+    _compare(vae, torch.randn(1, 32, 72, 56, device=DEV).to(torch.bfloat16), "FLUX.2 VAE tiled")
 
 
 def test_tiled_and_sliced_decode():
