@@ -3,10 +3,12 @@
 
 ``--model flux``: AutoencoderKL, the FLUX.1 VAE (16 latent channels, blocks 128/256/512/512) at
 ``--sizes`` 1024 and 2048 (square). ``--model flux2``: AutoencoderKLFlux2, the FLUX.2 / FLUX.3 VAE
-as its class defaults declare it (32 latent channels, the same blocks), same sizes. ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
+as its class defaults declare it (32 latent channels, the same blocks), same sizes. ``--model
+qwenimage``: AutoencoderKLQwenImage, Qwen-Image's VAE (the Wan 2.1 VAE's blocks at its defaults),
+decoding 1024 images (one latent frame). ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
 mults 1/2/4/4, two residual blocks per stage) at 480x832 with ``--frames`` 17 (5 latent frames).
 
-    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|flux2|wan] [--sizes 1024 2048 | 480x832]
+    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|flux2|qwenimage|wan] [--sizes 1024 2048 | 480x832]
         [--frames 17] [--no-compile] [--out PATH] [--breakdown PATH]
 """
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("flux", "flux2", "wan"), default="flux")
+    p.add_argument("--model", choices=("flux", "flux2", "qwenimage", "wan"), default="flux")
     p.add_argument("--sizes", nargs="+", default=None, help="HxW or a square size (default 1024 2048 / 480x832)")
     p.add_argument("--frames", type=int, default=17, help="wan: video frames (4k + 1)")
     p.add_argument("--batches", type=int, nargs="+", default=[1])
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import triton
-    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLWan
 
     import ditfuse
     from ditfuse.kernels.compare import first_mismatch, relative_l2
@@ -53,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.model == "flux2":
         vae = AutoencoderKLFlux2().to("cuda", torch.bfloat16).eval()
         sizes = args.sizes or ["1024", "2048"]
+    elif args.model == "qwenimage":
+        vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
+        sizes = args.sizes or ["1024"]
     else:
         vae = AutoencoderKLWan(**WAN_VAE).to("cuda", torch.bfloat16).eval()
         sizes = args.sizes or ["480x832"]
@@ -88,11 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         H, _, W = size.partition("x")
         H, W = int(H), int(W or H)
-        image = args.model != "wan"
-        label = f"{H}x{W}" if image else f"{H}x{W}x{args.frames}f"
+        video = args.model == "wan"
+        label = f"{H}x{W}x{args.frames}f" if video else f"{H}x{W}"
         for batch in args.batches:
-            lat = (H // 8, W // 8) if image else ((args.frames - 1) // 4 + 1, H // 8, W // 8)
-            channels = vae.config.latent_channels if image else vae.config.z_dim
+            lat = ((args.frames - 1) // 4 + 1, H // 8, W // 8) if video else (H // 8, W // 8)
+            if args.model == "qwenimage":
+                lat = (1, *lat)  # an image is one latent frame of the video VAE
+            channels = vae.config.z_dim if args.model in ("wan", "qwenimage") else vae.config.latent_channels
             z = torch.randn(batch, channels, *lat, device="cuda").to(torch.bfloat16)
 
             dec = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731

@@ -1,5 +1,7 @@
 """AutoencoderKLWan adapter (Wan 2.1 / 2.2 video VAE), diffusers 0.42.1: the RMS_norm + SiLU
-chains on one kernel, and the Wan 2.1 decoder run in channels-last memory.
+chains on one kernel, and the Wan 2.1 decoder run in channels-last memory. The same site table
+(:func:`site_table`) mounts on AutoencoderKLQwenImage, Qwen-Image's VAE, which diffusers builds
+from copies of the Wan 2.1 blocks (``QwenImage*`` classes; an image decodes as one 1-frame chunk).
 
 Eager ``WanRMS_norm`` is nine kernels (cast, norm reduction, clamp, divide, cast, three
 elementwise ops) and the SiLU a tenth, ~38 bytes of traffic per bf16 element; the kernel reads x
@@ -34,6 +36,8 @@ the kernel reproduces that order on channels-last memory.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 import threading
 import weakref
@@ -157,8 +161,26 @@ def _norm(norm: Any, x: torch.Tensor, silu: bool, _ops: OpSet) -> torch.Tensor:
     return _ops.wan_rms_norm_silu(x if _is_cl(x) else _keep_cl(x), norm.gamma, norm.bias, silu, True)
 
 
+# The class names of each role in the VAEs built from these blocks: diffusers 0.42.1's
+# AutoencoderKLQwenImage (Qwen-Image's VAE) is AutoencoderKLWan's Wan 2.1 code under other names
+# (the forwards differ only in spelling; tests/cpu/test_wan_vae_adapter.py compares their sources).
+_RMS_NORMS = ("WanRMS_norm", "QwenImageRMS_norm")
+_UP_BLOCKS = ("WanUpBlock", "QwenImageUpBlock")
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_first_chunk(cls: type) -> bool:
+    return "first_chunk" in inspect.signature(cls.forward).parameters
+
+
+def _takes_first_chunk(module: Any) -> bool:
+    """Wan's decoder and up blocks take ``first_chunk`` (Wan 2.2's DupUp3D needs it); the
+    Qwen-Image copies do not."""
+    return _forward_takes_first_chunk(type(module))
+
+
 def _rms_applies(norm: Any) -> str | None:
-    if type(norm).__name__ != "WanRMS_norm":
+    if type(norm).__name__ not in _RMS_NORMS:
         return f"{type(norm).__name__} is not WanRMS_norm"
     if not norm.channel_first:
         return "channel_first=False (normalised over the last dim: another reduction)"
@@ -297,7 +319,7 @@ def _cl_problem(decoder: Any, x: torch.Tensor) -> str | None:
     if not torch.backends.cudnn.is_available() or not torch.backends.cudnn.enabled or torch.backends.cudnn.benchmark:
         return "cuDNN unavailable, disabled or in benchmark mode"
     for blk in decoder.up_blocks:
-        if type(blk).__name__ != "WanUpBlock":
+        if type(blk).__name__ not in _UP_BLOCKS:
             return f"{type(blk).__name__} (Wan 2.2 residual up blocks) is not mirrored"
     return None
 
@@ -317,22 +339,27 @@ def decoder_forward(decoder, original, x: torch.Tensor, feat_cache: list | None 
     NCDHW decode and records its layouts; later ones run on a channels-last copy of the chunk,
     replaying them, and hand the output back contiguous (the decode's ``cat`` of chunks and its
     ``clamp`` then see eager's layout)."""
+    def eager():
+        if _takes_first_chunk(decoder):
+            return original(x, feat_cache, feat_idx, first_chunk)
+        return original(x, feat_cache, feat_idx)
+
     problem = _cl_problem(decoder, x)
     if problem is not None:
-        _say_once(f"Wan decoder stays NCDHW for latent chunks {tuple(x.shape)}: {problem}")
-        return original(x, feat_cache, feat_idx, first_chunk)
+        _say_once(f"{type(decoder).__name__} stays NCDHW for latent chunks {tuple(x.shape)}: {problem}")
+        return eager()
     tables = _TABLES.setdefault(decoder, {})
     key = (tuple(x.shape), x.dtype, x.device, _chunk_kind(feat_cache))
     layouts = tables.get(key)
     if layouts is None:
         layouts = _Layouts()
         with _active("recording", layouts):
-            out = original(x, feat_cache, feat_idx, first_chunk)
+            out = eager()
         tables[key] = layouts
         return out
     if layouts.problem is not None:
-        _say_once(f"Wan decoder stays NCDHW for latent chunks {tuple(x.shape)}: {layouts.problem}")
-        return original(x, feat_cache, feat_idx, first_chunk)
+        _say_once(f"{type(decoder).__name__} stays NCDHW for latent chunks {tuple(x.shape)}: {layouts.problem}")
+        return eager()
     with _active("replaying", layouts):
         out = _decoder_chunk(decoder, x.contiguous(memory_format=torch.channels_last_3d), feat_cache, feat_idx,
                              first_chunk, _ops)
@@ -348,7 +375,10 @@ def _decoder_chunk(decoder, x: torch.Tensor, feat_cache: list | None, feat_idx: 
     x = _causal_conv(decoder.conv_in, x, feat_cache, feat_idx)
     x = decoder.mid_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
     for up_block in decoder.up_blocks:
-        x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+        if _takes_first_chunk(up_block):
+            x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx, first_chunk=first_chunk)
+        else:
+            x = up_block(x, feat_cache=feat_cache, feat_idx=feat_idx)
     if type(decoder.nonlinearity) is torch.nn.SiLU and _rms_applies(decoder.norm_out) is None:
         return _norm_conv(decoder.norm_out, decoder.conv_out, x, feat_cache, feat_idx, _ops)[0]
     return _causal_conv(decoder.conv_out, decoder.nonlinearity(decoder.norm_out(x)), feat_cache, feat_idx)
@@ -476,81 +506,100 @@ def _upsample_applies(up: Any) -> str | None:
     return None
 
 
-_VAE = "diffusers.models.autoencoders.autoencoder_kl_wan"
+def site_table(family: str, module: str, prefix: str, decoder_first_chunk: bool) -> tuple[Site, ...]:
+    """The sites of a VAE built from these blocks: ``module`` its diffusers module, ``prefix`` its
+    class-name prefix (``Wan``, ``QwenImage``), ``family`` the sites' name prefix;
+    ``decoder_first_chunk``: its decoder's forward takes ``first_chunk``."""
+    vae = f"diffusers.models.autoencoders.{module}"
+    decoder_params = ("self", "x", "feat_cache", "feat_idx") + (("first_chunk",) if decoder_first_chunk else ())
+    return (
+        Site(
+            name=f"{family}.residual",
+            cls=f"{vae}:{prefix}ResidualBlock",
+            params=("self", "x", "feat_cache", "feat_idx"),
+            forward=residual_forward,
+            ops=(WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, CONV_CHANNELS_LAST, BIAS_RESIDUAL),
+            applies=_residual_applies,
+            description=f"{prefix}ResidualBlock: norm1 + SiLU and norm2 + SiLU, each one RMS_norm+SiLU kernel "
+                        "(channels-last decode: written into the next causal conv's padded input)",
+        ),
+        Site(
+            name=f"{family}.rms_norm",
+            cls=f"{vae}:{prefix}RMS_norm",
+            params=("self", "x"),
+            forward=rms_norm_forward,
+            ops=(WAN_RMS_NORM_SILU,),
+            applies=_rms_applies,
+            description=f"every other {prefix}RMS_norm (the attention block's; norm_out where the decoder runs NCDHW)",
+        ),
+        Site(
+            name=f"{family}.decoder",
+            cls=f"{vae}:{prefix}Decoder3d",
+            params=decoder_params,
+            forward=decoder_forward,
+            ops=(CONV_CHANNELS_LAST, WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD),
+            high=False,
+            description="the decoder on channels-last memory (each latent chunk in, contiguous out; the head's "
+                        "norm_out + SiLU written into conv_out's padded input)",
+        ),
+        Site(
+            name=f"{family}.causal_conv",
+            cls=f"{vae}:{prefix}CausalConv3d",
+            params=("self", "x", "cache_x"),
+            forward=causal_conv_forward,
+            ops=(CONV_CHANNELS_LAST,),
+            high=False,
+            description=f"{prefix}CausalConv3d on channels-last input: cache frames + zero padding in one buffer, "
+                        "NHWC conv",
+        ),
+        Site(
+            name=f"{family}.conv2d",
+            cls="torch.nn.modules.conv:Conv2d",
+            params=("self", "input"),
+            forward=conv2d_forward,
+            ops=(CONV_CHANNELS_LAST,),
+            applies=_conv2d_applies,
+            high=False,
+            description="nn.Conv2d (resample, attention) on channels-last input: NHWC conv, no transposes",
+        ),
+        Site(
+            name=f"{family}.upsample",
+            cls=f"{vae}:{prefix}Upsample",
+            params=("self", "x"),
+            forward=upsample_forward,
+            ops=(UPSAMPLE_NEAREST2X,),
+            applies=_upsample_applies,
+            high=False,
+            description=f"{prefix}Upsample (nearest-exact x2) on channels-last input: the repeat and the fp32 round "
+                        "trip in one pass",
+        ),
+        Site(
+            name=f"{family}.resample",
+            cls=f"{vae}:{prefix}Resample",
+            params=("self", "x", "feat_cache", "feat_idx"),
+            forward=resample_forward,
+            ops=(CONV_CHANNELS_LAST,),
+            high=False,
+            description=f"{prefix}Resample upsample3d: the frame interleave written channels-last",
+        ),
+    )
 
-SITES = (
-    Site(
-        name="wan_vae.residual",
-        cls=f"{_VAE}:WanResidualBlock",
-        params=("self", "x", "feat_cache", "feat_idx"),
-        forward=residual_forward,
-        ops=(WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD, CONV_CHANNELS_LAST, BIAS_RESIDUAL),
-        applies=_residual_applies,
-        description="WanResidualBlock: norm1 + SiLU and norm2 + SiLU, each one RMS_norm+SiLU kernel "
-                    "(channels-last decode: written into the next causal conv's padded input)",
-    ),
-    Site(
-        name="wan_vae.rms_norm",
-        cls=f"{_VAE}:WanRMS_norm",
-        params=("self", "x"),
-        forward=rms_norm_forward,
-        ops=(WAN_RMS_NORM_SILU,),
-        applies=_rms_applies,
-        description="every other WanRMS_norm (the attention block's; norm_out where the decoder runs NCDHW)",
-    ),
-    Site(
-        name="wan_vae.decoder",
-        cls=f"{_VAE}:WanDecoder3d",
-        params=("self", "x", "feat_cache", "feat_idx", "first_chunk"),
-        forward=decoder_forward,
-        ops=(CONV_CHANNELS_LAST, WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD),
-        high=False,
-        description="the decoder on channels-last memory (each latent chunk in, contiguous out; the head's "
-                    "norm_out + SiLU written into conv_out's padded input)",
-    ),
-    Site(
-        name="wan_vae.causal_conv",
-        cls=f"{_VAE}:WanCausalConv3d",
-        params=("self", "x", "cache_x"),
-        forward=causal_conv_forward,
-        ops=(CONV_CHANNELS_LAST,),
-        high=False,
-        description="WanCausalConv3d on channels-last input: cache frames + zero padding in one buffer, NHWC conv",
-    ),
-    Site(
-        name="wan_vae.conv2d",
-        cls="torch.nn.modules.conv:Conv2d",
-        params=("self", "input"),
-        forward=conv2d_forward,
-        ops=(CONV_CHANNELS_LAST,),
-        applies=_conv2d_applies,
-        high=False,
-        description="nn.Conv2d (resample, attention) on channels-last input: NHWC conv, no transposes",
-    ),
-    Site(
-        name="wan_vae.upsample",
-        cls=f"{_VAE}:WanUpsample",
-        params=("self", "x"),
-        forward=upsample_forward,
-        ops=(UPSAMPLE_NEAREST2X,),
-        applies=_upsample_applies,
-        high=False,
-        description="WanUpsample (nearest-exact x2) on channels-last input: the repeat and the fp32 round trip in one pass",
-    ),
-    Site(
-        name="wan_vae.resample",
-        cls=f"{_VAE}:WanResample",
-        params=("self", "x", "feat_cache", "feat_idx"),
-        forward=resample_forward,
-        ops=(CONV_CHANNELS_LAST,),
-        high=False,
-        description="WanResample upsample3d: the frame interleave written channels-last",
-    ),
-)
+
+SITES = site_table("wan_vae", "autoencoder_kl_wan", "Wan", decoder_first_chunk=True)
 
 ADAPTER = Adapter(
     family="autoencoder_kl_wan",
     model_classes=("AutoencoderKLWan",),
     diffusers_versions=DIFFUSERS_VERSIONS,
     sites=SITES,
+)
+
+# Qwen-Image's VAE: the same blocks under QwenImage* names (its decoder has no first_chunk).
+QWENIMAGE_SITES = site_table("qwenimage_vae", "autoencoder_kl_qwenimage", "QwenImage", decoder_first_chunk=False)
+
+QWENIMAGE_ADAPTER = Adapter(
+    family="autoencoder_kl_qwenimage",
+    model_classes=("AutoencoderKLQwenImage",),
+    diffusers_versions=DIFFUSERS_VERSIONS,
+    sites=QWENIMAGE_SITES,
 )

@@ -1,6 +1,8 @@
 """VAE adapters on CUDA: accelerated decode bitwise equal to plain diffusers, with the kernels
 verified and nothing fallen back. AutoencoderKL (tiny and FLUX.1-VAE-size configs, batch 1 and
-2, odd latent sizes, tiled + sliced decode, bf16 and fp32), AutoencoderKLFlux2 (the FLUX.2 /
+2, odd latent sizes, tiled + sliced decode, bf16 and fp32), AutoencoderKLQwenImage (Qwen-Image's
+VAE on the Wan adapter's sites: 1024² images B=1 / 2, an odd size, two frames, fp32),
+AutoencoderKLFlux2 (the FLUX.2 /
 FLUX.3 VAE at its default size, 1024² B=1 and 2, tiled; a narrow fp32 one at an odd size) and AutoencoderKLWan (tiny and the
 Wan 2.1 VAE config, chunked cached decode over several latent frames, tiled; the channels-last
 decode from the second call on)."""
@@ -10,6 +12,7 @@ import torch
 
 from ditfuse.models.autoencoder_kl import ADAPTER
 from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_ADAPTER
+from ditfuse.models.autoencoder_kl_wan import QWENIMAGE_ADAPTER
 from tests.support.engaged import assert_engaged
 
 DEV = "cuda"
@@ -59,7 +62,7 @@ def _compare(vae, z, label, adapter=ADAPTER, ops=None):
         try:
             # Wan: the first decode records eager's layouts, the second runs channels-last (and
             # verifies those ops at first sight), the third runs their kernels alone.
-            outs = [vae.decode(z, return_dict=False)[0] for _ in range(3 if adapter is WAN_ADAPTER else 2)]
+            outs = [vae.decode(z, return_dict=False)[0] for _ in range(3 if adapter in (WAN_ADAPTER, QWENIMAGE_ADAPTER) else 2)]
         finally:
             h.unmount()
     for i, o in enumerate(outs):
@@ -194,6 +197,34 @@ def test_wan_vae_b2_channels_last():
     vae = _wan_vae(WAN_VAE, torch.bfloat16)
     z = torch.randn(2, 16, 2, 16, 24, device=DEV).to(torch.bfloat16)
     _wan_compare_cl(vae, z, "Wan 2.1 VAE B=2 128x192x5")
+
+
+def _qwenimage_vae(dtype):
+    """AutoencoderKLQwenImage at its defaults (the Wan 2.1 VAE's blocks and sizes), random weights."""
+    from diffusers import AutoencoderKLQwenImage
+
+    torch.manual_seed(0)
+    return AutoencoderKLQwenImage().to(DEV, dtype).eval()
+
+
+@pytest.mark.parametrize("batch,lat", [(1, (1, 128, 128)), (2, (1, 128, 128)), (1, (1, 41, 27)), (1, (2, 16, 24))],
+                         ids=["1024px", "1024px-b2", "odd328x216", "2frames"])
+def test_qwenimage_vae(batch, lat):
+    """Qwen-Image's VAE (an image is one latent frame): bitwise over three decodes (recording,
+    channels-last at first sight, kernels only); the channels-last ops engaged where the latent's
+    H*W is a multiple of 4 (else the decode stays NCDHW, its RMS_norm kernels still engaged)."""
+    vae = _qwenimage_vae(torch.bfloat16)
+    z = torch.randn(batch, 16, *lat, device=DEV).to(torch.bfloat16)
+    cl = (lat[1] * lat[2]) % 4 == 0
+    ops = QWENIMAGE_ADAPTER.ops() if cl else tuple(o for o in QWENIMAGE_ADAPTER.ops() if o not in CL_OPS)
+    _compare(vae, z, f"Qwen-Image VAE B={batch} {lat}", QWENIMAGE_ADAPTER, ops)
+
+
+def test_qwenimage_vae_fp32_stays_ncdhw():
+    vae = _qwenimage_vae(torch.float32)
+    z = torch.randn(1, 16, 1, 32, 24, device=DEV)
+    _compare(vae, z, "Qwen-Image VAE fp32", QWENIMAGE_ADAPTER,
+             tuple(o for o in QWENIMAGE_ADAPTER.ops() if o not in CL_OPS))
 
 
 @pytest.mark.parametrize("which", ["kl", "wan"])
