@@ -110,6 +110,22 @@ def test_channels_last_decode_equals_diffusers(batch, lat, monkeypatch):
     assert len(calls) >= 8 * lat[0] and all(cl for _, cl in calls), calls
 
 
+def test_encode_on_reference_chains_equals_diffusers(monkeypatch):
+    """The Edit pipelines encode their reference images: the encoder's residual blocks and norms
+    run the same sites."""
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    vae = _vae()
+    image = torch.randn(2, 3, 1, 24, 40)
+    with torch.no_grad():
+        base = vae.encode(image).latent_dist.mode()
+    h = ditfuse.accelerate(vae)
+    try:
+        with torch.no_grad():
+            assert_bitwise_equal(vae.encode(image).latent_dist.mode(), base, "encode")
+    finally:
+        h.unmount()
+
+
 def test_tiled_decode_on_reference_chains(monkeypatch):
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     vae = _vae()
