@@ -5,10 +5,11 @@
 ``--sizes`` 1024 and 2048 (square). ``--model flux2``: AutoencoderKLFlux2, the FLUX.2 / FLUX.3 VAE
 as its class defaults declare it (32 latent channels, the same blocks), same sizes. ``--model
 qwenimage``: AutoencoderKLQwenImage, Qwen-Image's VAE (the Wan 2.1 VAE's blocks at its defaults),
-decoding 1024 images (one latent frame). ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
+decoding 1024 images (one latent frame). ``--model wan22``: the Wan 2.2 TI2V-5B VAE (48 latent
+channels, 16x spatial, residual up blocks) at 704x1280 with ``--frames``. ``--model wan``: AutoencoderKLWan, the Wan 2.1 VAE (base 96,
 mults 1/2/4/4, two residual blocks per stage) at 480x832 with ``--frames`` 17 (5 latent frames).
 
-    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|flux2|qwenimage|wan] [--sizes 1024 2048 | 480x832]
+    PYTHONPATH=. python3 bench/bench_vae.py [--model flux|flux2|qwenimage|wan|wan22] [--sizes 1024 2048 | 480x832]
         [--frames 17] [--no-compile] [--out PATH] [--breakdown PATH]
 """
 
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", choices=("flux", "flux2", "qwenimage", "wan"), default="flux")
+    p.add_argument("--model", choices=("flux", "flux2", "qwenimage", "wan", "wan22"), default="flux")
     p.add_argument("--sizes", nargs="+", default=None, help="HxW or a square size (default 1024 2048 / 480x832)")
     p.add_argument("--frames", type=int, default=17, help="wan: video frames (4k + 1)")
     p.add_argument("--batches", type=int, nargs="+", default=[1])
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ditfuse
     from ditfuse.kernels.compare import first_mismatch, relative_l2
-    from tests.gpu.test_vae_gpu import FLUX_VAE, WAN_VAE
+    from tests.gpu.test_vae_gpu import FLUX_VAE, WAN22_VAE, WAN_VAE
 
     torch.manual_seed(0)
     if args.model == "flux":
@@ -58,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.model == "qwenimage":
         vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
         sizes = args.sizes or ["1024"]
+    elif args.model == "wan22":
+        vae = AutoencoderKLWan(**WAN22_VAE).to("cuda", torch.bfloat16).eval()
+        sizes = args.sizes or ["704x1280"]
     else:
         vae = AutoencoderKLWan(**WAN_VAE).to("cuda", torch.bfloat16).eval()
         sizes = args.sizes or ["480x832"]
@@ -93,13 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     for size in sizes:
         H, _, W = size.partition("x")
         H, W = int(H), int(W or H)
-        video = args.model == "wan"
+        video = args.model in ("wan", "wan22")
         label = f"{H}x{W}x{args.frames}f" if video else f"{H}x{W}"
+        down = 16 if args.model == "wan22" else 8
         for batch in args.batches:
-            lat = ((args.frames - 1) // 4 + 1, H // 8, W // 8) if video else (H // 8, W // 8)
+            lat = ((args.frames - 1) // 4 + 1, H // down, W // down) if video else (H // 8, W // 8)
             if args.model == "qwenimage":
                 lat = (1, *lat)  # an image is one latent frame of the video VAE
-            channels = vae.config.z_dim if args.model in ("wan", "qwenimage") else vae.config.latent_channels
+            channels = vae.config.z_dim if args.model in ("wan", "wan22", "qwenimage") else vae.config.latent_channels
             z = torch.randn(batch, channels, *lat, device="cuda").to(torch.bfloat16)
 
             dec = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731
@@ -119,6 +124,19 @@ def main(argv: list[str] | None = None) -> int:
                 ok = first_mismatch(out, ref) is None
                 rows.append(dict(size=label, batch=batch, provider="lossless", median_ms=round(ms, 2), bitwise_equal=ok, **meta))
                 print(f"[vae] {label} B={batch} lossless {ms:.2f} ms bitwise={ok} disabled={list(rep.disabled)}", flush=True)
+                if args.model in ("wan", "wan22", "qwenimage"):
+                    # A/B: the same kernels on the NCDHW decode (DITFUSE_WAN_VAE_CL=0)
+                    os.environ["DITFUSE_WAN_VAE_CL"] = "0"
+                    h = ditfuse.accelerate(vae)
+                    try:
+                        ms, out = timed(dec)
+                    finally:
+                        h.unmount()
+                        os.environ.pop("DITFUSE_WAN_VAE_CL")
+                    ok = first_mismatch(out, ref) is None
+                    rows.append(dict(size=label, batch=batch, provider="lossless_ncdhw", median_ms=round(ms, 2),
+                                     bitwise_equal=ok, **meta))
+                    print(f"[vae] {label} B={batch} lossless_ncdhw {ms:.2f} ms bitwise={ok}", flush=True)
                 if not args.no_high:
                     h = ditfuse.accelerate(vae, quality="high")
                     hi = h.report().components[0].high

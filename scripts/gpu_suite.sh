@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|vaeflux2|vaeqwen|wanvae|flux|wan|flux2|flux3|sd3|qwenimage|zimage|drift|parallel|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|vaeflux2|vaeqwen|wan22vae|wanvae|flux|wan|flux2|flux3|sd3|qwenimage|zimage|drift|parallel|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -9,10 +9,11 @@
 #   tests    the GPU tests (tests/gpu, bitwise)                                   -> suite.log
 #   admit    admission of every close kernel on FLUX/Wan activations              -> admission_results.json
 #   kernels  per-kernel eager / torch.compile / ours, flush + graph timing        -> kernels_h200.csv
-#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes, then vaekl, vaeflux2, vaeqwen and wanvae -> group_norm_h200.csv
+#   vae      GroupNorm(+SiLU) kernels at the VAE decoder shapes, then vaekl, vaeflux2, vaeqwen, wan22vae and wanvae -> group_norm_h200.csv
 #   vaekl    AutoencoderKL decode (1024x1024, 2048x2048) + breakdown -> vae_{decode,breakdown}_h200.csv
 #   vaeflux2 AutoencoderKLFlux2 decode (the FLUX.2 / FLUX.3 VAE; 1024, 2048) -> flux2_vae_{decode,breakdown}_h200.csv
 #   vaeqwen  AutoencoderKLQwenImage decode (Qwen-Image's VAE, 1024 images)  -> qwenimage_vae_{decode,breakdown}_h200.csv
+#   wan22vae the Wan 2.2 TI2V-5B VAE decode (704x1280x17)          -> wan22_vae_{decode,breakdown}_h200.csv
 #   wanvae   AutoencoderKLWan decode (480x832x17) + breakdown -> wan_vae_{decode,breakdown}_h200.csv
 #   flux     FLUX.1-dev-size step (ditfuse bench flux)                            -> flux_{step,breakdown}_h200.csv
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
@@ -92,6 +93,10 @@ fi
 if want vae || want vaeqwen; then
   run_phase qwenimage_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model qwenimage --out "$OUT/qwenimage_vae_decode_${CARD}.csv" \
     --breakdown "$OUT/qwenimage_vae_breakdown_${CARD}.csv" ${VAEQWEN_ARGS:-}
+fi
+if want vae || want wan22vae; then
+  run_phase wan22_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model wan22 --out "$OUT/wan22_vae_decode_${CARD}.csv" \
+    --breakdown "$OUT/wan22_vae_breakdown_${CARD}.csv" ${WAN22VAE_ARGS:-}
 fi
 if want vae || want wanvae; then
   run_phase wan_vae_decode "${VAE_TIMEOUT:-200}" python3 bench/bench_vae.py --model wan --out "$OUT/wan_vae_decode_${CARD}.csv" \

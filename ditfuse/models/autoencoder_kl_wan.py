@@ -1,5 +1,6 @@
 """AutoencoderKLWan adapter (Wan 2.1 / 2.2 video VAE), diffusers 0.42.1: the RMS_norm + SiLU
-chains on one kernel, and the Wan 2.1 decoder run in channels-last memory. The same site table
+chains on one kernel, and the decoder run in channels-last memory (Wan 2.1's up blocks and Wan
+2.2's residual up blocks, whose DupUp3D shortcut then runs on channels-last memory too). The same site table
 (:func:`site_table`) mounts on AutoencoderKLQwenImage, Qwen-Image's VAE, which diffusers builds
 from copies of the Wan 2.1 blocks (``QwenImage*`` classes; an image decodes as one 1-frame chunk).
 
@@ -50,6 +51,7 @@ import torch.nn.functional as F
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels import reference as ref
+from ..kernels.env import env
 from ..kernels.layout import CONV_CHANNELS_LAST, UPSAMPLE_NEAREST2X
 from ..kernels.modulate import BIAS_RESIDUAL
 from ..kernels.norm import WAN_RMS_NORM_SILU, WAN_RMS_NORM_SILU_PAD
@@ -165,7 +167,7 @@ def _norm(norm: Any, x: torch.Tensor, silu: bool, _ops: OpSet) -> torch.Tensor:
 # AutoencoderKLQwenImage (Qwen-Image's VAE) is AutoencoderKLWan's Wan 2.1 code under other names
 # (the forwards differ only in spelling; tests/cpu/test_wan_vae_adapter.py compares their sources).
 _RMS_NORMS = ("WanRMS_norm", "QwenImageRMS_norm")
-_UP_BLOCKS = ("WanUpBlock", "QwenImageUpBlock")
+_UP_BLOCKS = ("WanUpBlock", "QwenImageUpBlock", "WanResidualUpBlock")
 
 
 @functools.lru_cache(maxsize=None)
@@ -306,8 +308,18 @@ def _keep_cl(out: torch.Tensor) -> torch.Tensor:
     return out.contiguous(memory_format=torch.channels_last_3d if out.dim() == 5 else torch.channels_last)
 
 
+def channels_last_decode_enabled() -> bool:
+    """The channels-last decode of the Wan and Qwen-Image VAEs; on unless ``DITFUSE_WAN_VAE_CL=0``
+    (the NCDHW decode, its RMS_norm kernels still fused). Wan 2.1 480x832x17, H200: 197.08 ms
+    against 213.8 for the NCDHW decode of round 5 (notes/wan_vae.md); the Wan 2.2 and Qwen-Image
+    decoders have not been timed either way (round 17)."""
+    return env("DITFUSE_WAN_VAE_CL", "1").strip() not in ("", "0")
+
+
 def _cl_problem(decoder: Any, x: torch.Tensor) -> str | None:
     """Why this decoder call keeps the NCDHW layout (None: it runs channels-last)."""
+    if not channels_last_decode_enabled():
+        return "DITFUSE_WAN_VAE_CL=0"
     if x.device.type != "cuda" or x.dim() != 5:
         return "not a 5-D CUDA latent"
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -320,7 +332,7 @@ def _cl_problem(decoder: Any, x: torch.Tensor) -> str | None:
         return "cuDNN unavailable, disabled or in benchmark mode"
     for blk in decoder.up_blocks:
         if type(blk).__name__ not in _UP_BLOCKS:
-            return f"{type(blk).__name__} (Wan 2.2 residual up blocks) is not mirrored"
+            return f"{type(blk).__name__} up blocks are not mirrored"
     return None
 
 
@@ -506,10 +518,32 @@ def _upsample_applies(up: Any) -> str | None:
     return None
 
 
+def dup_up_forward(mod, original, x: torch.Tensor, first_chunk: bool = False, *,
+                   _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """DupUp3D.forward (Wan 2.2's up-block shortcut) on a channels-last x: the same channel repeat
+    and time/space shuffle, done on channels-last memory and left channels-last, so the block's
+    ``x + shortcut`` adds two channels-last tensors (eager: ``repeat_interleave`` and a permuted
+    copy of NCDHW memory). Data movement only: every output element is an input element::
+
+        out[o, t*ft + a, h*fs + b, w*fs + c] = x[(((o*ft + a)*fs + b)*fs + c) // repeats, t, h, w]
+    """
+    if not _is_cl(x) or x.dim() != 5:
+        return original(x, first_chunk)
+    B, C, T, H, W = x.shape
+    ft, fs, out = mod.factor_t, mod.factor_s, mod.out_channels
+    y = x.permute(0, 2, 3, 4, 1).repeat_interleave(mod.repeats, dim=-1)  # [B, T, H, W, C * repeats]
+    y = y.view(B, T, H, W, out, ft, fs, fs).permute(0, 1, 5, 2, 6, 3, 7, 4).contiguous()  # [B, T, ft, H, fs, W, fs, out]
+    y = y.view(B, T * ft, H * fs, W * fs, out).permute(0, 4, 1, 2, 3)
+    if first_chunk:
+        y = y[:, :, ft - 1:, :, :]
+    return y
+
+
 def site_table(family: str, module: str, prefix: str, decoder_first_chunk: bool) -> tuple[Site, ...]:
     """The sites of a VAE built from these blocks: ``module`` its diffusers module, ``prefix`` its
     class-name prefix (``Wan``, ``QwenImage``), ``family`` the sites' name prefix;
-    ``decoder_first_chunk``: its decoder's forward takes ``first_chunk``."""
+    ``decoder_first_chunk``: its decoder's forward takes ``first_chunk`` (the Wan module, whose
+    Wan 2.2 residual up blocks also have the DupUp3D shortcut)."""
     vae = f"diffusers.models.autoencoders.{module}"
     decoder_params = ("self", "x", "feat_cache", "feat_idx") + (("first_chunk",) if decoder_first_chunk else ())
     return (
@@ -582,7 +616,18 @@ def site_table(family: str, module: str, prefix: str, decoder_first_chunk: bool)
             high=False,
             description=f"{prefix}Resample upsample3d: the frame interleave written channels-last",
         ),
-    )
+    ) + ((
+        Site(
+            name=f"{family}.dup_up",
+            cls=f"{vae}:DupUp3D",
+            params=("self", "x", "first_chunk"),
+            forward=dup_up_forward,
+            ops=(),
+            high=False,
+            description="DupUp3D (Wan 2.2's up-block shortcut) on channels-last input: the channel repeat and "
+                        "shuffle on channels-last memory (data movement only)",
+        ),
+    ) if decoder_first_chunk else ())
 
 
 SITES = site_table("wan_vae", "autoencoder_kl_wan", "Wan", decoder_first_chunk=True)

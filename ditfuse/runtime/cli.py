@@ -174,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan|flux2|flux3|sd3|qwenimage|zimage|vae|kernels`",
         description="`ditfuse bench FAMILY [args]` runs bench/bench_step.py --family FAMILY (one real-size "
         "transformer step: eager / lossless / +CUDA graph / high / torch.compile, profiler breakdown, CSV + "
-        "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench vae [--model flux|flux2|qwenimage|wan]` runs "
+        "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench vae [--model flux|flux2|qwenimage|wan|wan22]` runs "
         "bench/bench_vae.py (VAE decode); `ditfuse bench kernels [args]` runs bench/bench_kernels.py.",
     )
     b.add_argument("target", help="a model family (flux, wan), 'vae' or 'kernels'")

@@ -137,6 +137,7 @@ def render() -> str:
         "DITFUSE_GATE_RESIDUAL_FLAT=1|0                    # gated residual's flat per-sample launch where it applies (default 1)",
         "DITFUSE_FAST_LAUNCH=1|0                           # repeat launches skip Triton's JITFunction.run (default 1; kernels/common/launch.py)",
         "DITFUSE_VAE_CL=1|0                                # AutoencoderKL's lossless channels-last chain (default 1)",
+        "DITFUSE_WAN_VAE_CL=1|0                            # the Wan / Qwen-Image VAEs' channels-last decode (default 1)",
         "```",
         "",
         "```python",

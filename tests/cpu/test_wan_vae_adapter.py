@@ -275,3 +275,109 @@ def test_high_tier_on_the_norm_sites():
             assert_bitwise_equal(vae.decode(z, return_dict=False)[0], base, "back to lossless")
     finally:
         h.unmount()
+
+
+def _vae22(dtype=torch.float32, seed=0):
+    """A tiny Wan 2.2-style VAE (TI2V-5B's layout: residual up blocks with the DupUp3D shortcut,
+    2x2 patchified 12-channel images, a decoder wider than the encoder)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(base_dim=8, decoder_base_dim=12, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=1,
+                           attn_scales=[], temperal_downsample=[False, True], is_residual=True, in_channels=12,
+                           out_channels=12, patch_size=2, scale_factor_spatial=16)
+    with torch.no_grad():
+        for m in vae.modules():
+            if type(m).__name__ == "WanRMS_norm":
+                m.gamma.normal_(1.0, 0.5)
+    return vae.to(dtype).eval()
+
+
+@pytest.mark.parametrize("batch,lat", [(1, (1, 4, 6)), (1, (3, 4, 6)), (2, (2, 4, 4))], ids=["b1t1", "b1t3", "b2t2"])
+def test_wan22_channels_last_decode_equals_diffusers(batch, lat, monkeypatch):
+    """Wan 2.2's residual up blocks run the channels-last decode too: bitwise diffusers on the
+    reference chains, every decoder convolution fed channels-last memory, and the DupUp3D
+    shortcut computed on channels-last memory (its input and, but for the first chunk's frame
+    slice at B > 1, its output channels-last)."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    from ditfuse.models import autoencoder_kl_wan as wa
+
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    calls = _channels_last_on_cpu(monkeypatch)
+    vae = _vae22(torch.bfloat16)
+    assert {type(b).__name__ for b in vae.decoder.up_blocks} == {"WanResidualUpBlock"}
+    z = torch.randn(batch, 4, *lat, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    seen = []
+    hooks = [m.register_forward_hook(lambda mod, a, o: seen.append((wa._is_cl(a[0]), wa._is_cl(o))))
+             for m in vae.modules() if isinstance(m, DupUp3D)]
+    h = ditfuse.accelerate(vae)
+    try:
+        assert "wan_vae.dup_up" in {s for _, s in h.report().components[0].sites}
+        with torch.no_grad():
+            first = vae.decode(z, return_dict=False)[0]  # NCDHW, recording
+            assert calls == [] and not any(i for i, _ in seen)
+            seen.clear()
+            out = vae.decode(z, return_dict=False)[0]  # channels-last
+    finally:
+        h.unmount()
+        for hk in hooks:
+            hk.remove()
+    assert_bitwise_equal(first, base, f"Wan 2.2 recording decode B={batch} {lat}")
+    assert_bitwise_equal(out, base, f"Wan 2.2 channels-last decode B={batch} {lat}")
+    assert out.is_contiguous()
+    assert calls and all(cl for _, cl in calls), calls
+    assert seen and all(i for i, _ in seen), seen
+    assert sum(o for _, o in seen) >= len(seen) - (1 if batch > 1 else 0), seen
+
+
+def test_dup_up_site_matches_diffusers_on_channels_last_input():
+    """dup_up_forward against DupUp3D.forward for temporal and spatial factors, first chunk or
+    not, batch 2: the same values; channels-last in, channels-last out."""
+    from diffusers.models.autoencoders.autoencoder_kl_wan import DupUp3D
+
+    from ditfuse.models import autoencoder_kl_wan as wa
+
+    x = torch.randn(2, 6, 3, 4, 5).to(torch.bfloat16)
+    x_cl = x.contiguous(memory_format=torch.channels_last_3d)
+    for in_c, out_c, ft in ((6, 6, 2), (6, 3, 1), (6, 12, 2)):
+        mod = DupUp3D(in_c, out_c, factor_t=ft, factor_s=2)
+        for first in (False, True):
+            ref = mod(x, first_chunk=first)
+            got = wa.dup_up_forward(mod, mod.forward, x_cl, first)
+            assert_bitwise_equal(got, ref, f"DupUp3D {in_c}->{out_c} ft={ft} first={first}")
+            assert wa._is_cl(got) or first
+    assert wa.dup_up_forward(mod, lambda *a: "eager", x, False) == "eager"  # NCDHW input: diffusers' own
+
+
+def test_channels_last_decode_switch(monkeypatch):
+    """DITFUSE_WAN_VAE_CL=0 keeps every decode NCDHW (no channels-last convolution runs) and
+    bitwise; the check sits in front of the CPU harness's stand-in for the CUDA requirement."""
+    from ditfuse.models import autoencoder_kl_wan as wa
+
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    calls = _channels_last_on_cpu(monkeypatch)
+    harness = wa._cl_problem
+    monkeypatch.setattr(wa, "_cl_problem", lambda dec, x: (None if wa.channels_last_decode_enabled()
+                                                           else "DITFUSE_WAN_VAE_CL=0") or harness(dec, x))
+    monkeypatch.setenv("DITFUSE_WAN_VAE_CL", "0")
+    vae = _vae22(torch.bfloat16)
+    z = torch.randn(1, 4, 2, 4, 6, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base = vae.decode(z, return_dict=False)[0]
+    h = ditfuse.accelerate(vae)
+    try:
+        with torch.no_grad():
+            outs = [vae.decode(z, return_dict=False)[0] for _ in range(2)]
+    finally:
+        h.unmount()
+    assert calls == []
+    for o in outs:
+        assert_bitwise_equal(o, base, "NCDHW decode")
+    monkeypatch.undo()
+    monkeypatch.setenv("DITFUSE_WAN_VAE_CL", "0")
+    assert harness is not wa._cl_problem and wa._cl_problem(vae.decoder, z) == "DITFUSE_WAN_VAE_CL=0"
+    monkeypatch.setenv("DITFUSE_WAN_VAE_CL", "1")
+    assert wa.channels_last_decode_enabled() and wa._cl_problem(vae.decoder, z) == "not a 5-D CUDA latent"

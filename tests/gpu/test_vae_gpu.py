@@ -5,7 +5,7 @@ VAE on the Wan adapter's sites: 1024² images B=1 / 2, an odd size, two frames, 
 AutoencoderKLFlux2 (the FLUX.2 /
 FLUX.3 VAE at its default size, 1024² B=1 and 2, tiled; a narrow fp32 one at an odd size) and AutoencoderKLWan (tiny and the
 Wan 2.1 VAE config, chunked cached decode over several latent frames, tiled; the channels-last
-decode from the second call on)."""
+decode from the second call on; the Wan 2.2 TI2V-5B VAE)."""
 
 import pytest
 import torch
@@ -30,6 +30,11 @@ TINY = dict(FLUX_VAE, block_out_channels=(32, 64), down_block_types=("DownEncode
 WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                temperal_downsample=[False, True, True])
 WAN_TINY = dict(WAN_VAE, base_dim=32, num_res_blocks=1)
+# The Wan 2.2 VAE (Wan-AI/Wan2.2-TI2V-5B-Diffusers vae/config.json's architecture fields): residual
+# up blocks with the DupUp3D shortcut, 2x2-patchified 12-channel images, 48 latent channels.
+WAN22_VAE = dict(base_dim=160, decoder_base_dim=256, z_dim=48, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                 attn_scales=[], temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+                 out_channels=12, patch_size=2, scale_factor_spatial=16)
 
 
 def _kl_ops(dtype):
@@ -197,6 +202,15 @@ def test_wan_vae_b2_channels_last():
     vae = _wan_vae(WAN_VAE, torch.bfloat16)
     z = torch.randn(2, 16, 2, 16, 24, device=DEV).to(torch.bfloat16)
     _wan_compare_cl(vae, z, "Wan 2.1 VAE B=2 128x192x5")
+
+
+@pytest.mark.parametrize("batch,lat", [(1, (2, 16, 24)), (2, (2, 8, 12))], ids=["b1t2", "b2t2"])
+def test_wan22_vae_channels_last(batch, lat):
+    """The Wan 2.2 (TI2V-5B) VAE: its residual up blocks and DupUp3D shortcut on the channels-last
+    decode, bitwise over three decodes, the channels-last convolution engaged."""
+    vae = _wan_vae(WAN22_VAE, torch.bfloat16)
+    z = torch.randn(batch, 48, *lat, device=DEV).to(torch.bfloat16)
+    _wan_compare_cl(vae, z, f"Wan 2.2 VAE B={batch} {lat}")
 
 
 def _qwenimage_vae(dtype):
