@@ -205,6 +205,21 @@ def _ff_applies(ff) -> str | None:
     return swiglu_reason(ff.act_fn)
 
 
+def feed_forward_site(family: str, cls: str, applies) -> Site:
+    """The SwiGLU feed-forward site (:func:`feed_forward_forward`) for ``family``'s copy ``cls`` of
+    Flux2FeedForward (``applies``: its activation check)."""
+    return Site(
+        name=f"{family}.feed_forward",
+        cls=cls,
+        params=("self", "x"),
+        forward=feed_forward_forward,
+        ops=(SWIGLU,),
+        applies=applies,
+        high=False,
+        description="feed-forward: SwiGLU of the two halves of linear_in in one pass",
+    )
+
+
 # -- attention --------------------------------------------------------------------------------
 
 
@@ -374,16 +389,7 @@ SITES = (
         description="single block: LN + modulate, gate residual (+ the next block's LN + modulate)",
         chained=True,
     ),
-    Site(
-        name="flux2.feed_forward",
-        cls=f"{_TF}:Flux2FeedForward",
-        params=("self", "x"),
-        forward=feed_forward_forward,
-        ops=(SWIGLU,),
-        applies=_ff_applies,
-        high=False,
-        description="feed-forward: SwiGLU of the two halves of linear_in in one pass",
-    ),
+    feed_forward_site("flux2", f"{_TF}:Flux2FeedForward", _ff_applies),
     Site(
         name="flux2.attention",
         cls=f"{_TF}:Flux2Attention",

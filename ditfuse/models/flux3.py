@@ -34,13 +34,12 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
-from ..kernels.activation import SWIGLU
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import LAYERNORM_MODULATE
 from ..kernels.rope import QK_FP32_RMSNORM_ROPE
 from .adaln import plain_layernorm
 from .base import Adapter, Site
-from .flux2 import feed_forward_forward, swiglu_reason
+from .flux2 import feed_forward_site, swiglu_reason
 from .pos_cache import embedder_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -206,16 +205,7 @@ SITES = (
         high=False,
         description="joint block: both streams' LN + modulate, each stream's gate residual",
     ),
-    Site(
-        name="flux3.feed_forward",
-        cls=f"{_TF}:Flux3FeedForward",
-        params=("self", "x"),
-        forward=feed_forward_forward,
-        ops=(SWIGLU,),
-        applies=_ff_applies,
-        high=False,
-        description="feed-forward: SwiGLU of the two halves of linear_in in one pass",
-    ),
+    feed_forward_site("flux3", f"{_TF}:Flux3FeedForward", _ff_applies),
     Site(
         name="flux3.attention",
         cls=f"{_TF}:Flux3Attention",

@@ -75,36 +75,14 @@ def test_every_op_reaches_the_gate():
 def test_fast_forwards_match_diffusers_call_for_call():
     """Each site's fast forward with the eager reference table equals the module's own forward
     bitwise (the reference table is exactly diffusers' chains), per module, fp32 and bf16."""
-    from ditfuse.contracts.ops import LOSSLESS
-    from ditfuse.kernels import DESCRIPTORS
-
-    class Ref:
-        quality = LOSSLESS.quality
-
-        def __getattr__(self, name):
-            for d in DESCRIPTORS:
-                if d.name == name:
-                    return d.load_reference()
-            raise AttributeError(name)
+    from tests.support.reference_forwards import reference_forwards
 
     for dtype in (torch.float32, torch.bfloat16):
         m = _model(dtype)
         inp = _inputs(m, batch=2, txt=5, dtype=dtype)
         base = _run(m, inp)
-        saved = []
-        by_cls = {s.cls_name: s for s in flux2_adapter.SITES}
-        for mod in m.modules():
-            site = by_cls.get(type(mod).__name__)
-            if site is None:
-                continue
-            orig = mod.forward
-            saved.append((mod, orig))
-            mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        try:
+        with reference_forwards(m, flux2_adapter.SITES):
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {dtype}")
-        finally:
-            for mod, orig in saved:
-                mod.forward = orig
 
 
 def test_kv_cache_processor_and_extra_kwargs_keep_diffusers_forward():

@@ -81,36 +81,16 @@ def test_every_op_reaches_the_gate():
 def test_fast_forwards_match_diffusers_call_for_call(dtype):
     """Each site's fast forward with the eager reference table equals the module's own forward
     bitwise (the reference table is exactly diffusers' chains), with and without a reference image."""
-    from ditfuse.contracts.ops import LOSSLESS
-    from ditfuse.kernels import DESCRIPTORS
-
-    class Ref:
-        quality = LOSSLESS.quality
-
-        def __getattr__(self, name):
-            for d in DESCRIPTORS:
-                if d.name == name:
-                    return d.load_reference()
-            raise AttributeError(name)
+    from tests.support.reference_forwards import reference_forwards
 
     m = _model(dtype)
-    by_cls = {s.cls_name: s for s in flux3_adapter.SITES}
     for cond in (0, 4):
         inp = _inputs(m, batch=2, txt=5, dtype=dtype, cond=cond)
         base = _run(m, inp)
-        saved = []
-        for mod in m.modules():
-            site = by_cls.get(type(mod).__name__)
-            if site is None:
-                continue
-            orig = mod.forward
-            saved.append((mod, orig))
-            mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        try:
+        with reference_forwards(m, flux3_adapter.SITES, require_applies=True) as patched:
+            # (2 per-mode blocks x 3 modes + 2 joint blocks) x (block, attention, FF), norm_out, pos_embed
+            assert len(patched) == (2 * 3 + 2) * 3 + 2
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {dtype} cond={cond}")
-        finally:
-            for mod, orig in saved:
-                mod.forward = orig
 
 
 def test_bf16_qk_norms_keep_diffusers_attention():

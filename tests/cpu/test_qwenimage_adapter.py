@@ -75,17 +75,7 @@ def test_every_op_reaches_the_gate():
 def test_fast_forwards_match_diffusers_call_for_call():
     """Each site's fast forward with the eager reference table equals the module's own forward
     bitwise, fp32, bf16 and fp16 (its clip), batch 2, with a text mask."""
-    from ditfuse.contracts.ops import LOSSLESS
-    from ditfuse.kernels import DESCRIPTORS
-
-    class Ref:
-        quality = LOSSLESS.quality
-
-        def __getattr__(self, attr):
-            for d in DESCRIPTORS:
-                if d.name == attr:
-                    return d.load_reference()
-            raise AttributeError(attr)
+    from tests.support.reference_forwards import reference_forwards
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         m = _model(dtype)
@@ -94,22 +84,9 @@ def test_fast_forwards_match_diffusers_call_for_call():
         mask[1, 3:] = False
         inp["encoder_hidden_states_mask"] = mask
         base = _run(m, inp)
-        saved = []
-        by_cls = {s.cls_name: s for s in qwen_adapter.SITES}
-        for mod in m.modules():
-            site = by_cls.get(type(mod).__name__)
-            if site is None:
-                continue
-            assert site.applies(mod) is None, site.applies(mod)
-            orig = mod.forward
-            saved.append((mod, orig))
-            mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        assert len(saved) == 2 * len(m.transformer_blocks) + 1  # blocks, their attentions, norm_out
-        try:
+        with reference_forwards(m, qwen_adapter.SITES, require_applies=True) as patched:
+            assert len(patched) == 2 * len(m.transformer_blocks) + 1  # blocks, their attentions, norm_out
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {dtype}")
-        finally:
-            for mod, orig in saved:
-                mod.forward = orig
 
 
 def test_zero_cond_t_keeps_diffusers_forward():

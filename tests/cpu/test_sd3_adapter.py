@@ -78,39 +78,16 @@ def test_every_op_reaches_the_gate():
 def test_fast_forwards_match_diffusers_call_for_call(name):
     """Each site's fast forward with the eager reference table equals the module's own forward
     bitwise (the reference table is exactly diffusers' chains), fp32 and bf16, batch 2."""
-    from ditfuse.contracts.ops import LOSSLESS
-    from ditfuse.kernels import DESCRIPTORS
-
-    class Ref:
-        quality = LOSSLESS.quality
-
-        def __getattr__(self, attr):
-            for d in DESCRIPTORS:
-                if d.name == attr:
-                    return d.load_reference()
-            raise AttributeError(attr)
+    from tests.support.reference_forwards import reference_forwards
 
     for dtype in (torch.float32, torch.bfloat16):
         m = _model(name, dtype)
         inp = _inputs(m, batch=2, txt=5, dtype=dtype)
         base = _run(m, inp)
-        saved = []
-        by_cls = {s.cls_name: s for s in sd3_adapter.SITES}
-        for mod in m.modules():
-            site = by_cls.get(type(mod).__name__)
-            if site is None:
-                continue
-            assert site.applies(mod) is None, site.applies(mod)
-            orig = mod.forward
-            saved.append((mod, orig))
-            mod.forward = (lambda site, mod, orig: lambda *a, **k: site.forward(mod, orig, *a, _ops=Ref(), **k))(site, mod, orig)
-        attns = len(m.transformer_blocks) + (0 if name == "sd3" else 1)  # sd35: + block 0's attn2
-        assert len(saved) == len(m.transformer_blocks) + 2 + attns
-        try:
+        with reference_forwards(m, sd3_adapter.SITES, require_applies=True) as patched:
+            attns = len(m.transformer_blocks) + (0 if name == "sd3" else 1)  # sd35: + block 0's attn2
+            assert len(patched) == len(m.transformer_blocks) + 2 + attns
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {name} {dtype}")
-        finally:
-            for mod, orig in saved:
-                mod.forward = orig
 
 
 def test_chunked_feed_forward_runs_diffusers_forward():
