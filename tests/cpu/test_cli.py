@@ -70,7 +70,7 @@ def test_bench_script_help_shows_defaults(capsys):
 def test_bench_vae_is_the_vae_decode_benchmark(capsys):
     assert cli.main(["bench", "vae", "--help"]) == 0
     out = capsys.readouterr().out
-    assert "--model" in out and "{flux,wan}" in out and "--frames" in out
+    assert "--model" in out and "{flux,flux2,qwenimage,wan,wan22}" in out and "--frames" in out
 
 
 def test_bench_unknown_target_lists_the_targets(capsys):
