@@ -23,7 +23,7 @@ SD3.5-large's joint value cat (``layout.head_cat``):
 
 Writes long-format CSV to --out (default bench/results/kernels_h200.csv) and prints a table.
 
-    python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large,wan,wan2,flux2,sd3]
+    python bench/bench_kernels.py [--out PATH] [--kernels a,b] [--shapes image,large,wan,wan2,wan14b,flux2,sd3]
                                   [--no-compile] [--timing flush,graph]
 """
 
@@ -46,7 +46,7 @@ from ditfuse.kernels import reference as ref  # noqa: E402
 from ditfuse.kernels.compare import compare_outputs  # noqa: E402
 
 SHAPES = {"image": (1, 4608, 3072), "large": (2, 32760, 5120), "wan": (1, 32760, 1536), "wan2": (2, 32760, 1536),
-          "flux2": (1, 4608, 6144), "sd3": (1, 4096 + 333, 2432)}
+          "wan14b": (2, 32760, 5120), "flux2": (1, 4608, 6144), "sd3": (1, 4096 + 333, 2432)}
 HEADS = {3072: 24, 5120: 40}
 S_TXT = 512
 DT = torch.bfloat16

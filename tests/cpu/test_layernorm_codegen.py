@@ -175,3 +175,22 @@ def test_pair_kernel_reads_the_tables_once(warp_facts):
     assert count(pair, "ld.global.v4.b32") == count(one, "ld.global.v4.b32") > 0
     assert len(pair["st_global"]) == 2 * len(one["st_global"])
     assert pair["ldg_before_first_ffma"] >= 2 * 12
+
+
+def test_ten_step_warp_rows_hold_without_spills():
+    """LN_WARP_MAX_STEPS: at D = 5120 (10 steps) a LayerNorm + modulate row without a residual
+    takes the warp-per-row kernel, which holds all ten steps' tiles in registers: no local memory
+    (spills) in FLUX's bf16 configuration or Wan's fp32-modulation one, the fold's layout and its
+    shuffles unchanged (one warp, no shared memory)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tests.support.layernorm_codegen", "lnwarp-R1-plain-held10",
+                          "lnwarpwan-R1-plain-held10"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        pytest.fail(out.stderr[-3000:])
+    facts = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [f["kind"] for f in facts] == ["lnwarp", "lnwarpwan"]
+    for f in facts:
+        assert f["js"] == 10 and f["local_bytes"] == 0, f
+        assert f["regs"] <= 255 and f["warp_layout_reason"] is None, f
+        assert f["st_shared"] == 0 and f["bar_sync"] == 0, f
+        assert f["shfl_kinds"] == ["bfly", "idx"], f  # the butterflies, then lane 0's broadcast

@@ -86,6 +86,29 @@ def test_rows_per_program_and_tail_rows(R, B, S, D, path):
     _eq(got, sim.layernorm_modulate(x, sc, sh, EPS))
 
 
+@pytest.mark.parametrize("fp32_mod", [False, True], ids=["flux_bf16_mod", "wan_fp32_mod"])
+def test_ten_step_rows_take_the_warp_kernel_bitwise(fp32_mod, monkeypatch):
+    """D = 5120 (10 steps, Wan-14B's width and issue 13's large shape): a LayerNorm + modulate row
+    without a residual takes the warp-per-row kernel by default (LN_WARP_MAX_STEPS), bitwise the
+    simulation of torch's order, FLUX's bf16 chain and Wan's fp32 one; with a residual it keeps
+    the 128-thread kernel."""
+    launched = []
+    real = lnm.launch
+    monkeypatch.setattr(lnm, "launch", lambda fn, *a, **k: launched.append(fn) or real(fn, *a, **k))
+    B, S, D = 1, 3, 5120
+    x = _x((B, S, D), torch.bfloat16, 51)
+    mdt = F32 if fp32_mod else torch.bfloat16
+    sc, sh, g = (_x((B, 1, D), mdt, 52 + i, 0.5, 0.0) for i in range(3))
+    nd = F32 if fp32_mod else None
+    got = layernorm_modulate(x, sc, sh, EPS, norm_dtype=nd)
+    assert launched == [lnm._ln_warp_kernel], launched
+    _eq(got, sim.layernorm_modulate(x, sc, sh, EPS, norm_dtype=nd))
+    launched.clear()
+    u = _x((B, S, D), torch.bfloat16, 55)
+    gate_residual_layernorm_modulate(x, g, u, sc, sh, EPS, norm_dtype=nd)
+    assert launched and lnm._ln_warp_kernel not in launched, launched
+
+
 def test_row_kernel_switch(monkeypatch):
     """DITFUSE_ROW_KERNEL picks the kernel family for whole-step rows (default ``auto``: the
     warp-per-row kernels where they measured faster on the H200 — every row without a residual,
@@ -112,13 +135,20 @@ def test_row_kernel_switch(monkeypatch):
 
 
 def test_warp_path_rule():
-    """Whole 128-thread steps up to WARP_MAX_STEPS qualify for the warp-per-row kernels."""
+    """Whole 128-thread steps up to WARP_MAX_STEPS (LN_WARP_MAX_STEPS for LayerNorm rows without a
+    residual) qualify for the warp-per-row kernels."""
     from ditfuse.kernels.common.host import warp_path
+
+    from ditfuse.kernels.common.host import LN_WARP_MAX_STEPS, warp_plan
 
     assert warp_path(384) and warp_path(768)  # Wan 1536, FLUX 3072
     assert not warp_path(560)  # 2240: a partial last step
     assert not warp_path(1280)  # 5120: 10 steps
+    assert warp_path(1280, LN_WARP_MAX_STEPS) and not warp_path(1536, LN_WARP_MAX_STEPS)  # 5120 yes, 6144 no
     assert not warp_path(0)
+    # the LayerNorm launcher: 5120-wide rows take the warp kernel without a residual, not with one
+    assert warp_plan(5120, 8, None, max_steps=LN_WARP_MAX_STEPS) is not None
+    assert warp_plan(5120, 8, None, residual=True) is None
     with pytest.raises(ValueError, match="512"):
         x = torch.zeros(1, 1, 132, dtype=torch.bfloat16)
         lnm._launch(x, None, None, None, None, EPS, None, None, None, True, warp=True)

@@ -81,15 +81,19 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     import triton.language as tl
 
     scalars = ["M", "S", "N", "NVEC", "J"]
-    if kind == "lnwarp":
+    if kind in ("lnwarp", "lnwarpwan"):
         from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 
-        bf = tl.bfloat16
+        bf, f32 = tl.bfloat16, tl.float32
+        # lnwarpwan: Wan's chain (FP32LayerNorm of x.float(), fp32 [B, 1, D] scale / shift, fp32
+        # products and sums, one rounding to bf16)
+        m = f32 if kind == "lnwarpwan" else bf
         ce = {"RES": 2 if gated else 0, "HAS_W": False, "HAS_B": False, "MODULATE": True, "EXACT": True,
-              "P_DT": bf, "H_DT": bf, "LN_DT": bf, "SC_DT": bf, "M_DT": bf, "S_DT": bf, "OUT_DT": bf, "R": R,
+              "P_DT": m, "H_DT": bf, "LN_DT": m, "SC_DT": m, "M_DT": m, "S_DT": m, "OUT_DT": bf, "R": R,
               "AFFINE_FMA": True, "JS": js, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1, "scss": 0,
               "shss": 0, "gss": 0, "wsd": 0, "bsd": 0}
-        k = _compile(lnm._ln_warp_kernel, ["M", "S", "N"], ce, _LN_PTRS, _LN_STRIDES, num_warps=R)
+        k = _compile(lnm._ln_warp_kernel, ["M", "S", "N"], ce, _LN_PTRS, _LN_STRIDES, num_warps=R,
+                     fp32_ptrs=("sc_ptr", "sh_ptr") if kind == "lnwarpwan" else ())
     elif kind == "ln":
         from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 
@@ -118,7 +122,7 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
         k = _compile(wr._rms_rope_kernel, scalars, ce, _RMS_PTRS, _RMS_STRIDES, fp32_ptrs=("cos_ptr", "sin_ptr"))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     out = dict(kind=kind, R=R, gated=gated, js=js)
-    if kind.endswith("warp") or kind == "wanropepair":
+    if kind.endswith("warp") or kind in ("wanropepair", "lnwarpwan"):
         from ditfuse.kernels.common.warp import warp_layout_reason
 
         out["warp_layout_reason"] = warp_layout_reason(ttgir)
@@ -156,6 +160,7 @@ def main() -> None:
                 + [("ln", R, g, js) for js in (3, 6) for R in (1, 2) for g in (False, True)]
                 + [("wanrope", R, False, js) for R in (1, 2, 4) for js in (0, 3)]
                 + [("lnwarp", R, g, js) for js in (3, 6) for R in (1, 4) for g in (False, True)]
+                + [("lnwarp", 1, False, 10), ("lnwarpwan", 1, False, 10)]  # LN_WARP_MAX_STEPS (D = 5120)
                 + [("wanropewarp", R, False, 3) for R in (1, 4)]
                 + [("wanropepair", 1, False, 3)])
     # (lnwarp / wanropewarp with R > 1 are what the launchers refuse: kept for the guard's test)

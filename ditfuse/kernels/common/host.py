@@ -69,6 +69,12 @@ def rows_per_program(M: int, held: int = 0, held_budget: int = 6) -> int:
 # the warp-per-row kernels (one warp runs torch's 128 threads as 4 register sets; the fold needs
 # no shared memory and, for the Welford, no runtime reciprocals).
 WARP_MAX_STEPS = 6
+# LayerNorm rows without a residual add take it up to 10 steps (D = 5120): forced there in round
+# 9 (H200, probe_warp_rows, bitwise), FLUX's LN + modulate at [2, 32760, 5120] went from 58.5 to
+# 74.0 % of copy bandwidth; the sm_90 code holds the row without spills (201 registers with bf16
+# modulation, 254 with Wan's fp32 one; tests/cpu/test_layernorm_codegen.py). Rows with a residual
+# keep WARP_MAX_STEPS (the gated kernel needs 255 registers there and lost at 3072 already).
+LN_WARP_MAX_STEPS = 10
 
 
 def warp_path(nvec: int, max_steps: int = WARP_MAX_STEPS) -> bool:
@@ -118,16 +124,18 @@ def warp_rows_per_program(M: int) -> int:
 
 
 def warp_plan(D: int, M: int, warp: bool | None, unroll: bool = True,
-              rows_per_program: int | None = None, residual: bool = False) -> int | None:
+              rows_per_program: int | None = None, residual: bool = False,
+              max_steps: int = WARP_MAX_STEPS) -> int | None:
     """Whether a row-norm launch over ``M`` rows of width ``D`` takes the warp-per-row kernel, and
     with how many rows per program (None: the 128-thread kernel). ``warp``: True forces it (an
     error unless D % 512 == 0), False refuses it, None decides (:func:`warp_path`, the
     ``DITFUSE_ROW_KERNEL`` switch with ``residual``: whether a residual add precedes the norm,
     ``unroll``). ``rows_per_program`` only tiles the interpreter's programs: on the GPU a program
-    is one row in one warp, the layout its shuffles need."""
+    is one row in one warp, the layout its shuffles need. ``max_steps``: the most 128-thread steps
+    a row may have (:func:`warp_path`)."""
     nvec = D // 4
     if warp is None:
-        warp = unroll and warp_path(nvec) and warp_rows_enabled(D, residual)
+        warp = unroll and warp_path(nvec, max_steps) and warp_rows_enabled(D, residual)
     if not warp:
         return None
     if nvec == 0 or nvec % 128:

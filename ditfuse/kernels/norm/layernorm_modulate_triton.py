@@ -55,10 +55,12 @@ from ditfuse.kernels.common.host import (
     grad_reason,
     in_eager_layout,
     held_steps,
+    LN_WARP_MAX_STEPS,
     promote,
     rows_per_program,
     tl_dtype,
     use_custom_op,
+    WARP_MAX_STEPS,
     warp_plan,
 )
 from ditfuse.kernels.common.launch import launch
@@ -302,7 +304,7 @@ def _wvec(ptr, sd, vec, k4):
 
 
 # One warp per row, for rows that are whole 128-thread steps (D % 512 == 0) of at most
-# common/host.py's WARP_MAX_STEPS steps: R rows per program, warp r takes row r (R = 1 on the GPU,
+# common/host.py's WARP_MAX_STEPS steps (LN_WARP_MAX_STEPS without a residual): R rows per program, warp r takes row r (R = 1 on the GPU,
 # see common/warp.py). torch's thread t = lane + 32 * w
 # is register set w of lane ``lane``, so its vectors t, t + 128, ... are held tiles
 # ``held[4 * j + w]``; the per-thread Welford, the four logical warps' shfl-down trees and the
@@ -567,7 +569,8 @@ def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
                *_mod_strides(scale), *_mod_strides(shift))
     flags = dict(RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
                  EXACT=exact, **consts, AFFINE_FMA=affine_fma, enable_fp_fusion=False)
-    R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES)
+    R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES,
+                  max_steps=WARP_MAX_STEPS if res != _NO_RES else LN_WARP_MAX_STEPS)
     warp_launch = None
     if R is not None:
         warp_launch = ((cdiv(M, R),), (M, S, D, float(eps), *strides), dict(flags, R=R, JS=J, num_warps=R))
