@@ -89,13 +89,69 @@ def test_fast_forwards_match_diffusers_call_for_call():
             assert_bitwise_equal(_run(m, inp), base, f"reference fast forwards {dtype}")
 
 
-def test_zero_cond_t_keeps_diffusers_forward():
+def _edit_inputs(m, batch=2, txt=5, dtype=torch.bfloat16):
+    """An Edit step: the target image (4 x 3 latent patches) followed by a reference image (2 x 5),
+    so ``zero_cond_t``'s modulate_index has both 0 (target) and 1 (reference) tokens."""
+    g = torch.Generator().manual_seed(3)
+    n = 4 * 3 + 2 * 5
+    return dict(
+        hidden_states=torch.randn(batch, n, m.config.in_channels, generator=g).to(dtype),
+        encoder_hidden_states=torch.randn(batch, txt, m.config.joint_attention_dim, generator=g).to(dtype),
+        encoder_hidden_states_mask=None,
+        timestep=torch.full((batch,), 0.7, dtype=dtype),
+        img_shapes=[[(1, 4, 3), (1, 2, 5)]] * batch,
+        return_dict=False,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_zero_cond_t_per_token_modulation_on_reference_chains(dtype):
+    """The Edit models' per-token modulation (zero_cond_t): every block mounts, and the fast
+    forwards on the reference chains equal diffusers bitwise (target and reference-image tokens
+    take different modulation rows)."""
+    from tests.support.reference_forwards import reference_forwards
+
+    m = _model(dtype, zero_cond_t=True)
+    inp = _edit_inputs(m, dtype=dtype)
+    base = _run(m, inp)
+    with reference_forwards(m, qwen_adapter.SITES, require_applies=True) as patched:
+        assert len(patched) == 2 * len(m.transformer_blocks) + 1
+        assert_bitwise_equal(_run(m, inp), base, f"zero_cond_t reference fast forwards {dtype}")
+
+
+@pytest.mark.slow
+def test_zero_cond_t_mounts_and_stays_bitwise():
     m = _model(zero_cond_t=True)
+    inp = _edit_inputs(m, batch=1)
+    base = _run(m, inp)
     h = ditfuse.accelerate(m)
-    rep = h.report().components[0]
-    skipped = dict(rep.skipped_sites)
-    assert all("zero_cond_t" in skipped[f"transformer_blocks.{i}"] for i in range(2)), skipped
-    h.unmount()
+    try:
+        rep = h.report().components[0]
+        assert not rep.skipped_sites, rep.skipped_sites
+        assert sum(s == "qwenimage.block" for _, s in rep.sites) == len(m.transformer_blocks)
+        assert_bitwise_equal(_run(m, inp), base, "zero_cond_t accelerated")
+        calls = ditfuse.gate.report().calls
+        assert sum(calls.get("norm.gate_residual_layernorm_modulate", {}).values()) > 0
+    finally:
+        h.unmount()
+
+
+def test_select_matches_diffusers_modulate():
+    """_select against QwenImageTransformerBlock._modulate's own selection, per sample and per
+    token."""
+    m = _model(torch.float32, zero_cond_t=True)
+    blk = m.transformer_blocks[0]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 6, 32, generator=g)
+    mod = torch.randn(4, 3 * 32, generator=g)
+    index = torch.tensor([[0, 0, 1, 1, 0, 1], [1, 0, 0, 0, 1, 1]], dtype=torch.int)
+    out, gate = blk._modulate(x, mod, index)
+    shift, scale, g_sel = qwen_adapter._select(mod, index)
+    assert_bitwise_equal(x * (1 + scale) + shift, out, "per-token modulate")
+    assert_bitwise_equal(g_sel, gate, "per-token gate")
+    out, gate = blk._modulate(x, mod[:2])
+    shift, scale, g_sel = qwen_adapter._select(mod[:2], None)
+    assert_bitwise_equal(x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1), out, "per-sample modulate")
 
 
 def test_refuses_changed_forward_signature(monkeypatch):

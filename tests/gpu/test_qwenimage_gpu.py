@@ -45,3 +45,27 @@ def test_tiny(batch, size):
 @pytest.mark.parametrize("size,txt", [("1024x1024", 512), ("336x208", 77)], ids=["1024px", "odd"])
 def test_qwen_image_width(batch, size, txt):
     _run("dev", batch, size, layers=(2,), txt=txt)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("config", ["tiny", "dev"])
+def test_edit_per_token_modulation(config, batch):
+    """The Edit models' zero_cond_t: a 1024² target image followed by a 768x512 reference image
+    (modulate_index 0 / 1 per token), text 77; every op engaged, bitwise."""
+    import torch
+
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        m = QWEN.load_class()(**dict(QWEN.config(config, (2,) if config == "dev" else None), zero_cond_t=True))
+    m = m.to(torch.bfloat16).eval().requires_grad_(False)
+    g = torch.Generator().manual_seed(5)
+    (h1, w1), (h2, w2) = (64, 64), (48, 32)
+    inp = dict(
+        hidden_states=torch.randn(batch, h1 * w1 + h2 * w2, m.config.in_channels, generator=g).to(DEV, torch.bfloat16),
+        encoder_hidden_states=torch.randn(batch, 77, m.config.joint_attention_dim, generator=g).to(DEV, torch.bfloat16),
+        encoder_hidden_states_mask=None,
+        timestep=torch.full((batch,), 0.7, device=DEV, dtype=torch.bfloat16),
+        img_shapes=[[(1, h1, w1), (1, h2, w2)]] * batch,
+        return_dict=False,
+    )
+    compare_accelerated(m, inp, ADAPTER.ops(), f"qwenimage edit {config} B={batch}")
