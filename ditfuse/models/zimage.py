@@ -15,7 +15,8 @@ and a SwiGLU FeedForward; its eager chains map onto ops (notes/families.md §5):
 
 Unmodulated blocks run the same ops with ``scale``/``gate`` None. ``1.0 + scale`` is computed
 inside the ops (their reference takes the raw chunk, ``r(1 + scale)`` as eager rounds it). Omni
-mode (``noise_mask``: per-token noisy/clean modulation) runs diffusers' forward.
+mode (``noise_mask``: per-token noisy/clean modulation) selects each token's chunks as diffusers
+does and runs the same ops on [B, S, D] scales and gates (round 17; CPU-tested only).
 
 The attention (``Attention`` + ``ZSingleStreamAttnProcessor``) is the processor's code with its QK
 chain — per-head diffusers RMSNorm on q and k, then the complex RoPE with the per-sample
@@ -58,12 +59,21 @@ def block_forward(
     *,
     _ops: OpSet = LOSSLESS,
 ) -> torch.Tensor:
-    """ZImageTransformerBlock.forward (basic mode) with its norm chains and the SwiGLU on ops."""
-    if noise_mask is not None:  # omni mode: per-token modulation selected with torch.where
-        return original(x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean)
+    """ZImageTransformerBlock.forward with its norm chains and the SwiGLU on ops. Omni mode
+    (``noise_mask``): each token's modulation is the noisy or the clean one, selected with
+    diffusers' own ``select_per_token`` after the same ``tanh``; the scales are selected raw (the
+    ops add the 1, ``r(1 + s)`` per element, as eager's ``1.0 + s`` before its select does)."""
     eps = block.attention_norm1.eps
     ff = block.feed_forward
-    if block.modulation:
+    if block.modulation and noise_mask is not None:
+        from diffusers.models.transformers.transformer_z_image import select_per_token
+
+        seq_len = x.shape[1]
+        noisy = block.adaLN_modulation(adaln_noisy).chunk(4, dim=1)
+        clean = block.adaLN_modulation(adaln_clean).chunk(4, dim=1)
+        scale_msa, scale_mlp = (select_per_token(noisy[i], clean[i], noise_mask, seq_len) for i in (0, 2))
+        gate_msa, gate_mlp = (select_per_token(noisy[i].tanh(), clean[i].tanh(), noise_mask, seq_len) for i in (1, 3))
+    elif block.modulation:
         scale_msa, gate_msa, scale_mlp, gate_mlp = block.adaLN_modulation(adaln_input).unsqueeze(1).chunk(4, dim=2)
         gate_msa, gate_mlp = gate_msa.tanh(), gate_mlp.tanh()
     else:

@@ -146,31 +146,55 @@ def test_fast_forward_matches_diffusers(dtype):
     assert ref.used == {d.name for site in zimage_adapter.SITES for d in site.ops}
 
 
-def test_omni_mode_keeps_diffusers_forward():
-    """noise_mask (omni mode's per-token modulation) goes to diffusers' forward."""
-    m = _model()
-    blk = m.layers[0]
+def _omni_inputs(m, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(4)
     B, S, D = 2, 32, m.dim
-    x = torch.randn(B, S, D, generator=g).bfloat16()
+    x = torch.randn(B, S, D, generator=g).to(dtype)
     ang = torch.randn(B, S, D // m.n_heads // 2, generator=g)
     freqs = torch.polar(torch.ones_like(ang), ang)
     noise_mask = torch.zeros(B, S, dtype=torch.long)
     noise_mask[:, :20] = 1
-    a_noisy, a_clean = torch.randn(B, 32, generator=g).bfloat16(), torch.randn(B, 32, generator=g).bfloat16()
+    noise_mask[1, 25:] = 1
+    a_noisy, a_clean = torch.randn(B, 32, generator=g).to(dtype), torch.randn(B, 32, generator=g).to(dtype)
+    return x, None, freqs, None, noise_mask, a_noisy, a_clean
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_omni_mode_on_reference_chains(dtype):
+    """noise_mask (omni mode): each token's noisy or clean modulation, selected as diffusers does;
+    the block's fast forward on the reference chains equals diffusers' bitwise, for a modulated
+    main block and an unmodulated context-refiner block (which ignores the mask)."""
+    from tests.support.reference_forwards import ReferenceOps
+
+    m = _model(dtype)
+    args = _omni_inputs(m, dtype)
+    for blk in (m.layers[0], m.context_refiner[0]):
+        with torch.no_grad():
+            base = blk(*args)
+            out = zimage_adapter.block_forward(blk, blk.forward, *args, _ops=ReferenceOps())
+        assert_bitwise_equal(out, base, f"omni block (modulation={blk.modulation}) {dtype}")
+
+
+@pytest.mark.slow
+def test_omni_mode_runs_the_block_ops():
+    """Accelerated, the omni block runs its fused ops (through the gate, interpreter kernels) and
+    stays bitwise diffusers."""
+    m = _model()
+    blk = m.layers[0]
+    args = _omni_inputs(m)
     with torch.no_grad():
-        base = blk(x, None, freqs, None, noise_mask, a_noisy, a_clean)
+        base = blk(*args)
     ditfuse.gate.reset()
     h = ditfuse.accelerate(m)
-    with torch.no_grad():
-        out = blk(x, None, freqs, None, noise_mask, a_noisy, a_clean)
-    calls = ditfuse.gate.report().calls
-    h.unmount()
+    try:
+        with torch.no_grad():
+            out = blk(*args)
+        calls = ditfuse.gate.report().calls
+    finally:
+        h.unmount()
     assert_bitwise_equal(out, base, "omni block")
-    # the block's ops are not called (its attention still goes through zimage.attention: the
-    # omni mode changes only the modulation)
     block_ops = {d.op for d in next(s for s in zimage_adapter.SITES if s.name == "zimage.block").ops}
-    assert not any(calls.get(op) for op in block_ops), calls
+    assert all(sum(calls.get(op, {}).values()) > 0 for op in block_ops), calls
 
 
 def test_guards_name_what_they_refuse():

@@ -127,3 +127,37 @@ def test_tiny(batch, size):
 @pytest.mark.parametrize("size,txt", [("1024x1024", 512), ("336x208", 77)], ids=["1024px", "odd"])
 def test_z_image_width(batch, size, txt):
     _run("dev_small", batch, size, txt)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_omni_mode_block_at_z_image_width(batch):
+    """Omni mode's per-token noisy / clean modulation (noise_mask) on a Z-Image-width main block,
+    4608 tokens: bitwise diffusers over two accelerated calls, the block's ops verified and run."""
+    import ditfuse
+    from ditfuse.kernels.compare import assert_bitwise_equal
+    from ditfuse.models.zimage import SITES
+    from tests.support.engaged import assert_engaged
+
+    fam = _family()
+    m = fam.build("dev_small", device=DEV)
+    blk = m.layers[0]
+    g = torch.Generator(device=DEV).manual_seed(7)
+    B, S, D = batch, 4608, m.dim
+    x = torch.randn(B, S, D, generator=g, device=DEV).to(torch.bfloat16)
+    ang = torch.randn(B, S, D // m.n_heads // 2, generator=g, device=DEV)
+    freqs = torch.polar(torch.ones_like(ang), ang)
+    noise_mask = torch.zeros(B, S, dtype=torch.long, device=DEV)
+    noise_mask[:, 512:4096] = 1  # the target image's tokens noisy, caption and reference clean
+    a_noisy, a_clean = (torch.randn(B, 256, generator=g, device=DEV).to(torch.bfloat16) for _ in range(2))
+    args = (x, None, freqs, None, noise_mask, a_noisy, a_clean)
+    ditfuse.gate.reset()
+    with torch.no_grad():
+        base = blk(*args)
+        h = ditfuse.accelerate(m)
+        try:
+            outs = [blk(*args) for _ in range(2)]
+        finally:
+            h.unmount()
+    for i, o in enumerate(outs):
+        assert_bitwise_equal(o, base, f"omni block B={batch} call {i}")
+    assert_engaged([d.op for d in next(s for s in SITES if s.name == "zimage.block").ops])
