@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|vaeflux2|vaeqwen|wan22vae|wanvae|flux|wan|flux2|flux3|sd3|qwenimage|zimage|drift|parallel|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|vaeflux2|vaeqwen|wan22vae|wanvae|flux|wan|flux2|flux3|chroma|sd3|qwenimage|zimage|drift|parallel|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -19,6 +19,7 @@
 #   wan      Wan2.1-1.3B-size step at 480x832x81 (ditfuse bench wan)              -> wan_{step,breakdown}_h200.csv
 #   flux2    FLUX.2-dev-size step at 1024x1024 (ditfuse bench flux2)              -> flux2_{step,breakdown}_h200.csv
 #   flux3    FLUX.3-size step at 1024x1024 (ditfuse bench flux3)                  -> flux3_{step,breakdown}_h200.csv
+#   chroma   Chroma1-HD-size step at 1024x1024 (ditfuse bench chroma)             -> chroma_{step,breakdown}_h200.csv
 #   sd3      SD3.5-large-size step at 1024x1024 (ditfuse bench sd3)               -> sd3_{step,breakdown}_h200.csv
 #   qwenimage  Qwen-Image-size step at 1024x1024 (ditfuse bench qwenimage)        -> qwenimage_{step,breakdown}_h200.csv
 #   zimage   Z-Image-6B-size step at 1024x1024 (ditfuse bench zimage)             -> zimage_{step,breakdown}_h200.csv
@@ -105,6 +106,7 @@ fi
 want flux && run_phase flux "${FLUX_TIMEOUT:-300}" python3 bench/bench_step.py --family flux --out-dir "$OUT" --tag "$CARD" ${FLUX_ARGS:-}
 want wan && run_phase wan "${WAN_TIMEOUT:-400}" python3 bench/bench_step.py --family wan --out-dir "$OUT" --tag "$CARD" ${WAN_ARGS:-}
 want flux2 && run_phase flux2 "${FLUX2_TIMEOUT:-400}" python3 bench/bench_step.py --family flux2 --out-dir "$OUT" --tag "$CARD" ${FLUX2_ARGS:-}
+want chroma && run_phase chroma "${CHROMA_TIMEOUT:-300}" python3 bench/bench_step.py --family chroma --out-dir "$OUT" --tag "$CARD" ${CHROMA_ARGS:-}
 want flux3 && run_phase flux3 "${FLUX3_TIMEOUT:-300}" python3 bench/bench_step.py --family flux3 --out-dir "$OUT" --tag "$CARD" ${FLUX3_ARGS:-}
 want sd3 && run_phase sd3 "${SD3_TIMEOUT:-300}" python3 bench/bench_step.py --family sd3 --out-dir "$OUT" --tag "$CARD" ${SD3_ARGS:-}
 want qwenimage && run_phase qwenimage "${QWEN_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage --out-dir "$OUT" --tag "$CARD" ${QWEN_ARGS:-}

@@ -27,7 +27,7 @@ _ADAPTER_TARGETS: tuple[str, ...] = (
     "ditfuse.models.flux:ADAPTER", "ditfuse.models.wan:ADAPTER", "ditfuse.models.autoencoder_kl:ADAPTER",
     "ditfuse.models.autoencoder_kl_wan:ADAPTER", "ditfuse.models.flux2:ADAPTER", "ditfuse.models.sd3:ADAPTER",
     "ditfuse.models.qwenimage:ADAPTER", "ditfuse.models.zimage:ADAPTER", "ditfuse.models.flux3:ADAPTER",
-    "ditfuse.models.autoencoder_kl_wan:QWENIMAGE_ADAPTER",
+    "ditfuse.models.autoencoder_kl_wan:QWENIMAGE_ADAPTER", "ditfuse.models.chroma:ADAPTER",
 )
 
 

@@ -88,7 +88,7 @@ _FAMILIES = {
     "flux": "ditfuse.models.flux_configs:FAMILY", "wan": "ditfuse.models.wan_configs:FAMILY",
     "flux2": "ditfuse.models.flux2_configs:FAMILY", "sd3": "ditfuse.models.sd3_configs:FAMILY",
     "qwenimage": "ditfuse.models.qwenimage_configs:FAMILY", "zimage": "ditfuse.models.zimage_configs:FAMILY",
-    "flux3": "ditfuse.models.flux3_configs:FAMILY",
+    "flux3": "ditfuse.models.flux3_configs:FAMILY", "chroma": "ditfuse.models.chroma_configs:FAMILY",
 }
 
 

@@ -33,7 +33,7 @@ DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_flux"
 
 
-def _single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSet) -> torch.Tensor:
+def single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSet) -> torch.Tensor:
     """``cat([attn, gelu_tanh(mlp_pre)], dim=2)`` as one kernel writing the [B, S, D + mlp] buffer:
     the attention half copied, the MLP half through the GELU (round 6 wrote the GELU into the
     buffer and copied the attention half with a second kernel)."""
@@ -248,7 +248,7 @@ def single_block_forward(
         image_rotary_emb=image_rotary_emb,
         **joint_attention_kwargs,
     )
-    cat = _single_attn_mlp_cat(attn_output, mlp, _ops)
+    cat = single_attn_mlp_cat(attn_output, mlp, _ops)
     nxt = _link.next_block() if residual.dtype != torch.float16 else None  # fp16 clips after the residual
     hidden_states, opened_next = close_block(_ops, residual, gate, block.proj_out(cat),
                                              None if nxt is None else _ada_zero_single(nxt.norm, temb))
@@ -299,6 +299,23 @@ def _transformer_applies(model) -> str | None:
 
 _BLOCK_PARAMS = ("self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
 
+
+def flux_attention_site(family: str, high: bool = True) -> Site:
+    """The FluxAttention site (:func:`attention_forward`) for ``family``'s adapter (FLUX.1 and the
+    models built on its attention, such as Chroma; ``high``: see :class:`Site`)."""
+    return Site(
+        name=f"{family}.attention",
+        cls=f"{_TF}:FluxAttention",
+        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs"),
+        forward=attention_forward,
+        ops=(QK_RMSNORM_ROPE,),
+        applies=_attn_applies,
+        high=high,
+        description="attention: QK RMSNorm + text/image concat + RoPE in one pass (DITFUSE_LINEAR_CAT=1: "
+                    "the value projections written into the joint value, batch 1)",
+    )
+
+
 SITES = (
     Site(
         name="flux.dual_block",
@@ -322,16 +339,7 @@ SITES = (
                     "gate residual (+ the next block's adaLN-Zero-Single across the boundary)",
         chained=True,
     ),
-    Site(
-        name="flux.attention",
-        cls=f"{_TF}:FluxAttention",
-        params=("self", "hidden_states", "encoder_hidden_states", "attention_mask", "image_rotary_emb", "kwargs"),
-        forward=attention_forward,
-        ops=(QK_RMSNORM_ROPE,),
-        applies=_attn_applies,
-        description="attention: QK RMSNorm + text/image concat + RoPE in one pass (DITFUSE_LINEAR_CAT=1: "
-                    "the value projections written into the joint value, batch 1)",
-    ),
+    flux_attention_site("flux"),
     norm_out_site("flux"),
     Site(
         name="flux.transformer",

@@ -1,4 +1,4 @@
-"""Configs for the issue-12 families (Qwen-Image, SD3/3.5, FLUX.2, Z-Image) and FLUX.3: constructor
+"""Configs for the issue-12 families (Qwen-Image, SD3/3.5, FLUX.2, Z-Image), FLUX.3 and Chroma: constructor
 kwargs of diffusers 0.42.1's transformer classes, tiny (every block type, for CPU tests) and real
 size (random-weight step benchmarks), plus the 1024x1024 step-input shapes.
 
@@ -48,6 +48,12 @@ TINY: dict[str, dict[str, Any]] = {
         num_attention_heads=2, joint_attention_dim=24, timestep_channels=16, mlp_ratio=3.0,
         axes_dims_rope=(4, 4, 4, 4), rope_theta=10000, eps=1e-6,
     ),
+    # Chroma: 2 dual + 2 single blocks, head_dim 16 = RoPE axes 4 + 6 + 6, a 1-layer approximator.
+    "chroma": dict(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6), approximator_num_channels=16,
+        approximator_hidden_dim=32, approximator_layers=1,
+    ),
     # 1 noise refiner (modulated), 1 context refiner (unmodulated), 2 main blocks; dim 32 ->
     # FFN hidden int(32 / 3 * 8) = 85 (odd); head_dim 16 = 4 + 6 + 6.
     "zimage": dict(
@@ -94,6 +100,13 @@ REAL: dict[str, dict[str, Any]] = {
         mlp_ratio=3.0, axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, eps=1e-6,
         guidance_embeds=True,
     ),
+    # lodestones/Chroma1-HD (FLUX.1-schnell's blocks, pruned modulation): 19 dual + 38 single
+    # blocks, width 24 x 128 = 3072, T5 text states of width 4096, a 5-layer approximator.
+    "chroma": dict(
+        patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+        num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
+        approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5,
+    ),
     # FLUX.3 as diffusers 0.42.1's Flux3Transformer2DModel defaults declare it: 5 per-mode blocks
     # per token mode + 28 joint single blocks, width 24 x 128 = 3072, SwiGLU 3x, 128 latent
     # channels, stacked Qwen3-VL text states of width 20480.
@@ -116,7 +129,7 @@ REAL: dict[str, dict[str, Any]] = {
 # (Z-Image pads it to a multiple of 32); 512 is the pipelines' max_sequence_length. SD3 is always
 # 77 (CLIP) + 256 (T5) = 333. FLUX.2 pads to max_sequence_length = 512.
 TEXT_TOKENS = {"qwenimage": 512, "sd35_large": 333, "sd35_medium": 333, "sd3_medium": 333,
-               "flux2": 512, "flux3": 512, "zimage": 512}
+               "flux2": 512, "flux3": 512, "chroma": 512, "zimage": 512}
 
 CLASS_NAMES = {
     "qwenimage": "QwenImageTransformer2DModel",
@@ -125,6 +138,7 @@ CLASS_NAMES = {
     "sd3_medium": "SD3Transformer2DModel",
     "flux2": "Flux2Transformer2DModel",
     "flux3": "Flux3Transformer2DModel",
+    "chroma": "ChromaTransformer2DModel",
     "zimage": "ZImageTransformer2DModel",
 }
 
@@ -236,6 +250,24 @@ def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int
             out.update(image_cond_hidden_states=rnd(batch, cond_tokens, cfg.cond_in_channels),
                        image_cond_ids=cond_ids.to(device))
         return out
+    if family == "chroma":
+        # FLUX.1's packing (2x2 patches of the 16-channel latent: 64 channels), 3-axis ids, and the
+        # pipeline's attention mask: the prompt's real tokens, then padding, then every image token.
+        img_ids = torch.zeros(h * w, 3)
+        img_ids[:, 1] = torch.arange(h * w) // w
+        img_ids[:, 2] = torch.arange(h * w) % w
+        mask = torch.ones(batch, txt + h * w, dtype=torch.bool)
+        for i in range(batch):
+            mask[i, max(1, txt - 3 - 5 * i):txt] = False  # each prompt shorter than the padding
+        return dict(
+            hidden_states=rnd(batch, h * w, cfg.in_channels),
+            encoder_hidden_states=rnd(batch, txt, cfg.joint_attention_dim),
+            timestep=torch.full((batch,), 0.7, device=device, dtype=dtype),
+            img_ids=img_ids.to(device),
+            txt_ids=torch.zeros(txt, 3, device=device),
+            attention_mask=mask.to(device),
+            return_dict=False,
+        )
     if family == "zimage":
         return dict(
             x=[rnd(cfg.in_channels, 1, 2 * h, 2 * w) for _ in range(batch)],

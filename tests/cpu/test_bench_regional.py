@@ -29,6 +29,7 @@ EXPECTED = {
     "flux2": ((2, 3), {"Flux2TransformerBlock": 2, "Flux2SingleTransformerBlock": 3}),
     # per-mode blocks for each of the three token modes (text, image, reference image)
     "flux3": ((2, 3), {"Flux3ModeTransformerBlock": 6, "Flux3SingleTransformerBlock": 3}),
+    "chroma": ((2, 3), {"ChromaTransformerBlock": 2, "ChromaSingleTransformerBlock": 3}),
     # SD3Transformer2DModel names no _repeated_blocks in diffusers 0.42.1: the ModuleList fallback
     "sd3": ((3,), {"JointTransformerBlock": 3}),
     "qwenimage": ((3,), {"QwenImageTransformerBlock": 3}),

@@ -1,0 +1,243 @@
+"""Chroma adapter: fast forwards for diffusers 0.42.1's ChromaTransformer2DModel blocks.
+
+Chroma is FLUX.1-schnell's architecture with the per-block modulation Linear pruned: one
+approximator computes every block's modulation up front (``pooled_temb``), and each block gets its
+slice (``temb``: [B, 12, D] for a dual block, image then text; [B, 3, D] for a single block;
+[B, 2, D] for norm_out). Its blocks therefore run FLUX.1's chains on those slices, and its attention
+is FLUX.1's own ``FluxAttention`` + ``FluxAttnProcessor`` (the same site as FLUX.1's), with the
+text-padding attention mask Chroma passes::
+
+    dual block   (1 + scale_msa) * LN(x) + shift_msa        -> layernorm_modulate (per stream)
+                 x + gate_msa * attn, then LN + modulate    -> gate_residual_layernorm_modulate
+                 x + gate_mlp * ff                           -> gate_residual
+    single block (1 + scale) * LN(x) + shift                 -> layernorm_modulate
+                 cat([attn, gelu_tanh(proj_mlp(n))], dim=2)  -> gelu_tanh_cat (one kernel)
+                 x + gate * proj_out(cat)                    -> gate_residual
+    norm_out     LN(x) * (1 + scale) + shift (shift first)   -> layernorm_modulate
+
+Every op is one FLUX.1 runs; every site is bit-exact and gated at first sight. Not done: the
+cross-block handoff (each block has its own modulation slice; the FLUX.1 handoff would need the
+next block's slice from the model's forward), a quality="high" tier (no admission on Chroma
+activations: every site ``high=False``), and every GPU run (round 17: CPU-tested only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.activation import GELU_TANH_CAT
+from ..kernels.modulate import GATE_RESIDUAL
+from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
+from .adaln import plain_layernorm
+from .base import Adapter, Site
+from .flux import flux_attention_site, single_attn_mlp_cat
+from .handoff import Opening
+from .pos_cache import embedder_site, transformer_scope
+
+DIFFUSERS_VERSIONS = ("0.42.1",)
+_TF = "diffusers.models.transformers.transformer_chroma"
+_FLUX = "diffusers.models.transformers.transformer_flux"
+
+
+def _pruned_opening(norm, emb: torch.Tensor) -> Opening:
+    """ChromaAdaLayerNormZeroPruned: ``emb.flatten(1, 2).chunk(6, dim=1)`` = shift, scale, gate
+    (msa), shift, scale, gate (mlp); the norm is ``r(r(r(LN(x)) * r(1 + scale_msa)) + shift_msa)``,
+    the other four chunks ride along."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.flatten(1, 2).chunk(6, dim=1)
+    return Opening(scale_msa, shift_msa, norm.norm.eps, (gate_msa, shift_mlp, scale_mlp, gate_mlp))
+
+
+def _joint_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The blocks' ``mask[:, None, None, :] * mask[:, None, :, None]`` ([B, 1, S, S])."""
+    if attention_mask is None:
+        return None
+    return attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+
+
+def dual_block_forward(block, original, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
+                       temb: torch.Tensor, image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       attention_mask: torch.Tensor | None = None,
+                       joint_attention_kwargs: dict[str, Any] | None = None, *,
+                       _ops: OpSet = LOSSLESS) -> tuple[torch.Tensor, torch.Tensor]:
+    """ChromaTransformerBlock: both streams' pruned adaLN-Zero (fused LN + modulate), attention,
+    the fused gate-residual + norm2 + modulate, FeedForward, the gated residual."""
+    img = _pruned_opening(block.norm1, temb[:, :6]).run(hidden_states, _ops)
+    txt = _pruned_opening(block.norm1_context, temb[:, 6:]).run(encoder_hidden_states, _ops)
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = img
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = txt
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attention_outputs = block.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        attention_mask=_joint_mask(attention_mask),
+        **joint_attention_kwargs,
+    )
+    if len(attention_outputs) == 2:
+        attn_output, context_attn_output = attention_outputs
+        ip_attn_output = None
+    else:
+        attn_output, context_attn_output, ip_attn_output = attention_outputs
+
+    hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
+        hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
+    )
+    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, block.ff(norm_hidden_states))
+    if ip_attn_output is not None:
+        hidden_states = hidden_states + ip_attn_output
+
+    encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
+        encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
+    )
+    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, c_gate_mlp,
+                                               block.ff_context(norm_encoder_hidden_states))
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _dual_applies(block) -> str | None:
+    for name in ("norm1", "norm1_context"):
+        norm = getattr(block, name)
+        if norm.emb is not None:
+            return f"{name} has its own timestep embedding"
+        r = plain_layernorm(norm.norm)
+        if r is not None:
+            return f"{name}: {r}"
+    for name in ("norm2", "norm2_context"):
+        r = plain_layernorm(getattr(block, name))
+        if r is not None:
+            return f"{name}: {r}"
+    return None
+
+
+def single_block_forward(block, original, hidden_states: torch.Tensor, temb: torch.Tensor,
+                         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         attention_mask: torch.Tensor | None = None,
+                         joint_attention_kwargs: dict[str, Any] | None = None, *,
+                         _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """ChromaSingleTransformerBlock: fused LN + modulate, attention, ``cat([attn, gelu(mlp)])`` in
+    one kernel, the gated residual."""
+    residual = hidden_states
+    shift_msa, scale_msa, gate = temb.flatten(1, 2).chunk(3, dim=1)
+    norm_hidden_states = _ops.layernorm_modulate(hidden_states, scale_msa, shift_msa, block.norm.norm.eps)
+    mlp = block.proj_mlp(norm_hidden_states)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output = block.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        attention_mask=_joint_mask(attention_mask),
+        **joint_attention_kwargs,
+    )
+    hidden_states = _ops.gate_residual(residual, gate, block.proj_out(single_attn_mlp_cat(attn_output, mlp, _ops)))
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return hidden_states
+
+
+def _single_applies(block) -> str | None:
+    r = plain_layernorm(block.norm.norm)
+    if r is not None:
+        return f"norm: {r}"
+    act = block.act_mlp
+    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
+        return "act_mlp is not nn.GELU(approximate='tanh')"
+    return None
+
+
+def norm_out_forward(norm, original, x: torch.Tensor, emb: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """ChromaAdaLayerNormContinuousPruned: ``chunk(emb.flatten(1, 2).to(x.dtype), 2)`` = shift,
+    scale (shift first); ``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``."""
+    shift, scale = torch.chunk(emb.flatten(1, 2).to(x.dtype), 2, dim=1)
+    return _ops.layernorm_modulate(x, scale, shift, norm.norm.eps)
+
+
+def _norm_out_applies(norm) -> str | None:
+    return plain_layernorm(norm.norm)
+
+
+# -- the transformer: names the position ids' sources for the embedder's cache -----------------
+
+_TRANSFORMER_PARAMS = (
+    "self", "hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids", "attention_mask",
+    "joint_attention_kwargs", "controlnet_block_samples", "controlnet_single_block_samples", "return_dict",
+    "controlnet_blocks_repeat",
+)
+_IMG_IDS, _TXT_IDS = _TRANSFORMER_PARAMS.index("img_ids") - 1, _TRANSFORMER_PARAMS.index("txt_ids") - 1
+
+
+def transformer_forward(model, original, *args: Any, _ops: OpSet = LOSSLESS, **kwargs: Any):
+    """diffusers' ChromaTransformer2DModel.forward, unchanged, run with its ``txt_ids`` /
+    ``img_ids`` named as the sources of ``pos_embed``'s ids (``cat((txt_ids, img_ids))``), so the
+    embedder's tables are reused across steps (models/pos_cache.py)."""
+    img_ids = args[_IMG_IDS] if len(args) > _IMG_IDS else kwargs.get("img_ids")
+    txt_ids = args[_TXT_IDS] if len(args) > _TXT_IDS else kwargs.get("txt_ids")
+    with transformer_scope(model.pos_embed, txt_ids, img_ids):
+        return original(*args, **kwargs)
+
+
+def _transformer_applies(model) -> str | None:
+    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
+
+    if type(getattr(model, "pos_embed", None)) is not FluxPosEmbed:
+        return "pos_embed is not FluxPosEmbed"
+    return None
+
+
+SITES = (
+    Site(
+        name="chroma.dual_block",
+        cls=f"{_TF}:ChromaTransformerBlock",
+        params=("self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "attention_mask",
+                "joint_attention_kwargs"),
+        forward=dual_block_forward,
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
+        applies=_dual_applies,
+        high=False,
+        description="dual block: pruned adaLN-Zero, gate+residual+norm2+modulate, FF gate residual",
+    ),
+    Site(
+        name="chroma.single_block",
+        cls=f"{_TF}:ChromaSingleTransformerBlock",
+        params=("self", "hidden_states", "temb", "image_rotary_emb", "attention_mask", "joint_attention_kwargs"),
+        forward=single_block_forward,
+        ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL),
+        applies=_single_applies,
+        high=False,
+        description="single block: pruned adaLN-Zero-Single, attention copy + GELU into proj_out's input in one "
+                    "kernel, gate residual",
+    ),
+    flux_attention_site("chroma", high=False),
+    Site(
+        name="chroma.norm_out",
+        cls=f"{_TF}:ChromaAdaLayerNormContinuousPruned",
+        params=("self", "x", "emb"),
+        forward=norm_out_forward,
+        ops=(LAYERNORM_MODULATE,),
+        applies=_norm_out_applies,
+        high=False,
+        description="norm_out (ChromaAdaLayerNormContinuousPruned, shift first)",
+    ),
+    Site(
+        name="chroma.transformer",
+        cls=f"{_TF}:ChromaTransformer2DModel",
+        params=_TRANSFORMER_PARAMS,
+        forward=transformer_forward,
+        ops=(),
+        applies=_transformer_applies,
+        high=False,
+        description="the transformer's own forward, unchanged, with its txt_ids/img_ids named as the sources of "
+                    "pos_embed's ids (for the table cache)",
+    ),
+    embedder_site("chroma.pos_embed", f"{_FLUX}:FluxPosEmbed"),
+)
+
+ADAPTER = Adapter(
+    family="chroma",
+    model_classes=("ChromaTransformer2DModel",),
+    diffusers_versions=DIFFUSERS_VERSIONS,
+    sites=SITES,
+)
