@@ -442,6 +442,12 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
             f"unknown model {model!r}: not a built-in preset ({', '.join(PRESETS)}) and not a directory"
         )
     if not (path / "model_index.json").is_file():
+        if (path / "modular_model_index.json").is_file():
+            # FLUX.3 ships as modular pipelines only (diffusers 0.42.1)
+            raise ValueError(
+                f"{path} is a diffusers modular pipeline (modular_model_index.json, e.g. FLUX.3): "
+                "`ditfuse generate` / `serve` load DiffusionPipeline directories only; in Python, "
+                "`ditfuse.accelerate(pipe)` mounts on a loaded ModularPipeline's components")
         raise ValueError(f"{path} is not a diffusers pipeline directory (no model_index.json)")
     cls_name = pipeline_class(path)
     if cls_name in VIDEO_PIPELINES:

@@ -82,6 +82,18 @@ def test_generate_reports_bad_arguments(tiny_cache, tmp_path, args, needle, caps
     assert not (tmp_path / "x.png").exists()
 
 
+def test_generate_names_modular_pipeline_directories(tmp_path, capsys):
+    """A modular pipeline directory (FLUX.3's format) gets its own error, pointing at accelerate()."""
+    from ditfuse.runtime.cli import main
+
+    d = tmp_path / "flux3"
+    d.mkdir()
+    (d / "modular_model_index.json").write_text("{}")
+    rc = main(["generate", "--model", str(d), "--prompt", "x", "--out", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "modular pipeline" in err and "ditfuse.accelerate(pipe)" in err, err
+
+
 def test_help_lists_runtime_commands_without_importing_torch():
     code = (
         "import sys; from ditfuse.runtime.cli import build_parser; build_parser(); "
