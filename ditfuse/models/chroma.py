@@ -33,9 +33,9 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from .adaln import plain_layernorm
 from .base import Adapter, Site
-from .flux import flux_attention_site, single_attn_mlp_cat
+from .flux import flux_attention_site, ids_scope_site, single_attn_mlp_cat
 from .handoff import Opening
-from .pos_cache import embedder_site, transformer_scope
+from .pos_cache import embedder_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_chroma"
@@ -159,32 +159,11 @@ def _norm_out_applies(norm) -> str | None:
     return plain_layernorm(norm.norm)
 
 
-# -- the transformer: names the position ids' sources for the embedder's cache -----------------
-
 _TRANSFORMER_PARAMS = (
     "self", "hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids", "attention_mask",
     "joint_attention_kwargs", "controlnet_block_samples", "controlnet_single_block_samples", "return_dict",
     "controlnet_blocks_repeat",
 )
-_IMG_IDS, _TXT_IDS = _TRANSFORMER_PARAMS.index("img_ids") - 1, _TRANSFORMER_PARAMS.index("txt_ids") - 1
-
-
-def transformer_forward(model, original, *args: Any, _ops: OpSet = LOSSLESS, **kwargs: Any):
-    """diffusers' ChromaTransformer2DModel.forward, unchanged, run with its ``txt_ids`` /
-    ``img_ids`` named as the sources of ``pos_embed``'s ids (``cat((txt_ids, img_ids))``), so the
-    embedder's tables are reused across steps (models/pos_cache.py)."""
-    img_ids = args[_IMG_IDS] if len(args) > _IMG_IDS else kwargs.get("img_ids")
-    txt_ids = args[_TXT_IDS] if len(args) > _TXT_IDS else kwargs.get("txt_ids")
-    with transformer_scope(model.pos_embed, txt_ids, img_ids):
-        return original(*args, **kwargs)
-
-
-def _transformer_applies(model) -> str | None:
-    from diffusers.models.transformers.transformer_flux import FluxPosEmbed
-
-    if type(getattr(model, "pos_embed", None)) is not FluxPosEmbed:
-        return "pos_embed is not FluxPosEmbed"
-    return None
 
 
 SITES = (
@@ -221,17 +200,7 @@ SITES = (
         high=False,
         description="norm_out (ChromaAdaLayerNormContinuousPruned, shift first)",
     ),
-    Site(
-        name="chroma.transformer",
-        cls=f"{_TF}:ChromaTransformer2DModel",
-        params=_TRANSFORMER_PARAMS,
-        forward=transformer_forward,
-        ops=(),
-        applies=_transformer_applies,
-        high=False,
-        description="the transformer's own forward, unchanged, with its txt_ids/img_ids named as the sources of "
-                    "pos_embed's ids (for the table cache)",
-    ),
+    ids_scope_site("chroma", f"{_TF}:ChromaTransformer2DModel", _TRANSFORMER_PARAMS),
     embedder_site("chroma.pos_embed", f"{_FLUX}:FluxPosEmbed"),
 )
 

@@ -276,17 +276,6 @@ _TRANSFORMER_PARAMS = (
     "guidance", "joint_attention_kwargs", "controlnet_block_samples", "controlnet_single_block_samples",
     "return_dict", "controlnet_blocks_repeat",
 )
-_IMG_IDS, _TXT_IDS = _TRANSFORMER_PARAMS.index("img_ids") - 1, _TRANSFORMER_PARAMS.index("txt_ids") - 1
-
-
-def transformer_forward(model, original, *args: Any, _ops: OpSet = LOSSLESS, **kwargs: Any):
-    """diffusers' FluxTransformer2DModel.forward, run with its ``txt_ids`` / ``img_ids`` named as
-    the sources of the ids its ``pos_embed`` gets (``cat((txt_ids, img_ids))``), so the embedder's
-    tables are reused across steps (models/pos_cache.py)."""
-    img_ids = args[_IMG_IDS] if len(args) > _IMG_IDS else kwargs.get("img_ids")
-    txt_ids = args[_TXT_IDS] if len(args) > _TXT_IDS else kwargs.get("txt_ids")
-    with transformer_scope(model.pos_embed, txt_ids, img_ids):
-        return original(*args, **kwargs)
 
 
 def _transformer_applies(model) -> str | None:
@@ -295,6 +284,32 @@ def _transformer_applies(model) -> str | None:
     if type(getattr(model, "pos_embed", None)) is not FluxPosEmbed:
         return "pos_embed is not FluxPosEmbed"
     return None
+
+
+def ids_scope_site(family: str, cls: str, params: tuple[str, ...]) -> Site:
+    """The site on a FLUX.1-style transformer (``cls``, whose ``forward`` has ``params``) that runs
+    diffusers' forward unchanged, with its ``txt_ids`` / ``img_ids`` named as the sources of the ids
+    its FluxPosEmbed gets (``cat((txt_ids, img_ids))``), so the embedder's tables are reused across
+    steps (models/pos_cache.py). FLUX.1 and Chroma."""
+    img_at, txt_at = params.index("img_ids") - 1, params.index("txt_ids") - 1
+
+    def transformer_forward(model, original, *args: Any, _ops: OpSet = LOSSLESS, **kwargs: Any):
+        img_ids = args[img_at] if len(args) > img_at else kwargs.get("img_ids")
+        txt_ids = args[txt_at] if len(args) > txt_at else kwargs.get("txt_ids")
+        with transformer_scope(model.pos_embed, txt_ids, img_ids):
+            return original(*args, **kwargs)
+
+    return Site(
+        name=f"{family}.transformer",
+        cls=cls,
+        params=params,
+        forward=transformer_forward,
+        ops=(),
+        applies=_transformer_applies,
+        high=False,
+        description="the transformer's own forward, unchanged, with its txt_ids/img_ids named as the sources of "
+                    "pos_embed's ids (for the table cache)",
+    )
 
 
 _BLOCK_PARAMS = ("self", "hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb", "joint_attention_kwargs")
@@ -341,17 +356,7 @@ SITES = (
     ),
     flux_attention_site("flux"),
     norm_out_site("flux"),
-    Site(
-        name="flux.transformer",
-        cls=f"{_TF}:FluxTransformer2DModel",
-        params=_TRANSFORMER_PARAMS,
-        forward=transformer_forward,
-        ops=(),
-        applies=_transformer_applies,
-        high=False,
-        description="the transformer's own forward, unchanged, with its txt_ids/img_ids named as the sources of "
-                    "pos_embed's ids (for the table cache)",
-    ),
+    ids_scope_site("flux", f"{_TF}:FluxTransformer2DModel", _TRANSFORMER_PARAMS),
     embedder_site("flux.pos_embed", f"{_TF}:FluxPosEmbed"),
 )
 

@@ -223,7 +223,7 @@ def feed_forward_site(family: str, cls: str, applies) -> Site:
 # -- attention --------------------------------------------------------------------------------
 
 
-def _rms_norms_reason(attn, names: tuple[str, ...]) -> str | None:
+def rms_norms_reason(attn, names: tuple[str, ...]) -> str | None:
     """The QK norms are torch.nn.RMSNorm over the head dim with one eps (the op takes one)."""
     eps = set()
     for name in names:
@@ -244,7 +244,7 @@ def _attn_applies(attn) -> str | None:
     if type(attn.processor) is not _tf().Flux2AttnProcessor:
         return f"processor is {type(attn.processor).__name__}, not Flux2AttnProcessor"
     names = ("norm_q", "norm_k") + (("norm_added_q", "norm_added_k") if attn.added_kv_proj_dim is not None else ())
-    return _rms_norms_reason(attn, names)
+    return rms_norms_reason(attn, names)
 
 
 def attention_forward(
@@ -312,7 +312,7 @@ def _parallel_applies(attn) -> str | None:
         return f"processor is {type(attn.processor).__name__}, not Flux2ParallelSelfAttnProcessor"
     if attn.mlp_mult_factor != 2:
         return f"mlp_mult_factor is {attn.mlp_mult_factor}, not 2 (SwiGLU halves)"
-    return _rms_norms_reason(attn, ("norm_q", "norm_k")) or swiglu_reason(attn.mlp_act_fn)
+    return rms_norms_reason(attn, ("norm_q", "norm_k")) or swiglu_reason(attn.mlp_act_fn)
 
 
 def parallel_attention_forward(

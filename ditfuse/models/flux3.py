@@ -39,7 +39,7 @@ from ..kernels.norm import LAYERNORM_MODULATE
 from ..kernels.rope import QK_FP32_RMSNORM_ROPE
 from .adaln import plain_layernorm
 from .base import Adapter, Site
-from .flux2 import feed_forward_site, swiglu_reason
+from .flux2 import feed_forward_site, rms_norms_reason, swiglu_reason
 from .pos_cache import embedder_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -108,22 +108,15 @@ def _ff_applies(ff) -> str | None:
 def _attn_applies(attn) -> str | None:
     if type(attn.processor) is not _tf().Flux3AttnProcessor:
         return f"processor is {type(attn.processor).__name__}, not Flux3AttnProcessor"
-    eps = set()
+    reason = rms_norms_reason(attn, ("norm_q", "norm_k"))
+    if reason:
+        return reason
     for name in ("norm_q", "norm_k"):
-        n = getattr(attn, name)
-        if type(n) is not torch.nn.RMSNorm:
-            return f"{name} is {type(n).__name__}, not torch.nn.RMSNorm"
-        if n.eps is None:
-            return f"{name} has eps=None (torch's dtype-dependent default)"
-        if tuple(n.normalized_shape) != (attn.head_dim,):
-            return f"{name} normalises {tuple(n.normalized_shape)}, not the head dim"
-        if n.weight is not None and n.weight.dtype != torch.float32:
-            return (f"{name}.weight is {str(n.weight.dtype).replace('torch.', '')}, not fp32: torch then normalises "
+        w = getattr(attn, name).weight
+        if w is not None and w.dtype != torch.float32:
+            return (f"{name}.weight is {str(w.dtype).replace('torch.', '')}, not fp32: torch then normalises "
                     "the fp32 query through its composite RMSNorm (another chain). from_pretrained(torch_dtype=...) "
                     "keeps the QK norms in fp32, as the model declares")
-        eps.add(n.eps)
-    if len(eps) > 1:
-        return f"the QK norms have different eps {sorted(eps)}"
     return None
 
 

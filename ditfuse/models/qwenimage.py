@@ -16,8 +16,8 @@ mask, ``dispatch_attention_fn``
 diffusers'. Another processor, an external ``attention_mask`` or extra attention kwargs run
 diffusers' forward. The Edit models' per-token modulation (``zero_cond_t`` /
 ``modulate_index``: each image token takes the timestep's or t = 0's modulation row) selects the
-rows as diffusers does and feeds the same ops [B, L, D] tensors, without the cross-block handoff
-(round 17; CPU-tested only). Every op is bit-exact and gated at first sight; no
+rows as diffusers does and feeds the same ops [B, L, D] tensors, handoff included (round 17;
+CPU-tested only). Every op is bit-exact and gated at first sight; no
 quality="high" tier (admission was not measured on Qwen-Image activations).
 """
 
@@ -145,15 +145,6 @@ def attention_forward(
 # -- blocks -----------------------------------------------------------------------------------
 
 
-def _opening(block, stream: str, temb: torch.Tensor) -> Opening:
-    """``{stream}_mod(temb)`` -> ``chunk(2)`` -> each ``chunk(3)`` = shift, scale, gate; the
-    opening is ``{stream}_norm1`` + the first modulation, the other four chunks ride along."""
-    mod1, mod2 = getattr(block, f"{stream}_mod")(temb).chunk(2, dim=-1)
-    shift1, scale1, gate1 = mod1.chunk(3, dim=-1)
-    shift2, scale2, gate2 = mod2.chunk(3, dim=-1)
-    return Opening(scale1, shift1, getattr(block, f"{stream}_norm1").eps, (gate1, shift2, scale2, gate2))
-
-
 def _select(mod: torch.Tensor, index: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``QwenImageTransformerBlock._modulate``'s (shift, scale, gate): the [B, D] chunks of ``mod``
     without ``index``; with it (the Edit models' ``zero_cond_t``: ``mod`` holds 2B rows, the
@@ -167,45 +158,20 @@ def _select(mod: torch.Tensor, index: torch.Tensor | None) -> tuple[torch.Tensor
     return tuple(torch.where(idx == 0, t[:b].unsqueeze(1), t[b:].unsqueeze(1)) for t in (shift, scale, gate))
 
 
-def _per_token_forward(block, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                       image_rotary_emb, joint_attention_kwargs, modulate_index, _ops: OpSet):
-    """QwenImageTransformerBlock.forward with per-token modulation (``modulate_index``, the Edit
-    models' ``zero_cond_t``): the image stream's shift / scale / gate selected per token as
-    diffusers does, then the same fused ops as the per-sample path read them as [B, L, D] tensors
-    (no cross-block handoff here)."""
-    img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
-    if block.zero_cond_t:
+def _opening(block, stream: str, temb: torch.Tensor, modulate_index: torch.Tensor | None = None) -> Opening:
+    """``{stream}_mod(temb)`` -> ``chunk(2)`` -> each ``_modulate``'s shift, scale, gate
+    (:func:`_select`: per token for the image stream of a ``zero_cond_t`` block, whose text stream
+    takes the first half of ``temb``); the opening is ``{stream}_norm1`` + the first modulation, the
+    other four chunks ride along."""
+    index = None
+    if stream == "img":
+        index = modulate_index
+    elif block.zero_cond_t:
         temb = torch.chunk(temb, 2, dim=0)[0]
-    txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
-    img_shift1, img_scale1, img_gate1 = _select(img_mod1, modulate_index)
-    txt_shift1, txt_scale1, txt_gate1 = _select(txt_mod1, None)
-    img_modulated = _ops.layernorm_modulate(hidden_states, img_scale1, img_shift1, block.img_norm1.eps)
-    txt_modulated = _ops.layernorm_modulate(encoder_hidden_states, txt_scale1, txt_shift1, block.txt_norm1.eps)
-
-    joint_attention_kwargs = joint_attention_kwargs or {}
-    img_attn_output, txt_attn_output = block.attn(
-        hidden_states=img_modulated,
-        encoder_hidden_states=txt_modulated,
-        encoder_hidden_states_mask=encoder_hidden_states_mask,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
-
-    img_shift2, img_scale2, img_gate2 = _select(img_mod2, modulate_index)
-    txt_shift2, txt_scale2, txt_gate2 = _select(txt_mod2, None)
-    hidden_states, img_modulated2 = _ops.gate_residual_layernorm_modulate(
-        hidden_states, img_gate1, img_attn_output, img_scale2, img_shift2, block.img_norm2.eps
-    )
-    encoder_hidden_states, txt_modulated2 = _ops.gate_residual_layernorm_modulate(
-        encoder_hidden_states, txt_gate1, txt_attn_output, txt_scale2, txt_shift2, block.txt_norm2.eps
-    )
-    hidden_states = _ops.gate_residual(hidden_states, img_gate2, block.img_mlp(img_modulated2))
-    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, txt_gate2, block.txt_mlp(txt_modulated2))
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
-    if hidden_states.dtype == torch.float16:
-        hidden_states = hidden_states.clip(-65504, 65504)
-    return encoder_hidden_states, hidden_states
+    mod1, mod2 = getattr(block, f"{stream}_mod")(temb).chunk(2, dim=-1)
+    shift1, scale1, gate1 = _select(mod1, index)
+    shift2, scale2, gate2 = _select(mod2, index)
+    return Opening(scale1, shift1, getattr(block, f"{stream}_norm1").eps, (gate1, shift2, scale2, gate2))
 
 
 def block_forward(
@@ -224,18 +190,19 @@ def block_forward(
 ):
     """QwenImageTransformerBlock: LN + modulate, joint attention, gate + residual + norm2 +
     modulate, FeedForward, FF gate residual — image and text stream. The FF gated residuals also
-    compute the next block's LN + modulate when it follows directly (:mod:`ditfuse.models.handoff`)."""
-    if modulate_index is not None or block.zero_cond_t:
-        if modulate_index is None:  # diffusers would broadcast 2B modulation rows over B samples
-            return original(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                            encoder_hidden_states_mask=encoder_hidden_states_mask, temb=temb,
-                            image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs,
-                            modulate_index=modulate_index)
-        return _per_token_forward(block, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, temb,
-                                  image_rotary_emb, joint_attention_kwargs, modulate_index, _ops)
-    opened = _link.take(block, (hidden_states, encoder_hidden_states, temb), _ops)
+    compute the next block's LN + modulate when it follows directly (:mod:`ditfuse.models.handoff`).
+    The Edit models' per-token modulation (``modulate_index``) runs the same ops on [B, L, D]
+    chunks (:func:`_opening`)."""
+    if block.zero_cond_t and modulate_index is None:  # diffusers would broadcast 2B rows over B samples
+        return original(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                        encoder_hidden_states_mask=encoder_hidden_states_mask, temb=temb,
+                        image_rotary_emb=image_rotary_emb, joint_attention_kwargs=joint_attention_kwargs,
+                        modulate_index=modulate_index)
+    # the index selects every block's rows: a payload is only for a call with the same one
+    keys = (hidden_states, encoder_hidden_states, temb) + (() if modulate_index is None else (modulate_index,))
+    opened = _link.take(block, keys, _ops)
     if opened is None:
-        opened = (_opening(block, "img", temb).run(hidden_states, _ops),
+        opened = (_opening(block, "img", temb, modulate_index).run(hidden_states, _ops),
                   _opening(block, "txt", temb).run(encoder_hidden_states, _ops))
     img_modulated, img_gate1, img_shift2, img_scale2, img_gate2 = opened[0]
     txt_modulated, txt_gate1, txt_shift2, txt_scale2, txt_gate2 = opened[1]
@@ -257,7 +224,7 @@ def block_forward(
     )
     nxt = _link.next_block() if hidden_states.dtype != torch.float16 else None  # fp16 clips after the residuals
     hidden_states, img_next = close_block(_ops, hidden_states, img_gate2, block.img_mlp(img_modulated2),
-                                          None if nxt is None else _opening(nxt, "img", temb))
+                                          None if nxt is None else _opening(nxt, "img", temb, modulate_index))
     encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, txt_gate2,
                                                   block.txt_mlp(txt_modulated2),
                                                   None if nxt is None else _opening(nxt, "txt", temb))
@@ -266,7 +233,8 @@ def block_forward(
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-    _link.give((hidden_states, encoder_hidden_states, temb), None if nxt is None else (img_next, txt_next), _ops)
+    keys = (hidden_states, encoder_hidden_states, temb) + (() if modulate_index is None else (modulate_index,))
+    _link.give(keys, None if nxt is None else (img_next, txt_next), _ops)
     return encoder_hidden_states, hidden_states
 
 
