@@ -35,11 +35,12 @@ def layernorm_modulate_fp64(
     x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``LN(x) * (1 + scale) + shift`` (or the affine LN alone) in fp64."""
+    """``LN(x) * (1 + scale) + shift`` (``shift`` None: no shift; or the affine LN alone) in fp64."""
     y = layer_norm_fp64(x, eps, weight, bias)
     if scale is None:
         return y
-    return y * (1 + _per_token(_d(scale), x.dim())) + _per_token(_d(shift), x.dim())
+    y = y * (1 + _per_token(_d(scale), x.dim()))
+    return y if shift is None else y + _per_token(_d(shift), x.dim())
 
 
 def _residual_fp64(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor) -> torch.Tensor:

@@ -54,10 +54,12 @@ def layer_norm(
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-def modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+def modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor | None) -> torch.Tensor:
     """adaLN modulate ``r(r(n * r(1 + scale)) + shift)``; ``1 + scale`` keeps scale's dtype, the
-    product and the sum are promoted (bf16 * fp32 -> fp32)."""
-    return n * (1 + _per_token(scale, n.dim())) + _per_token(shift, n.dim())
+    product and the sum are promoted (bf16 * fp32 -> fp32). ``shift=None``: ``r(n * r(1 + scale))``
+    (Qwen-Image 2.1's ``norm(x) * (1 + scale)``)."""
+    m = n * (1 + _per_token(scale, n.dim()))
+    return m if shift is None else m + _per_token(shift, n.dim())
 
 
 def layernorm_modulate(
@@ -69,7 +71,7 @@ def layernorm_modulate(
     bias: torch.Tensor | None = None,
     norm_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``.
+    """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)`` (``shift=None``: ``r(r(LN(x)) * r(1 + scale))``).
 
     FLUX.1 (AdaLayerNormZero / ...Single / norm2 + modulate / AdaLayerNormContinuous, whose
     ``chunk`` yields scale first: pass the chunks by name): all bf16, ``norm_dtype=None``.
@@ -77,8 +79,8 @@ def layernorm_modulate(
     the result is cast back to x's dtype. ``scale=shift=None``: the LayerNorm alone (Wan's affine
     ``norm2``: ``weight``/``bias``).
     """
-    if (scale is None) != (shift is None):
-        raise ValueError("scale and shift are given together")
+    if scale is None and shift is not None:
+        raise ValueError("shift given without scale")
     n = layer_norm(x, eps, weight, bias, norm_dtype)
     if scale is not None:
         n = modulate(n, scale, shift)

@@ -70,6 +70,47 @@ PATHS = {"warp": dict(warp=True), "held": dict(warp=False), "loop": dict(unroll=
 
 
 @pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("mod", ["per_sample", "per_token", "fp32_scale"])
+@pytest.mark.parametrize("gated", [False, True], ids=["plain", "gated"])
+def test_scale_only_modulate(gated, mod, dtype, path):
+    """Qwen-Image 2.1's shift-free chain ``r(r(LN(x)) * r(1 + scale))`` (and after the gated
+    residual), on every way over a row: the simulation's bits, and no shift read (a NaN-filled
+    tensor passed nowhere); the output dtype is promote(x, scale), as eager's product is."""
+    B, S, D = 2, 3, 1024
+    x = _x((B, S, D), dtype, 70)
+    mdt = F32 if mod == "fp32_scale" else dtype
+    sc = _x((B, S, D) if mod == "per_token" else (B, 1, D), mdt, 71, 0.5, 0.0)
+    if gated:
+        g, u = _x((B, 1, D), dtype, 72, 0.5, 0.0), _x((B, S, D), dtype, 73)
+        h, got = lnm._launch(x, g, u, sc, None, EPS, None, None, None, True, **PATHS[path])
+        h_exp = ref.gate_residual(x, g, u)
+        _eq(h, h_exp, "h")
+        exp = sim.layernorm_modulate(h_exp, sc, None, EPS)
+    else:
+        got = lnm._launch(x, None, None, sc, None, EPS, None, None, None, True, **PATHS[path])[1]
+        exp = sim.layernorm_modulate(x, sc, None, EPS)
+    assert got.dtype == exp.dtype == torch.promote_types(dtype, mdt)
+    _eq(got, exp)
+    # A zero shift is no stand-in: equal in value, but ``-0 + 0`` is ``+0``, so wherever the product
+    # is -0 the bits differ (why the kernel has a shift-free mode rather than a zeros tensor).
+    with_zero = sim.layernorm_modulate(x if not gated else h_exp, sc, torch.zeros_like(sc), EPS)
+    assert torch.equal(got, with_zero)
+    neg_zero = (got == 0) & torch.signbit(got)
+    assert not torch.signbit(with_zero[neg_zero]).any()
+
+
+def test_scale_only_public_api_and_close_variant():
+    x = _x((1, 5, 136), torch.bfloat16, 80)
+    sc = _x((1, 136), torch.bfloat16, 81, 0.5, 0.0)
+    assert can_use_layernorm_modulate(x, sc, None, EPS)
+    _eq(layernorm_modulate(x, sc, None, EPS), sim.layernorm_modulate(x, sc, None, EPS))
+    close = layernorm_modulate_fp32(x, sc, None, EPS)
+    torch.testing.assert_close(close.float(), ref.layernorm_modulate(x, sc, None, EPS).float(),
+                               rtol=_tol(torch.bfloat16), atol=_tol(torch.bfloat16))
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("R", [1, 2, 4])
 @pytest.mark.parametrize("B,S", [(1, 5), (2, 3), (1, 4)], ids=["M5", "M6", "M4"])
 @pytest.mark.parametrize("D", [12, 132, 520, 1024])
@@ -323,7 +364,7 @@ def test_welford_tree_sim_is_not_a_plain_mean():
 
 @pytest.mark.parametrize(
     "case",
-    ["odd_width", "width_6", "misaligned", "ndim2", "mod_shape", "fp64", "eps_str", "scale_only",
+    ["odd_width", "width_6", "misaligned", "ndim2", "mod_shape", "fp64", "eps_str", "shift_only",
      "weight_dtype", "norm_dtype_fp16"],
 )
 def test_predicate_rejects_and_kernel_raises(case):
@@ -349,8 +390,8 @@ def test_predicate_rejects_and_kernel_raises(case):
         x, sc, sh = x.double(), sc.double(), sh.double()
     elif case == "eps_str":
         eps = "1e-6"
-    elif case == "scale_only":
-        sh = None
+    elif case == "shift_only":  # a shift needs its scale (no eager chain adds a shift alone)
+        sc = None
     elif case == "weight_dtype":  # F.layer_norm's mixed-dtype path
         kw = dict(weight=torch.ones(D))
     elif case == "norm_dtype_fp16":

@@ -22,7 +22,7 @@ _LN_KEY = (K("scale", rank=True), K("shift", rank=True), K("eps", value=True), K
 LAYERNORM_MODULATE = OpDescriptor(
     op="norm.layernorm_modulate",
     contract=Contract.BIT_EXACT,
-    replaces="r(r(r(LN(x)) * r(1 + scale)) + shift)",
+    replaces="r(r(r(LN(x)) * r(1 + scale)) + shift)  (shift optional)",
     summary="LayerNorm (torch's vectorized Welford order; affine or not; in the model dtype or fp32) "
             "+ adaLN modulate in one pass",
     reference=f"{_REF}:layernorm_modulate",

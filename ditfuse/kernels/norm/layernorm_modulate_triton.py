@@ -4,6 +4,8 @@
 
     n   = r_ln(LN(x) [* w + b])                       LN in torch's order, one rounding
     out = r_out(r_s(r_m(n * r_sc(1 + scale)) + shift))     (when scale/shift are given)
+    out = r_out(r_m(n * r_sc(1 + scale)))                  (scale alone: Qwen-Image 2.1's
+                                                            shift-free ``norm(x) * (1 + scale)``)
 
 ``gate_residual_layernorm_modulate(residual, gate, update, scale, shift, eps, ...)``::
 
@@ -142,11 +144,16 @@ def _epilogue(n, w, bb, sc, sh, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULA
         n = n + bb
     if EXACT:
         n = rround(n, LN_DT)
-    if MODULATE:
+    if MODULATE == 1:
         if EXACT:
             n = rround(rround(n * rround(1.0 + sc, SC_DT), M_DT) + sh, S_DT)
         else:
             n = n * (1.0 + sc) + sh
+    elif MODULATE == 2:  # scale without shift
+        if EXACT:
+            n = rround(n * rround(1.0 + sc, SC_DT), M_DT)
+        else:
+            n = n * (1.0 + sc)
     return n
 
 
@@ -162,7 +169,7 @@ def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, 
     w = _vec_tile(w_ptr, wsd, vec, k4, valid_t) if HAS_W else 0.0
     bb = _vec_tile(bias_ptr, bsd, vec, k4, valid_t) if HAS_B else 0.0
     sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid) if MODULATE else 0.0
-    sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid) if MODULATE else 0.0
+    sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid) if MODULATE == 1 else 0.0
     n = _epilogue(n, w, bb, sc, sh, HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, AFFINE_FMA)
     dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
     tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=valid)
@@ -376,7 +383,7 @@ def _ln_warp_kernel(
             wt = _wvec(w_ptr, wsd, vec, k4) if HAS_W else 0.0
             bt = _wvec(bias_ptr, bsd, vec, k4) if HAS_B else 0.0
             sc = _wtile(sc_ptr, b, s, scsb, scss, scsd, vec, k4) if MODULATE else 0.0
-            sh = _wtile(sh_ptr, b, s, shsb, shss, shsd, vec, k4) if MODULATE else 0.0
+            sh = _wtile(sh_ptr, b, s, shsb, shss, shsd, vec, k4) if MODULATE == 1 else 0.0
             n = _epilogue(n, wt, bt, sc, sh, HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, AFFINE_FMA)
             dst = out_row[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :])
             tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=keep)
@@ -432,7 +439,7 @@ def _unsupported_reason(
     - x (the residual) not a 3-D [B, S, D] tensor of bf16 / fp16 / fp32; ``norm_dtype`` other
       than None / fp32 / x's dtype;
     - scale / shift / gate not [B, D], [B, 1, D] or [B, S, D], not bf16/fp16/fp32, on another
-      device; scale without shift or the reverse; update not x's shape and device;
+      device; shift without scale; update not x's shape and device;
     - weight / bias not [D], or (without ``norm_dtype``) of another dtype than x: F.layer_norm's
       mixed-dtype path;
     - not on CUDA (on CPU only under TRITON_INTERPRET=1, for tests): the contract is CUDA eager;
@@ -453,9 +460,11 @@ def _unsupported_reason(
         return f"dtype {x.dtype} not supported (bf16, fp16, fp32)"
     if norm_dtype not in (None, torch.float32, x.dtype):
         return f"norm_dtype {norm_dtype} is neither None, float32 nor the input dtype"
-    if (scale is None) != (shift is None):
-        return "scale and shift must be given together"
-    mods = [("scale", scale), ("shift", shift)] if scale is not None else []
+    if scale is None and shift is not None:
+        return "shift given without scale"
+    mods = [("scale", scale)] if scale is not None else []
+    if shift is not None:
+        mods.append(("shift", shift))
     if update is not None and gate is not None:
         mods.append(("gate", gate))
     for name, t in mods:
@@ -527,7 +536,7 @@ def _rounding_plan(x_dt, gate_dt, update_dt, scale_dt, shift_dt, norm_dtype):
     if scale_dt is not None:
         sc_dt = scale_dt
         m_dt = promote(ln_dt, sc_dt)
-        s_dt = promote(m_dt, shift_dt)
+        s_dt = promote(m_dt, shift_dt) if shift_dt is not None else m_dt
     else:
         sc_dt = m_dt = s_dt = ln_dt
     out_dt = h_dt if norm_dtype is not None else s_dt
@@ -567,7 +576,7 @@ def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
                weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
                *_mod_strides(scale), *_mod_strides(shift))
-    flags = dict(RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=scale is not None,
+    flags = dict(RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=0 if scale is None else (1 if shift is not None else 2),
                  EXACT=exact, **consts, AFFINE_FMA=affine_fma, enable_fp_fusion=False)
     R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES,
                   max_steps=WARP_MAX_STEPS if res != _NO_RES else LN_WARP_MAX_STEPS)
@@ -640,7 +649,9 @@ def _layernorm_modulate_op(
 def _out_dtype(x, scale, shift, norm_dtype):
     if norm_dtype is not None:
         return x.dtype
-    return x.dtype if scale is None else promote(x.dtype, scale.dtype, shift.dtype)
+    if scale is None:
+        return x.dtype
+    return promote(x.dtype, scale.dtype) if shift is None else promote(x.dtype, scale.dtype, shift.dtype)
 
 
 @_layernorm_modulate_op.register_fake
@@ -716,7 +727,8 @@ def layernorm_modulate(
     """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)`` (module docstring for the rounding dtypes),
     bit-exact vs torch 2.11 CUDA eager ``ditfuse.kernels.reference.layernorm_modulate``.
 
-    x: [B, S, D]; scale, shift: [B, D], [B, 1, D] or [B, S, D] (or both None: LayerNorm alone);
+    x: [B, S, D]; scale, shift: [B, D], [B, 1, D] or [B, S, D] (both None: LayerNorm alone;
+    shift None: ``r(r(LN(x)) * r(1 + scale))``, the shift-free modulate);
     weight, bias: [D] or None; ``norm_dtype=torch.float32`` for FP32LayerNorm + ``.type_as``.
     For AdaLayerNormContinuous pass its first chunk as ``scale``. Raises UnsupportedInput where
     :func:`can_use_layernorm_modulate` is False.
