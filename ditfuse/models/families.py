@@ -89,6 +89,7 @@ _FAMILIES = {
     "flux2": "ditfuse.models.flux2_configs:FAMILY", "sd3": "ditfuse.models.sd3_configs:FAMILY",
     "qwenimage": "ditfuse.models.qwenimage_configs:FAMILY", "zimage": "ditfuse.models.zimage_configs:FAMILY",
     "flux3": "ditfuse.models.flux3_configs:FAMILY", "chroma": "ditfuse.models.chroma_configs:FAMILY",
+    "qwenimage21": "ditfuse.models.qwenimage21_configs:FAMILY",
 }
 
 

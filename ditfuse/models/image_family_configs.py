@@ -54,6 +54,13 @@ TINY: dict[str, dict[str, Any]] = {
         num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6), approximator_num_channels=16,
         approximator_hidden_dim=32, approximator_layers=1,
     ),
+    # Qwen-Image 2.1: 3 single-stream blocks (two hand-offs), head_dim 16 = RoPE axes 4 + 6 + 6,
+    # SwiGLU 3x, 16 packed latent channels, VLM text states of width 24.
+    "qwenimage21": dict(
+        patch_size=1, in_channels=16, out_channels=16, num_layers=3, attention_head_dim=16,
+        num_attention_heads=2, context_in_dim=24, mlp_ratio=3, axes_dims_rope=(4, 6, 6),
+        causal_condition=True,
+    ),
     # 1 noise refiner (modulated), 1 context refiner (unmodulated), 2 main blocks; dim 32 ->
     # FFN hidden int(32 / 3 * 8) = 85 (odd); head_dim 16 = 4 + 6 + 6.
     "zimage": dict(
@@ -115,6 +122,14 @@ REAL: dict[str, dict[str, Any]] = {
         num_attention_heads=24, joint_attention_dim=20480, timestep_channels=256, mlp_ratio=3.0,
         axes_dims_rope=(32, 32, 32, 32), rope_theta=10000, eps=1e-6,
     ),
+    # Qwen-Image 2.1 as diffusers 0.42.1's QwenImage21Transformer2DModel defaults declare it: 32
+    # single-stream blocks, width 32 x 128 = 4096, SwiGLU 3x (12288), 64 packed latent channels,
+    # VLM text states of width 4096, causal_condition (t = 0 modulation for the prefix, KV cache).
+    "qwenimage21": dict(
+        patch_size=1, in_channels=64, out_channels=64, num_layers=32, attention_head_dim=128,
+        num_attention_heads=32, context_in_dim=4096, mlp_ratio=3, axes_dims_rope=(16, 56, 56),
+        causal_condition=True,
+    ),
     # Tongyi-MAI/Z-Image(-Turbo), 6B: 30 main + 2 noise-refiner + 2 context-refiner blocks,
     # width 30 x 128 = 3840, SwiGLU FFN 10240.
     "zimage": dict(
@@ -129,7 +144,7 @@ REAL: dict[str, dict[str, Any]] = {
 # (Z-Image pads it to a multiple of 32); 512 is the pipelines' max_sequence_length. SD3 is always
 # 77 (CLIP) + 256 (T5) = 333. FLUX.2 pads to max_sequence_length = 512.
 TEXT_TOKENS = {"qwenimage": 512, "sd35_large": 333, "sd35_medium": 333, "sd3_medium": 333,
-               "flux2": 512, "flux3": 512, "chroma": 512, "zimage": 512}
+               "flux2": 512, "flux3": 512, "chroma": 512, "zimage": 512, "qwenimage21": 512}
 
 CLASS_NAMES = {
     "qwenimage": "QwenImageTransformer2DModel",
@@ -140,6 +155,7 @@ CLASS_NAMES = {
     "flux3": "Flux3Transformer2DModel",
     "chroma": "ChromaTransformer2DModel",
     "zimage": "ZImageTransformer2DModel",
+    "qwenimage21": "QwenImage21Transformer2DModel",
 }
 
 
@@ -177,7 +193,9 @@ def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int
     channels); Qwen-Image packs 2x2 patches (64 channels), SD3 / Z-Image patchify 2x2 inside the
     transformer; FLUX.2's VAE downsamples 8x to 32 channels and the pipeline packs 2x2 (128), as
     FLUX.3's inputs here do. All give (height/16) x (width/16) image tokens (4096 at 1024x1024).
-    ``cond_tokens``: FLUX.3's reference-image tokens (image-to-image), none by default.
+    ``cond_tokens``: FLUX.3's reference-image tokens (image-to-image), none by default; for
+    Qwen-Image 2.1 the side of a square condition image in latent tokens (an edit step: its tokens
+    first in ``hidden_states``, its VLM slots inside the text, as the pipeline lays them out).
     """
     import torch
 
@@ -266,6 +284,22 @@ def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int
             img_ids=img_ids.to(device),
             txt_ids=torch.zeros(txt, 3, device=device),
             attention_mask=mask.to(device),
+            return_dict=False,
+        )
+    if family == "qwenimage21":
+        # The pipeline's layout: the VLM sequence (text slots False, image slots True, one slot per
+        # 2x2 latent tokens) with the target image's slots appended; ``encoder_hidden_states``
+        # holds the VLM states of every slot but the target's.
+        c = cond_tokens
+        t1 = max(1, txt // 3) if c else txt
+        slots = [False] * t1 + [True] * (c * c // 4) + [False] * (txt - t1 if c else 0) + [True] * (h * w // 4)
+        shapes = ([(1, c, c)] if c else []) + [(1, h, w)]
+        return dict(
+            hidden_states=rnd(batch, c * c + h * w, cfg.in_channels),
+            encoder_hidden_states=rnd(batch, len(slots) - h * w // 4, cfg.context_in_dim),
+            timestep=torch.full((batch,), 0.7, device=device, dtype=dtype),
+            img_shapes=[shapes] * batch,
+            img_mask=torch.tensor([slots] * batch, device=device),
             return_dict=False,
         )
     if family == "zimage":

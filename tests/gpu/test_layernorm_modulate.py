@@ -338,3 +338,35 @@ def test_warp_held_rows_and_runtime_loop_agree_with_eager(D):
     refused = {k: v for k, v in cw._VERDICTS.items() if v}
     assert not refused, f"the layout guard refused warp-per-row binaries: {refused}"
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["ln_mod", "gate_res_ln_mod"])
+@pytest.mark.parametrize("D", [4096, 3072, 2240, 5120])
+def test_shift_free_modulate(D, gated, row_kernel):
+    """Qwen-Image 2.1's ``norm(x) * (1 + scale)`` (no shift; after the tanh-gated residual for
+    norm2), per-sample [B, 1, D] rows and per-token [B, S, D] rows as its causal_condition selects
+    them, bf16 and fp16; at 4096 (its width) and the other widths, both row kernels."""
+    if row_kernel == "warp" and D % 512:
+        pytest.skip("no whole-step rows: same kernel as block")
+    gen = torch.Generator(device="cuda").manual_seed(D + 11 * int(gated))
+    failures = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for S in (1, 17, 4096, 4608):
+            for B in (1, 2):
+                for per_token in (False, True):
+                    scale = _rand((B, S, D) if per_token else (B, 1, D), dtype, gen, 0.5)
+                    label = f"shift-free D={D} S={S} B={B} per_token={per_token} {dtype}"
+                    if gated:
+                        res = _rand((B, S, D), dtype, gen, 4.0, 1.0)
+                        upd = _rand((B, S, D), dtype, gen, 2.0)
+                        gate = _rand(scale.shape, dtype, gen).tanh()
+                        got = gate_residual_layernorm_modulate(res, gate, upd, scale, None, EPS)
+                        exp = ref.gate_residual_layernorm_modulate(res, gate, upd, scale, None, EPS)
+                    else:
+                        x = _rand((B, S, D), dtype, gen, 3.0, 2.0)
+                        got = layernorm_modulate(x, scale, None, EPS)
+                        exp = ref.layernorm_modulate(x, scale, None, EPS)
+                    mm = compare_outputs(got, exp, label)
+                    if mm is not None:
+                        failures.append(str(mm))
+    assert not failures, "\n".join(failures)
