@@ -90,6 +90,7 @@ _FAMILIES = {
     "qwenimage": "ditfuse.models.qwenimage_configs:FAMILY", "zimage": "ditfuse.models.zimage_configs:FAMILY",
     "flux3": "ditfuse.models.flux3_configs:FAMILY", "chroma": "ditfuse.models.chroma_configs:FAMILY",
     "qwenimage21": "ditfuse.models.qwenimage21_configs:FAMILY",
+    "hunyuanvideo15": "ditfuse.models.hunyuanvideo15_configs:FAMILY",
 }
 
 
