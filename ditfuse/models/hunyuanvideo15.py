@@ -9,6 +9,10 @@ gate_mlp * ff``. So the block's fast forward is FLUX.1's chain on FLUX.1's ops
 block boundary the next block's opening: models/handoff.py), and ``norm_out`` is the shared
 ``AdaLayerNormContinuous`` site.
 
+The attention site runs the processor's code with one change: its [B, 1, S, S] joint mask (S =
+video + text tokens; 212 MB per sample at 480p x 33 frames) is the same for every block of a
+forward, so it is built once (models/per_forward.py) instead of 54 times.
+
 Not fused (notes/families.md §13): the attention's QK chain — diffusers' ``RMSNorm`` (two
 roundings) on q / k of both streams, FLUX's real interleaved RoPE on the video stream only, an
 image-first concat — is a combination no op reproduces yet (FLUX.1's op normalises with
@@ -22,13 +26,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from .adaln import ada_zero, ada_zero_applies, ada_zero_opening, norm_out_site, plain_layernorm
-from .base import Adapter, Site
+from .base import Adapter, Site, attention_site
 from .handoff import NO_LINK, Link, close_block
+from .per_forward import IdentityCache
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_hunyuan_video15"
@@ -79,6 +85,82 @@ def block_forward(
     return hidden_states, encoder_hidden_states
 
 
+# -- attention: the processor's code, its [B, 1, S, S] mask built once per forward ---------------
+
+_MASKS = IdentityCache()
+
+
+def joint_mask(attention_mask: torch.Tensor, batch_size: int, seq_len: int) -> torch.Tensor:
+    """The processor's mask: the padding mask left-padded with True to ``seq_len`` (the video
+    tokens), then ``m[i] & m[j]`` for every pair, [B, 1, S, S] bool."""
+    m = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+    m1 = m.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+    return (m1 & m1.transpose(2, 3)).bool()
+
+
+def attention_forward(attn, original, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None, *, _ops: OpSet = LOSSLESS, **kwargs: Any):
+    """Attention + HunyuanVideo15AttnProcessor2_0, line for line, except that the joint mask —
+    the same for every block of a forward, from the same padding-mask tensor — is taken from
+    :data:`_MASKS` after the first block built it (models/per_forward.py). The QK chain is
+    diffusers' (module docstring)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+    from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    processor = attn.processor
+    if (type(processor) is not HunyuanVideo15AttnProcessor2_0 or attention_mask is None
+            or not {"image_rotary_emb"}.issuperset(kwargs)):
+        return original(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+    image_rotary_emb = kwargs.get("image_rotary_emb")
+    query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
+    key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
+    value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+    if image_rotary_emb is not None:
+        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+    if encoder_hidden_states is not None:
+        encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+        encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+        encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+        if attn.norm_added_q is not None:
+            encoder_query = attn.norm_added_q(encoder_query)
+        if attn.norm_added_k is not None:
+            encoder_key = attn.norm_added_k(encoder_key)
+        query = torch.cat([query, encoder_query], dim=1)
+        key = torch.cat([key, encoder_key], dim=1)
+        value = torch.cat([value, encoder_value], dim=1)
+    batch_size, seq_len, heads, dim = query.shape
+    mask = _MASKS.get((attention_mask,), (batch_size, seq_len),
+                      lambda: joint_mask(attention_mask, batch_size, seq_len))
+    hidden_states = dispatch_attention_fn(
+        query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+        backend=processor._attention_backend, parallel_config=processor._parallel_config,
+    )
+    hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+    if encoder_hidden_states is not None:
+        hidden_states, encoder_hidden_states = (
+            hidden_states[:, : -encoder_hidden_states.shape[1]],
+            hidden_states[:, -encoder_hidden_states.shape[1]:],
+        )
+        if getattr(attn, "to_out", None) is not None:
+            hidden_states = attn.to_out[0](hidden_states)
+            hidden_states = attn.to_out[1](hidden_states)
+        if getattr(attn, "to_add_out", None) is not None:
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    return hidden_states, encoder_hidden_states
+
+
+def _attn_applies(attn) -> str | None:
+    from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
+
+    if type(attn.processor) is not HunyuanVideo15AttnProcessor2_0:
+        return f"processor is {type(attn.processor).__name__}, not HunyuanVideo15AttnProcessor2_0"
+    return None
+
+
 def _block_applies(block) -> str | None:
     for name in ("norm1", "norm1_context"):
         r = ada_zero_applies(getattr(block, name))
@@ -104,6 +186,11 @@ SITES = (
         description="dual-stream block: adaLN-Zero LN + modulate, gate + residual + norm2 + modulate, FF gate "
                     "residual (+ the next block's adaLN-Zero), both streams",
         chained=True,
+    ),
+    attention_site(
+        "hunyuanvideo15.attention", attention_forward, (), _attn_applies,
+        "attention (HunyuanVideo15AttnProcessor2_0): the processor's code with its [B, 1, S, S] mask built once "
+        "per forward instead of in every block (the QK chain stays diffusers')",
     ),
     norm_out_site("hunyuanvideo15", high=False),
 )

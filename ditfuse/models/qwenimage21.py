@@ -37,8 +37,6 @@ sight; no quality="high" tier (no admission measured on Qwen-Image 2.1 activatio
 
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any
 
 import torch
@@ -51,6 +49,7 @@ from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import plain_layernorm
 from .base import Adapter, Site, diffusers_rmsnorms, linear_module
 from .handoff import NO_LINK, Link, Opening, close_block
+from .per_forward import IdentityCache
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TF = "diffusers.models.transformers.transformer_qwenimage21"
@@ -95,44 +94,17 @@ def select_rows(modulation: torch.Tensor, mask: torch.Tensor | None) -> tuple[to
 
 class _SharedRows:
     """:func:`select_rows` made once per (modulation, mask) pair and handed to every block of the
-    forward. An entry is the modulation tensor's (looked up by ``id``, confirmed by a weak
-    reference to the very object and its version counter, and the mask's likewise) and dies
-    with it. Not shared (computed per call): inference tensors (no version counter to see an
-    in-place write), while torch.compile traces."""
+    forward (models/per_forward.py: the very tensor objects at the same versions; an entry dies
+    with its modulation tensor)."""
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple] = {}
-        self._lock = threading.Lock()
+        self._cache = IdentityCache()
 
     def get(self, modulation: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-        if (torch.compiler.is_compiling() or modulation.is_inference()
-                or (mask is not None and mask.is_inference())):
-            return select_rows(modulation, mask)
-        key = id(modulation)
-        e = self._entries.get(key)
-        if e is not None:
-            mod_ref, mod_v, mask_ref, mask_v, rows = e
-            if (mod_ref() is modulation and mod_v == modulation._version
-                    and (mask_ref is None if mask is None
-                         else mask_ref is not None and mask_ref() is mask and mask_v == mask._version)):
-                return rows
-        # a view of ``modulation`` would keep it alive through its ``_base`` (and the entry with
-        # it): the [B, 1, D] views are copied (per-token rows are fresh tensors already)
-        rows = tuple(r.clone() if r._base is not None else r for r in select_rows(modulation, mask))
-        entry = (weakref.ref(modulation, lambda _r, key=key: self._drop(key, _r)), modulation._version,
-                 None if mask is None else weakref.ref(mask), None if mask is None else mask._version, rows)
-        with self._lock:
-            self._entries[key] = entry
-        return rows
-
-    def _drop(self, key: int, ref: weakref.ref) -> None:
-        with self._lock:
-            e = self._entries.get(key)
-            if e is not None and e[0] is ref:
-                del self._entries[key]
+        return self._cache.get((modulation, mask), (), lambda: select_rows(modulation, mask))
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._cache)
 
 
 SHARED_ROWS = _SharedRows()
