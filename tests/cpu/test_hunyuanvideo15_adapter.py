@@ -113,19 +113,21 @@ def test_identity_cache_sees_writes_and_other_objects():
     from ditfuse.models.per_forward import IdentityCache
 
     c = IdentityCache()
-    a = torch.ones(2, 3)
+    src = [torch.ones(2, 3)]
     made = []
 
     def f():
         made.append(1)
-        return a[0]  # a view: the cache must copy it, or the entry would keep ``a`` alive
+        return src[0][0]  # a view: the cache must copy it, or the entry would keep the key alive
+    a = src[0]
     v = c.get((a,), (1,), f)
     assert v._base is None and c.get((a,), (1,), f) is v and len(made) == 1
     assert c.get((a,), (2,), f) is not v  # another extra key
     a.add_(1)
     assert torch.equal(c.get((a,), (2,), f), a[0]) and len(made) == 3
     assert c.get((a.clone(),), (2,), f) is not None and len(made) == 4
-    del a, v
+    src.clear()
+    a = v = None
     import gc
 
     gc.collect()
