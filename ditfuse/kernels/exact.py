@@ -148,7 +148,24 @@ def qk_rmsnorm_diffusers_cat_fp64(
     return q64, k64
 
 
+def qk_rmsnorm_diffusers_rope_img_first_fp64(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None, sin: torch.Tensor | None, eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None, k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None, k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm, interleaved RoPE on the image stream only, image-first concat; fp64."""
+    q64, k64 = _rms_fp64(q, q_weight, eps), _rms_fp64(k, k_weight, eps)
+    if cos is not None:
+        q64, k64 = _rope_interleaved_fp64(q64, cos, sin), _rope_interleaved_fp64(k64, cos, sin)
+    if q_txt is not None:
+        q64 = torch.cat([q64, _rms_fp64(q_txt, q_txt_weight, eps)], dim=1)
+        k64 = torch.cat([k64, _rms_fp64(k_txt, k_txt_weight, eps)], dim=1)
+    return q64, k64
+
+
 __all__ = [
+    "qk_rmsnorm_diffusers_rope_img_first_fp64",
     "qk_rmsnorm_diffusers_cat_fp64",
     "layer_norm_fp64",
     "layernorm_modulate_fp64",

@@ -757,7 +757,38 @@ def qk_rmsnorm_diffusers_cat(
     )
 
 
+def qk_rmsnorm_diffusers_rope_img_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of op ``rope.qk_rmsnorm_diffusers_rope_img_first``:
+    ``HunyuanVideo15AttnProcessor2_0`` from the unflattened projections [B, S, H, D] to the
+    tensors attention consumes. Each stream is normalised with diffusers' RMSNorm (two
+    roundings); the image stream is then rotated with FLUX's real interleaved RoPE
+    (:func:`rope_interleaved`, cos/sin [S_img, D]); the text stream is not; **image first**:
+    ``q_joint = cat([rope(RMS_d(q)), RMS_d(q_txt)], dim=1)``, same for k."""
+    q = rms_norm_diffusers(q, q_weight, eps)
+    k = rms_norm_diffusers(k, k_weight, eps)
+    if cos is not None:
+        q = rope_interleaved(q, cos, sin)
+        k = rope_interleaved(k, cos, sin)
+    if q_txt is not None:
+        q = torch.cat([q, rms_norm_diffusers(q_txt, q_txt_weight, eps)], dim=1)
+        k = torch.cat([k, rms_norm_diffusers(k_txt, k_txt_weight, eps)], dim=1)
+    return q, k
+
+
 __all__ += [
+    "qk_rmsnorm_diffusers_rope_img_first",
     "qk_rmsnorm_diffusers_cat",
     "rms_norm_diffusers",
     "rms_norm_diffusers_scale",

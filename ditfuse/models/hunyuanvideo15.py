@@ -9,15 +9,15 @@ gate_mlp * ff``. So the block's fast forward is FLUX.1's chain on FLUX.1's ops
 block boundary the next block's opening: models/handoff.py), and ``norm_out`` is the shared
 ``AdaLayerNormContinuous`` site.
 
-The attention site runs the processor's code with one change: its [B, 1, S, S] joint mask (S =
-video + text tokens; 212 MB per sample at 480p x 33 frames) is the same for every block of a
-forward, so it is built once (models/per_forward.py) instead of 54 times.
+The attention site runs the processor's code with two changes: its QK chain — diffusers'
+``RMSNorm`` (two roundings) on q / k of both streams, FLUX's real interleaved RoPE on the video
+stream only, the video-first concat — is one op, ``rope.qk_rmsnorm_diffusers_rope_img_first``
+(round 18: the diffusers-RMSNorm QK kernel with FLUX's rotation on one stream); and its
+[B, 1, S, S] joint mask (S = video + text tokens; 212 MB per sample at 480p x 33 frames), the
+same for every block of a forward, is built once (models/per_forward.py) instead of 54 times.
 
-Not fused (notes/families.md §13): the attention's QK chain — diffusers' ``RMSNorm`` (two
-roundings) on q / k of both streams, FLUX's real interleaved RoPE on the video stream only, an
-image-first concat — is a combination no op reproduces yet (FLUX.1's op normalises with
-``torch.nn.RMSNorm``, Qwen-Image's rotates complex); the token refiner (text only, once per
-forward); the model forward's text reordering. Every op is bit-exact and gated at first sight; no
+Not fused (notes/families.md §13): the value concat, the token refiner (text only, once per
+forward), the model forward's text reordering. Every op is bit-exact and gated at first sight; no
 quality="high" tier.
 """
 
@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
+from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST
 from .adaln import ada_zero, ada_zero_applies, ada_zero_opening, norm_out_site, plain_layernorm
-from .base import Adapter, Site, attention_site
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 from .handoff import NO_LINK, Link, close_block
 from .per_forward import IdentityCache
 
@@ -116,22 +117,33 @@ def attention_forward(attn, original, hidden_states: torch.Tensor, encoder_hidde
     query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
     key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
     value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-    query = attn.norm_q(query)
-    key = attn.norm_k(key)
-    if image_rotary_emb is not None:
-        query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-        key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-    if encoder_hidden_states is not None:
+    if encoder_hidden_states is not None and _qk_fused(attn):
+        # norm, the video stream's RoPE and the video-first cat of q and k in one op
         encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
         encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
         encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        if attn.norm_added_q is not None:
-            encoder_query = attn.norm_added_q(encoder_query)
-        if attn.norm_added_k is not None:
-            encoder_key = attn.norm_added_k(encoder_key)
-        query = torch.cat([query, encoder_query], dim=1)
-        key = torch.cat([key, encoder_key], dim=1)
+        cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        query, key = _ops.qk_rmsnorm_diffusers_rope_img_first(
+            query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
+            encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight)
         value = torch.cat([value, encoder_value], dim=1)
+    else:
+        query = attn.norm_q(query)
+        key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
+            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
+        if encoder_hidden_states is not None:
+            encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            if attn.norm_added_q is not None:
+                encoder_query = attn.norm_added_q(encoder_query)
+            if attn.norm_added_k is not None:
+                encoder_key = attn.norm_added_k(encoder_key)
+            query = torch.cat([query, encoder_query], dim=1)
+            key = torch.cat([key, encoder_key], dim=1)
+            value = torch.cat([value, encoder_value], dim=1)
     batch_size, seq_len, heads, dim = query.shape
     mask = _MASKS.get((attention_mask,), (batch_size, seq_len),
                       lambda: joint_mask(attention_mask, batch_size, seq_len))
@@ -151,6 +163,15 @@ def attention_forward(attn, original, hidden_states: torch.Tensor, encoder_hidde
         if getattr(attn, "to_add_out", None) is not None:
             encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
     return hidden_states, encoder_hidden_states
+
+
+def _qk_fused(attn) -> bool:
+    """The QK chain runs as one op when all four norms are diffusers' RMSNorm with one eps (the
+    ``qk_norm="rms_norm"`` every HunyuanVideo 1.5 block is built with); else diffusers' chain."""
+    return diffusers_rmsnorms(attn, _QK_NORMS, attn.inner_dim // attn.heads) is None
+
+
+_QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
 def _attn_applies(attn) -> str | None:
@@ -188,9 +209,9 @@ SITES = (
         chained=True,
     ),
     attention_site(
-        "hunyuanvideo15.attention", attention_forward, (), _attn_applies,
-        "attention (HunyuanVideo15AttnProcessor2_0): the processor's code with its [B, 1, S, S] mask built once "
-        "per forward instead of in every block (the QK chain stays diffusers')",
+        "hunyuanvideo15.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST,), _attn_applies,
+        "attention (HunyuanVideo15AttnProcessor2_0): QK RMSNorm + the video stream's RoPE + the video-first "
+        "concat in one pass; the [B, 1, S, S] mask built once per forward instead of in every block",
     ),
     norm_out_site("hunyuanvideo15", high=False),
 )

@@ -209,3 +209,25 @@ def qk_cat_heads_first_cuda(
         qo = torch.cat([qo, one(q_txt, q_txt_weight)], dim=2)
         ko = torch.cat([ko, one(k_txt, k_txt_weight)], dim=2)
     return qo, ko
+
+
+def qk_img_first_cuda(
+    q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None, q_txt_weight=None, k_txt_weight=None,
+    rsqrt=torch.rsqrt, mean=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference.qk_rmsnorm_diffusers_rope_img_first`` (HunyuanVideo 1.5) with the norm
+    simulated: each [B, S, H, D] stream its own mean call (rows B*S*H), FLUX's real RoPE (the
+    reference's own ops: fp32 products and sum, one rounding; identical on CPU and CUDA) on the
+    image stream, then the image-first concat on dim 1."""
+    from ditfuse.kernels.reference import rope_interleaved
+
+    def one(x, w):
+        return rms_norm_diffusers_cuda(x, w, eps, rsqrt=rsqrt, mean=mean)
+
+    qo, ko = one(q, q_weight), one(k, k_weight)
+    if cos is not None:
+        qo, ko = rope_interleaved(qo, cos, sin), rope_interleaved(ko, cos, sin)
+    if q_txt is not None:
+        qo = torch.cat([qo, one(q_txt, q_txt_weight)], dim=1)
+        ko = torch.cat([ko, one(k_txt, k_txt_weight)], dim=1)
+    return qo, ko

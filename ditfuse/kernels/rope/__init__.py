@@ -111,6 +111,24 @@ QK_RMSNORM_DIFFUSERS_CAT = OpDescriptor(
              "call's shapes as torch's launch does (as for rope.qk_rmsnorm_diffusers_rope_complex)",
 )
 
+QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST = OpDescriptor(
+    op="rope.qk_rmsnorm_diffusers_rope_img_first",
+    contract=Contract.BIT_EXACT,
+    replaces="cat([r(rope(RMS_d(q))), RMS_d(q_txt)], dim=1) (and k): RoPE on the image stream only, "
+             "image first, [B, S, H, D]",
+    summary="diffusers RMSNorm (two roundings, torch's mean order and factor per stream) + FLUX's real "
+            "interleaved RoPE on the image stream only, written image-first into the joint [B, S, H, D] "
+            "(HunyuanVideo 1.5)",
+    reference=f"{_REF}:qk_rmsnorm_diffusers_rope_img_first",
+    exact=f"{_EXACT}:qk_rmsnorm_diffusers_rope_img_first_fp64",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_diffusers_rope_img_first"),),
+    key=(K("q", dims=(-1,)), K("k"), K("q_weight"), K("k_weight"), K("cos"), K("sin"), K("eps", value=True),
+         K("q_txt"), K("k_txt"), K("q_txt_weight"), K("k_txt_weight")),
+    key_note="as rope.qk_rmsnorm_diffusers_rope_complex: head_dim fixes the mean's reduction and the "
+             "RoPE pairing; each stream's row count (its mean factor and, below 16 rows, lane count) "
+             "is derived from each call's shapes as torch's launch does",
+)
+
 DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_FP32_RMSNORM_ROPE, QK_RMSNORM_ACROSS_HEADS_ROPE,
                QK_RMSNORM_ACROSS_HEADS_ROPE_FP32, QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,
-               QK_RMSNORM_DIFFUSERS_CAT)
+               QK_RMSNORM_DIFFUSERS_CAT, QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST)

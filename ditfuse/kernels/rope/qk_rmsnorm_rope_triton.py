@@ -185,7 +185,7 @@ def _norm_rope_store(x, w, cos_e, cos_o, sin_e, sin_o, out_ptr, out_off, mask, e
         a, b = tl.split(tl.reshape(n, [R, DP // 2, 2]))
         re, im = _cmul(a, b, cos_e, sin_e, CMUL)
         out = tl.reshape(tl.join(re, im), [R, DP])
-    elif ROPE == 1:
+    elif ROPE == 1 or ROPE == 3:
         ye, yo = tl.split(tl.reshape(n, [R, DP // 2, 2]))
         # x.float() * cos, x_rotated.float() * sin, then their sum: three eager ops, three fp32
         # roundings (no FMA: the launch disables fp fusion). Eager's ``-x_imag`` is written as a
@@ -194,6 +194,9 @@ def _norm_rope_store(x, w, cos_e, cos_o, sin_e, sin_o, out_ptr, out_off, mask, e
         oe = ye * cos_e - yo * sin_e
         oo = yo * cos_o + ye * sin_o
         out = tl.reshape(tl.join(oe, oo), [R, DP])
+        if ROPE == 3:  # HunyuanVideo 1.5: the text rows are not rotated (an identity rotation
+            # would not be one: -0 * 1 + 0 is +0)
+            out = tl.where(in_txt[:, None], n, out)
     else:
         out = n
     tl.store(out_ptr + out_off, round_to(out, DTYPE), mask=mask)
@@ -215,7 +218,8 @@ def _qk_rmsnorm_rope_kernel(
     CMUL: tl.constexpr = 0, LAYOUT: tl.constexpr = 0,
 ):
     """ROPE 0: none; 1 (FLUX): ``cos_ptr``/``sin_ptr`` are cos/sin [S_tot, D] with strides
-    (c_ss, c_sd)/(s_ss, s_sd); 2 (complex): ``cos_ptr`` is the image table and ``sin_ptr`` the
+    (c_ss, c_sd)/(s_ss, s_sd); 3 (HunyuanVideo 1.5): the same rotation with cos/sin [S_img, D]
+    on the image rows only; 2 (complex): ``cos_ptr`` is the image table and ``sin_ptr`` the
     text table, each fp32 [S, D/2, 2] (``view_as_real`` of complex64: re at +0, im at +1) with
     row/pair strides (c_ss, c_sd)/(s_ss, s_sd) and batch strides c_sb/s_sb (0: one table for
     every sample; Z-Image's per-sample [B, S, D/2] freqs otherwise). NORM 0: torch.nn.RMSNorm (``_fused_rms_norm``);
@@ -228,6 +232,15 @@ def _qk_rmsnorm_rope_kernel(
         bs = rows // H
         s = bs % S_TOT
         b = bs // S_TOT
+    elif LAYOUT == 2:
+        # Tokens-first, image-first output [B, S_TOT, H, D] (HunyuanVideo 1.5): output row
+        # (b, so, h), mapped to the text-first joint index s the loaders take.
+        h = rows % H
+        bso = rows // H
+        so = bso % S_TOT
+        b = bso // S_TOT
+        s_img = S_TOT - S_TXT
+        s = tl.where(so < s_img, so + S_TXT, so - s_img)
     else:
         # Heads-first, image-first output [B, H, S_TOT, D] (SD3): output position so, mapped to
         # the text-first joint index s the loaders take (text rows s < S_TXT, image s - S_TXT).
@@ -241,7 +254,7 @@ def _qk_rmsnorm_rope_kernel(
     d_ok = d < D
     mask = row_ok[:, None] & d_ok[None, :]
     # Output rows are (b, s, h) of a contiguous [B, S_TOT, H, D] (LAYOUT 1: (b, h, so) of a
-    # contiguous [B, H, S_TOT, D]): row r starts at r * D.
+    # contiguous [B, H, S_TOT, D]; LAYOUT 2: (b, so, h)): row r starts at r * D.
     out_off = rows[:, None] * D + d[None, :]
 
     in_txt = s < S_TXT
@@ -260,6 +273,17 @@ def _qk_rmsnorm_rope_kernel(
             sin_e = tl.where(m_txt, tl.load(f_txt + 1, mask=m_txt, other=0.0), sin_e)
         cos_o = cos_e
         sin_o = sin_e
+    elif ROPE == 3:
+        # cos/sin [S_img, D] of the image stream, read at the image rows only
+        de = tl.arange(0, DP // 2) * 2
+        de_ok = (de < D)[None, :] & (row_ok & ~in_txt)[:, None]
+        si = tl.where(in_txt, 0, s - S_TXT)
+        c_row = si[:, None] * c_ss
+        s_row = si[:, None] * s_ss
+        cos_e = tl.load(cos_ptr + c_row + de[None, :] * c_sd, mask=de_ok, other=0.0).to(tl.float32)
+        cos_o = tl.load(cos_ptr + c_row + (de[None, :] + 1) * c_sd, mask=de_ok, other=0.0).to(tl.float32)
+        sin_e = tl.load(sin_ptr + s_row + de[None, :] * s_sd, mask=de_ok, other=0.0).to(tl.float32)
+        sin_o = tl.load(sin_ptr + s_row + (de[None, :] + 1) * s_sd, mask=de_ok, other=0.0).to(tl.float32)
     elif ROPE == 1:
         de = tl.arange(0, DP // 2) * 2
         de_ok = (de < D)[None, :] & row_ok[:, None]
@@ -379,7 +403,7 @@ def _lane_norm_rope_store(x, w, c, sn, out_ptr, out_off, mask, eps, in_txt, fac_
         n0, n1, n2, n3 = _quad(n)
         c0, c1, c2, c3 = _quad(c)
         s0, s1, s2, s3 = _quad(sn)
-        if ROPE == 1:
+        if ROPE == 1 or ROPE == 3:
             # FLUX: cos/sin per element; see _norm_rope_store for why these are a - b and a + b.
             o0 = n0 * c0 - n1 * s0
             o1 = n1 * c1 + n0 * s1
@@ -390,6 +414,9 @@ def _lane_norm_rope_store(x, w, c, sn, out_ptr, out_off, mask, eps, in_txt, fac_
             o0, o1 = _cmul(n0, n1, c0, c1, CMUL)
             o2, o3 = _cmul(n2, n3, c2, c3, CMUL)
         out = _unquad(o0, o1, o2, o3)
+        if ROPE == 3:
+            if in_txt:  # the program's stream: text rows are not rotated
+                out = n
     if mask is None:
         tl.store(out_ptr + out_off, round_to(out, DTYPE))
     else:
@@ -489,6 +516,11 @@ def _qk_lanes_kernel(
     if LAYOUT == 0:
         out_base = (bs * H) * D
         out_off = h[None, :, None, None] * D + col
+    elif LAYOUT == 2:
+        # Tokens-first, image-first [B, S_TOT, H, D] (HunyuanVideo 1.5).
+        so = tl.where(in_txt, s + (S_TOT - S_TXT), s - S_TXT)
+        out_base = ((b * S_TOT + so) * H) * D
+        out_off = h[None, :, None, None] * D + col
     else:
         # Heads-first, image-first [B, H, S_TOT, D] (SD3): text rows go after the image rows.
         so = tl.where(in_txt, s + (S_TOT - S_TXT), s - S_TXT)
@@ -517,6 +549,10 @@ def _qk_lanes_kernel(
     elif ROPE == 1:
         c = tl.load(cos_ptr + s * c_ss + col * c_sd).to(tl.float32)
         sn = tl.load(sin_ptr + s * s_ss + col * s_sd).to(tl.float32)
+    elif ROPE == 3:
+        si = tl.where(in_txt, 0, s - S_TXT)  # text programs read row 0 and do not rotate
+        c = tl.load(cos_ptr + si * c_ss + col * c_sd).to(tl.float32)
+        sn = tl.load(sin_ptr + si * s_ss + col * s_sd).to(tl.float32)
     else:
         c = tl.zeros([P, R, V, 4], tl.float32)
         sn = c
@@ -776,7 +812,7 @@ def _recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     S_tot = S_txt + S_img
-    out_shape = (B, H, S_tot, D) if (diffusers or {}).get("LAYOUT", 0) else (B, S_tot, H, D)
+    out_shape = (B, H, S_tot, D) if (diffusers or {}).get("LAYOUT", 0) == 1 else (B, S_tot, H, D)
     n_rows = B * S_tot * H
     has_txt = q_txt is not None
     has_rope = cos is not None
@@ -1409,3 +1445,155 @@ def _keyed_cat(key, q, k, q_weight, k_weight, eps=1e-6, q_txt=None, k_txt=None, 
 
 
 qk_rmsnorm_diffusers_cat.keyed = _keyed_cat
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_rmsnorm_diffusers_rope_img_first (HunyuanVideo 1.5): NORM=1, ROPE=3, LAYOUT=2
+
+
+def _img_first_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
+                      k_txt_weight) -> str | None:
+    if (cos is None) != (sin is None):
+        return "cos and sin must be given together"
+    reason = _diffusers_reason(q, k, q_weight, k_weight, None, eps, q_txt, k_txt, q_txt_weight, k_txt_weight, None)
+    if reason:
+        return reason
+    if cos is not None:
+        reason = device_reason(q, cos, sin) or grad_reason(cos, sin)
+        if reason:
+            return reason
+        B, S_img, H, D = q.shape
+        if S_img == 0:
+            return "no image tokens (the image table would be empty)"
+        if D % 2:
+            return f"head_dim {D} is odd (the rotation pairs elements)"
+        for t in (cos, sin):
+            if t.dim() != 2 or tuple(t.shape) != (S_img, D):
+                return f"cos/sin must be [S_img, D] = [{S_img}, {D}], got {tuple(t.shape)}"
+            if t.dtype not in _ROPE_DTYPES:
+                return f"cos/sin dtype {t.dtype} is not fp32, bf16 or fp16 (the RoPE would not compute in fp32)"
+    return None
+
+
+def can_use_qk_rmsnorm_diffusers_rope_img_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> bool:
+    """True when :func:`qk_rmsnorm_diffusers_rope_img_first` reproduces the reference on these
+    inputs. Rejected: the cases of :func:`can_use_qk_rmsnorm_diffusers_rope_complex` without its
+    complex tables, plus cos/sin given one without the other, not [S_img, D], not fp32 / bf16 /
+    fp16, on another device or requiring grad; an empty image stream with RoPE; D odd."""
+    return _img_first_reason(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
+                             k_txt_weight) is None
+
+
+def _img_first_recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                      **kw):
+    return _recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                   rope=3 if cos is not None else 0, diffusers=_diffusers_params(q, q_txt, CMUL_MODE, 2), **kw)
+
+
+def _launch_img_first(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                      rows_per_program: int | None = None, num_warps: int = 2, kernel: str | None = None,
+                      lanes_tiling: tuple[int, int, int] | None = None):
+    """Uncached launch (tests and probes)."""
+    r = _img_first_recipe(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight,
+                          rows_per_program=rows_per_program, num_warps=num_warps, kernel=kernel,
+                          lanes_tiling=lanes_tiling)
+    return _img_first_out(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+def _img_first_out(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight):
+    q_out, k_out = _fire(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
+    if q_txt is None and cos is None:
+        # RMSNorm alone is elementwise on q / k and keeps their layout; the RoPE and the cat
+        # write contiguous results, as the kernel does
+        return in_eager_layout(q_out, q), in_eager_layout(k_out, k)
+    return q_out, k_out
+
+
+@torch.library.custom_op("ditfuse::qk_rmsnorm_diffusers_rope_img_first", mutates_args=())
+def _qk_rmsnorm_diffusers_rope_img_first_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float,
+    q_txt: torch.Tensor | None,
+    k_txt: torch.Tensor | None,
+    q_txt_weight: torch.Tensor | None,
+    k_txt_weight: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_img_first(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+@_qk_rmsnorm_diffusers_rope_img_first_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight):
+    B, S_img, H, D = q.shape
+    S_tot = S_img + (q_txt.shape[1] if q_txt is not None else 0)
+    return q.new_empty((B, S_tot, H, D)), q.new_empty((B, S_tot, H, D))
+
+
+def qk_rmsnorm_diffusers_rope_img_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    q_txt: torch.Tensor | None = None,
+    k_txt: torch.Tensor | None = None,
+    q_txt_weight: torch.Tensor | None = None,
+    k_txt_weight: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HunyuanVideo 1.5's QK chain (``HunyuanVideo15AttnProcessor2_0``) in one launch: diffusers
+    ``RMSNorm`` on each of q, k, q_txt, k_txt (each stream its own mean call: own lane count and
+    factor, rows B*S*H), FLUX's real interleaved RoPE (``x.float() * cos + x_rotated.float() *
+    sin``, fp32 roundings, then one to the input dtype) on the image stream only, then the
+    **image-first** concat: ``q_joint = cat([rope(RMS_d(q)), RMS_d(q_txt)], dim=1)``. Equal to
+    ``ditfuse.kernels.reference.qk_rmsnorm_diffusers_rope_img_first`` on CUDA (torch 2.11): the
+    norm is :func:`qk_rmsnorm_diffusers_rope_complex`'s, the rotation :func:`qk_rmsnorm_rope`'s,
+    each bitwise on the GPU in its own op; this op composes them per row (``NORM=1, ROPE=3,
+    LAYOUT=2``).
+
+    q, k: [B, S_img, H, D] (unflattened projections, head dim innermost); q_txt, k_txt: [B,
+    S_txt, H, D] or None; weights: [D] in the input dtype or None; cos, sin: [S_img, D] (fp32,
+    bf16 or fp16) or None. Returns (q_joint, k_joint), each a contiguous [B, S_img + S_txt, H, D]
+    (without text and RoPE: in the layout of q / k). Raises :class:`UnsupportedInput` exactly
+    where :func:`can_use_qk_rmsnorm_diffusers_rope_img_first` is False.
+    """
+    return _keyed_img_first(None, q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight,
+                            k_txt_weight)
+
+
+_IMG_FIRST_RECIPES = Recipes()
+
+
+def _keyed_img_first(key, q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=None, k_txt=None,
+                     q_txt_weight=None, k_txt_weight=None):
+    args = (q, k, q_weight, k_weight, cos, sin, eps, q_txt, k_txt, q_txt_weight, k_txt_weight)
+    if use_custom_op():
+        reason = _img_first_reason(*args)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        return torch.ops.ditfuse.qk_rmsnorm_diffusers_rope_img_first(
+            q, k, q_weight, k_weight, cos, sin, float(eps), q_txt, k_txt, q_txt_weight, k_txt_weight)
+    if key is None:
+        key = call_key(args)
+    r = _IMG_FIRST_RECIPES.checked(key, lambda: _img_first_reason(*args), lambda: _img_first_recipe(*args))
+    return _img_first_out(r, q, k, q_weight, k_weight, cos, sin, q_txt, k_txt, q_txt_weight, k_txt_weight)
+
+
+qk_rmsnorm_diffusers_rope_img_first.keyed = _keyed_img_first
