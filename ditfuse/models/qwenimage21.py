@@ -80,14 +80,15 @@ def _all_target(mask: torch.Tensor | None) -> bool:
     return bool(mask.all())
 
 
-def select_rows(modulation: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+def select_rows(modulation: torch.Tensor, mask: torch.Tensor | None, sync: bool = True) -> tuple[torch.Tensor, ...]:
     """(scale1, tanh(gate1), scale2, tanh(gate2)) of the shared ``modulation`` as the blocks
     read them, selected per token by ``mask`` (:func:`_select`). The scales are raw: the ops add
-    the 1 (``r(1 + scale)``, as eager does after its selection)."""
+    the 1 (``r(1 + scale)``, as eager does after its selection). ``sync=False``: never read the
+    mask on the host (rows per token even when every token is a target token)."""
     mod1, mod2 = modulation.chunk(2, dim=-1)
     scale1, gate1 = mod1.chunk(2, dim=-1)
     scale2, gate2 = mod2.chunk(2, dim=-1)
-    every = _all_target(mask)
+    every = sync and _all_target(mask)
     return (_select(scale1, mask, every), _select(gate1.tanh(), mask, every),
             _select(scale2, mask, every), _select(gate2.tanh(), mask, every))
 
@@ -101,6 +102,9 @@ class _SharedRows:
         self._cache = IdentityCache()
 
     def get(self, modulation: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        if modulation.is_inference() or (mask is not None and mask.is_inference()):
+            # not shared (no version counter): made in every block, so without the host sync
+            return select_rows(modulation, mask, sync=False)
         return self._cache.get((modulation, mask), (), lambda: select_rows(modulation, mask))
 
     def __len__(self) -> int:

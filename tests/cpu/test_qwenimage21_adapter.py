@@ -206,3 +206,18 @@ def test_fp32_norm_weights_keep_the_cast():
     assert_bitwise_equal(b, a, "fp32-weight attention")
     with reference_forwards(m, q21.SITES):
         assert_bitwise_equal(_run(m, inp), base, "model with fp32 QK-norm weights")
+
+
+def test_inference_mode_stays_bitwise_without_per_block_syncs(monkeypatch):
+    """Under torch.inference_mode the rows are not shared (inference tensors have no version
+    counter): each block selects its rows itself, per token, without reading the mask on the host."""
+    m = _model()
+    inp = make_inputs(m, 2, "64x48", device="cpu", txt_tokens=13, mode="cached")
+    base = _run(m, inp)
+    syncs = []
+    real = q21._all_target
+    monkeypatch.setattr(q21, "_all_target", lambda mask: syncs.append(1) or real(mask))
+    with torch.inference_mode(), reference_forwards(m, q21.SITES):
+        out = m(**inp)[0]
+    assert_bitwise_equal(out, base, "inference_mode")
+    assert not syncs
