@@ -31,6 +31,21 @@ def ada_zero_applies(norm: torch.nn.Module) -> str | None:
     return plain_layernorm(norm.norm)
 
 
+def dual_block_applies(block: torch.nn.Module) -> str | None:
+    """None for a FLUX.1-style dual-stream block (``norm1`` / ``norm1_context`` plain
+    AdaLayerNormZero, ``norm2`` / ``norm2_context`` affine-free LayerNorms), else why not: FLUX.1
+    and HunyuanVideo 1.5."""
+    for name in ("norm1", "norm1_context"):
+        r = ada_zero_applies(getattr(block, name))
+        if r is not None:
+            return f"{name}: {r}"
+    for name in ("norm2", "norm2_context"):
+        r = plain_layernorm(getattr(block, name))
+        if r is not None:
+            return f"{name}: {r}"
+    return None
+
+
 def ada_zero_opening(norm, emb: torch.Tensor) -> Opening:
     """AdaLayerNormZero's modulation: ``emb = linear(silu(emb))``, ``chunk(6)`` = shift, scale,
     gate (msa), shift, scale, gate (mlp); the norm is ``r(r(r(LN(x)) * r(1 + scale_msa)) +

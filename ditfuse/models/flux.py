@@ -23,7 +23,7 @@ from ..kernels.layout.joint_buffers_torch import cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
-from .adaln import (ada_zero, ada_zero_applies, ada_zero_opening, norm_out_forward,  # noqa: F401 (re-exported)
+from .adaln import (ada_zero, ada_zero_opening, dual_block_applies, norm_out_forward,  # noqa: F401 (re-exported)
                     norm_out_site, plain_layernorm)
 from .base import Adapter, Site, linear_cat_applies, plain_linear
 from .handoff import NO_LINK, Link, Opening, close_block
@@ -205,18 +205,6 @@ def dual_block_forward(
     return encoder_hidden_states, hidden_states
 
 
-def _dual_applies(block) -> str | None:
-    for name in ("norm1", "norm1_context"):
-        r = ada_zero_applies(getattr(block, name))
-        if r is not None:
-            return f"{name}: {r}"
-    for name in ("norm2", "norm2_context"):
-        r = plain_layernorm(getattr(block, name))
-        if r is not None:
-            return f"{name}: {r}"
-    return None
-
-
 def single_block_forward(
     block,
     original,
@@ -338,7 +326,7 @@ SITES = (
         params=_BLOCK_PARAMS,
         forward=dual_block_forward,
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
-        applies=_dual_applies,
+        applies=dual_block_applies,
         description="dual block: adaLN-Zero, gate+residual+norm2+modulate, FF gate residual "
                     "(+ the next block's adaLN-Zero across the boundary)",
         chained=True,

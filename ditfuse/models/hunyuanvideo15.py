@@ -32,7 +32,7 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST
-from .adaln import ada_zero, ada_zero_applies, ada_zero_opening, norm_out_site, plain_layernorm
+from .adaln import ada_zero, ada_zero_opening, dual_block_applies, norm_out_site
 from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 from .handoff import NO_LINK, Link, close_block
 from .per_forward import IdentityCache
@@ -182,18 +182,6 @@ def _attn_applies(attn) -> str | None:
     return None
 
 
-def _block_applies(block) -> str | None:
-    for name in ("norm1", "norm1_context"):
-        r = ada_zero_applies(getattr(block, name))
-        if r is not None:
-            return f"{name}: {r}"
-    for name in ("norm2", "norm2_context"):
-        r = plain_layernorm(getattr(block, name))
-        if r is not None:
-            return f"{name}: {r}"
-    return None
-
-
 SITES = (
     Site(
         name="hunyuanvideo15.block",
@@ -202,7 +190,7 @@ SITES = (
                 "args", "kwargs"),
         forward=block_forward,
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
-        applies=_block_applies,
+        applies=dual_block_applies,
         high=False,
         description="dual-stream block: adaLN-Zero LN + modulate, gate + residual + norm2 + modulate, FF gate "
                     "residual (+ the next block's adaLN-Zero), both streams",
