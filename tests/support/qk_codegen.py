@@ -26,6 +26,7 @@ VARIANTS = {
     "zimage": (32, None, None, dict(NORM=1, ROPE=2, PACKED=True, HAS_TXT=False)),
     "qwen-strided": (32, None, None, dict(NORM=1, ROPE=2)),
     "sd3-d128": (32, None, None, dict(NORM=1, ROPE=0, LAYOUT=1)),
+    "hunyuanvideo15": (32, None, None, dict(NORM=1, ROPE=3, LAYOUT=2)),
     "flux-R16-w4": (32, 16, 4, dict(V=2)),
     "flux-R32-w8": (32, 32, 8, dict(V=2)),
     "flux-V1": (32, 8, 4, dict(V=1)),
