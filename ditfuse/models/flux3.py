@@ -19,9 +19,13 @@ norm and residual kernels read in place.
 - norm_out (Flux3AdaLayerNorm): ``LN(x) * (1 + scale) + shift`` with per-token scale / shift.
 - pos_embed (Flux3PosEmbed): the RoPE tables cached across steps (models/pos_cache.py).
 
+Across block boundaries (round 18): every block of a mode, and every single block, reads the same
+``temb_mod`` tensors, so a block's closing gated residual also computes its successor's LN +
+modulate (``gate_residual_layernorm_modulate``, models/handoff.py), per stream.
+
 Not fused (diffusers' own ops run): the ``attn + ff`` sums, the single block's text-first
 ``cat`` and ``split``, the model forward's per-token modulation projections and table concats.
-No cross-block handoff and no quality="high" tier (every site ``high=False``: no close kernel was
+No quality="high" tier (every site ``high=False``: no close kernel was
 admitted on FLUX.3 activations). QK norms whose weights are not fp32 (a model cast with
 ``.to(dtype)`` instead of loaded with ``from_pretrained(torch_dtype=...)``) take torch's
 composite RMSNorm, another chain: those attention modules keep diffusers' forward.
@@ -35,11 +39,12 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
-from ..kernels.norm import LAYERNORM_MODULATE
+from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_FP32_RMSNORM_ROPE
 from .adaln import plain_layernorm
 from .base import Adapter, Site
 from .flux2 import feed_forward_site, rms_norms_reason, swiglu_reason
+from .handoff import NO_LINK, Link, Opening, close_block
 from .pos_cache import embedder_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -55,29 +60,47 @@ def _tf():
 # -- blocks -----------------------------------------------------------------------------------
 
 
-def mode_block_forward(block, original, hidden_states: torch.Tensor, temb_mod: torch.Tensor,
-                       image_rotary_emb: tuple[torch.Tensor, torch.Tensor], *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
-    """Flux3ModeTransformerBlock: ``h = LN(x) * (1 + scale) + shift`` fused; attention and FF of
-    ``h`` (parallel); ``x + gate * (attn + ff)`` as eager's sum and one gated-residual kernel."""
+def _opening(block, temb_mod: torch.Tensor) -> Opening:
+    """A block's LN + modulate by the (shift, scale) chunks of ``temb_mod``; the gate rides along.
+    Every block of a mode (and every single block) gets the same ``temb_mod`` from the model's
+    forward, so a block can compute its successor's opening from its own modulation."""
     mod_shift, mod_scale, mod_gate = torch.chunk(temb_mod, 3, dim=-1)
-    norm_hidden_states = _ops.layernorm_modulate(hidden_states, mod_scale, mod_shift, block.norm.eps)
+    return Opening(mod_scale, mod_shift, block.norm.eps, (mod_gate,))
+
+
+def mode_block_forward(block, original, hidden_states: torch.Tensor, temb_mod: torch.Tensor,
+                       image_rotary_emb: tuple[torch.Tensor, torch.Tensor], *, _ops: OpSet = LOSSLESS,
+                       _link: Link = NO_LINK) -> torch.Tensor:
+    """Flux3ModeTransformerBlock: ``h = LN(x) * (1 + scale) + shift`` fused; attention and FF of
+    ``h`` (parallel); ``x + gate * (attn + ff)`` as eager's sum and one gated-residual kernel,
+    which also computes the next block's opening when it follows directly (models/handoff.py)."""
+    opened = _link.take(block, (hidden_states, temb_mod), _ops)
+    if opened is None:
+        opened = _opening(block, temb_mod).run(hidden_states, _ops)
+    norm_hidden_states, mod_gate = opened
     attn_output = block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb)
     ff_output = block.ff(norm_hidden_states)
-    return _ops.gate_residual(hidden_states, mod_gate, attn_output + ff_output)
+    nxt = _link.next_block()
+    hidden_states, nxt_opened = close_block(_ops, hidden_states, mod_gate, attn_output + ff_output,
+                                            None if nxt is None else _opening(nxt, temb_mod))
+    _link.give((hidden_states, temb_mod), nxt_opened, _ops)
+    return hidden_states
 
 
 def single_block_forward(block, original, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,
                          temb_mod: torch.Tensor, temb_mod_context: torch.Tensor,
                          image_rotary_emb: tuple[torch.Tensor, torch.Tensor], *,
-                         _ops: OpSet = LOSSLESS) -> tuple[torch.Tensor, torch.Tensor]:
+                         _ops: OpSet = LOSSLESS, _link: Link = NO_LINK) -> tuple[torch.Tensor, torch.Tensor]:
     """Flux3SingleTransformerBlock: each stream's LN + modulate fused; the text-first joint
     sequence, attention + FF and their sum as diffusers runs them; each stream's gated residual
-    on its rows of the sum in one kernel."""
-    mod_shift, mod_scale, mod_gate = torch.chunk(temb_mod, 3, dim=-1)
-    c_mod_shift, c_mod_scale, c_mod_gate = torch.chunk(temb_mod_context, 3, dim=-1)
-    norm_hidden_states = _ops.layernorm_modulate(hidden_states, mod_scale, mod_shift, block.norm.eps)
-    norm_encoder_hidden_states = _ops.layernorm_modulate(encoder_hidden_states, c_mod_scale, c_mod_shift,
-                                                         block.norm.eps)
+    on its rows of the sum in one kernel (with the next block's opening of that stream when it
+    follows directly)."""
+    keys = (hidden_states, encoder_hidden_states, temb_mod, temb_mod_context)
+    opened = _link.take(block, keys, _ops)
+    if opened is None:
+        opened = (_opening(block, temb_mod).run(hidden_states, _ops),
+                  _opening(block, temb_mod_context).run(encoder_hidden_states, _ops))
+    (norm_hidden_states, mod_gate), (norm_encoder_hidden_states, c_mod_gate) = opened
     combined = torch.cat([norm_encoder_hidden_states, norm_hidden_states], dim=1)
     attn_output = block.attn(hidden_states=combined, image_rotary_emb=image_rotary_emb)
     ff_output = block.ff(combined)
@@ -85,8 +108,13 @@ def single_block_forward(block, original, hidden_states: torch.Tensor, encoder_h
     context_output, content_output = torch.split(
         output, [encoder_hidden_states.shape[1], hidden_states.shape[1]], dim=1
     )
-    encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, c_mod_gate, context_output)
-    hidden_states = _ops.gate_residual(hidden_states, mod_gate, content_output)
+    nxt = _link.next_block()
+    encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, c_mod_gate, context_output,
+                                                  None if nxt is None else _opening(nxt, temb_mod_context))
+    hidden_states, img_next = close_block(_ops, hidden_states, mod_gate, content_output,
+                                          None if nxt is None else _opening(nxt, temb_mod))
+    _link.give((hidden_states, encoder_hidden_states, temb_mod, temb_mod_context),
+               None if nxt is None else (img_next, txt_next), _ops)
     return encoder_hidden_states, hidden_states
 
 
@@ -182,10 +210,12 @@ SITES = (
         cls=f"{_TF}:Flux3ModeTransformerBlock",
         params=("self", "hidden_states", "temb_mod", "image_rotary_emb"),
         forward=mode_block_forward,
-        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL),
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=_block_applies,
         high=False,
-        description="per-mode block: LN + modulate (per token), gate residual of attn + ff",
+        description="per-mode block: LN + modulate (per token), gate residual of attn + ff (+ the next "
+                    "block's LN + modulate)",
+        chained=True,
     ),
     Site(
         name="flux3.single_block",
@@ -193,10 +223,12 @@ SITES = (
         params=("self", "hidden_states", "encoder_hidden_states", "temb_mod", "temb_mod_context",
                 "image_rotary_emb"),
         forward=single_block_forward,
-        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL),
+        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=_block_applies,
         high=False,
-        description="joint block: both streams' LN + modulate, each stream's gate residual",
+        description="joint block: both streams' LN + modulate, each stream's gate residual (+ the next "
+                    "block's LN + modulate of that stream)",
+        chained=True,
     ),
     feed_forward_site("flux3", f"{_TF}:Flux3FeedForward", _ff_applies),
     Site(

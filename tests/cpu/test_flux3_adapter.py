@@ -155,3 +155,32 @@ def test_family_fixture_builds_inputs():
     inp = FLUX3.make_inputs(m, batch=2, size="64x48", device="cpu", txt_tokens=9)
     assert inp["hidden_states"].shape == (2, 12, 8) and inp["encoder_hidden_states"].shape == (2, 9, 24)
     assert _run(m, inp).shape == (2, 12, 8)
+
+
+@pytest.mark.parametrize("cond", [0, 5], ids=["no-reference", "reference-image"])
+def test_blocks_hand_off_bitwise(cond):
+    """Every mode's blocks and the single blocks share their modulation tensors, so each block's
+    closing residual computes its successor's opening (models/handoff.py): one link per ModuleList
+    of two blocks (text, image, reference-image modes, single), used on every call whose blocks
+    run, and the output stays bitwise diffusers'. A hook that replaces a block's output makes the
+    successor discard the payload and compute its own opening (still bitwise)."""
+    m = _model()
+    inp = _inputs(m, batch=2, cond=cond)
+    base = _run(m, inp)
+    h = ditfuse.accelerate(m)
+    try:
+        outs = [_run(m, inp) for _ in range(2)]
+        counts = ditfuse.models.handoff_counts(m)
+        handle = m.single_transformer_blocks[0].register_forward_hook(
+            lambda mod, args, out: tuple(t.clone() for t in out))
+        hooked = _run(m, inp)
+        handle.remove()
+        after = ditfuse.models.handoff_counts(m)
+    finally:
+        h.unmount()
+    for i, o in enumerate(outs):
+        assert_bitwise_equal(o, base, f"accelerated call {i}")
+    assert_bitwise_equal(hooked, base, "a hook replacing block 0's outputs")
+    used_per_call = 4 if cond else 3  # the reference-image mode's blocks run only with a reference
+    assert counts["links"] == 4 and counts["used"] == 2 * used_per_call and counts["discarded"] == 0, counts
+    assert after["discarded"] == 1, after

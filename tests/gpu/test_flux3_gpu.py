@@ -34,6 +34,16 @@ def _run(config, batch, size, layers=None, txt=512, cond=0):
                              cond_tokens=cond)
         inp = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     compare_accelerated(m, inp, ADAPTER.ops(), f"flux3 {config} B={batch} {size} txt={txt} cond={cond}")
+    import ditfuse
+
+    with torch.no_grad():  # the blocks hand off (round 18): every link of a chain that ran is used
+        h = ditfuse.accelerate(m)
+        try:
+            m(**inp)
+            counts = ditfuse.models.handoff_counts(m)
+        finally:
+            h.unmount()
+    assert counts["discarded"] == 0 and (counts["links"] == 0 or counts["used"] > 0), counts
 
 
 @pytest.mark.parametrize("batch", [1, 2])
