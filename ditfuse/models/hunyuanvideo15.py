@@ -13,7 +13,8 @@ The attention site runs the processor's code with two changes: its QK chain — 
 ``RMSNorm`` (two roundings) on q / k of both streams, FLUX's real interleaved RoPE on the video
 stream only, the video-first concat — is one op, ``rope.qk_rmsnorm_diffusers_rope_img_first``
 (round 18: the diffusers-RMSNorm QK kernel with FLUX's rotation on one stream); and its
-[B, 1, S, S] joint mask (S = video + text tokens; 212 MB per sample at 480p x 33 frames), the
+[B, 1, S, S] joint mask (S = video tokens + the joint text sequence, which always holds the 729
+image-embedding slots; 236 MB per sample at 480p x 33 frames with a 256-token prompt), the
 same for every block of a forward, is built once (models/per_forward.py) instead of 54 times.
 
 Not fused (notes/families.md §13): the value concat, the token refiner (text only, once per
