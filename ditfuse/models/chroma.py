@@ -31,7 +31,7 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import GELU_TANH_CAT
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
-from .adaln import plain_layernorm
+from .adaln import dual_block_applies, plain_layernorm
 from .base import Adapter, Site
 from .flux import flux_attention_site, ids_scope_site, single_attn_mlp_cat
 from .handoff import Opening
@@ -99,21 +99,6 @@ def dual_block_forward(block, original, hidden_states: torch.Tensor, encoder_hid
     return encoder_hidden_states, hidden_states
 
 
-def _dual_applies(block) -> str | None:
-    for name in ("norm1", "norm1_context"):
-        norm = getattr(block, name)
-        if norm.emb is not None:
-            return f"{name} has its own timestep embedding"
-        r = plain_layernorm(norm.norm)
-        if r is not None:
-            return f"{name}: {r}"
-    for name in ("norm2", "norm2_context"):
-        r = plain_layernorm(getattr(block, name))
-        if r is not None:
-            return f"{name}: {r}"
-    return None
-
-
 def single_block_forward(block, original, hidden_states: torch.Tensor, temb: torch.Tensor,
                          image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
                          attention_mask: torch.Tensor | None = None,
@@ -174,7 +159,7 @@ SITES = (
                 "joint_attention_kwargs"),
         forward=dual_block_forward,
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
-        applies=_dual_applies,
+        applies=dual_block_applies,
         high=False,
         description="dual block: pruned adaLN-Zero, gate+residual+norm2+modulate, FF gate residual",
     ),

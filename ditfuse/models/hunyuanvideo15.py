@@ -107,44 +107,26 @@ def attention_forward(attn, original, hidden_states: torch.Tensor, encoder_hidde
     :data:`_MASKS` after the first block built it (models/per_forward.py). The QK chain is
     diffusers' (module docstring)."""
     from diffusers.models.attention_dispatch import dispatch_attention_fn
-    from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15AttnProcessor2_0
 
     processor = attn.processor
     if (type(processor) is not HunyuanVideo15AttnProcessor2_0 or attention_mask is None
-            or not {"image_rotary_emb"}.issuperset(kwargs)):
+            or encoder_hidden_states is None or not {"image_rotary_emb"}.issuperset(kwargs)):
+        # a swapped processor, or inputs the blocks never pass: diffusers' own path
         return original(hidden_states, encoder_hidden_states, attention_mask, **kwargs)
     image_rotary_emb = kwargs.get("image_rotary_emb")
     query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
     key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
     value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
-    if encoder_hidden_states is not None and _qk_fused(attn):
-        # norm, the video stream's RoPE and the video-first cat of q and k in one op
-        encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-        cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
-        query, key = _ops.qk_rmsnorm_diffusers_rope_img_first(
-            query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
-            encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight)
-        value = torch.cat([value, encoder_value], dim=1)
-    else:
-        query = attn.norm_q(query)
-        key = attn.norm_k(key)
-        if image_rotary_emb is not None:
-            query = apply_rotary_emb(query, image_rotary_emb, sequence_dim=1)
-            key = apply_rotary_emb(key, image_rotary_emb, sequence_dim=1)
-        if encoder_hidden_states is not None:
-            encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            if attn.norm_added_q is not None:
-                encoder_query = attn.norm_added_q(encoder_query)
-            if attn.norm_added_k is not None:
-                encoder_key = attn.norm_added_k(encoder_key)
-            query = torch.cat([query, encoder_query], dim=1)
-            key = torch.cat([key, encoder_key], dim=1)
-            value = torch.cat([value, encoder_value], dim=1)
+    encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+    encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+    encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+    # norm, the video stream's RoPE and the video-first cat of q and k in one op
+    cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+    query, key = _ops.qk_rmsnorm_diffusers_rope_img_first(
+        query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
+        encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight)
+    value = torch.cat([value, encoder_value], dim=1)
     batch_size, seq_len, heads, dim = query.shape
     mask = _MASKS.get((attention_mask,), (batch_size, seq_len),
                       lambda: joint_mask(attention_mask, batch_size, seq_len))
@@ -153,23 +135,16 @@ def attention_forward(attn, original, hidden_states: torch.Tensor, encoder_hidde
         backend=processor._attention_backend, parallel_config=processor._parallel_config,
     )
     hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-    if encoder_hidden_states is not None:
-        hidden_states, encoder_hidden_states = (
-            hidden_states[:, : -encoder_hidden_states.shape[1]],
-            hidden_states[:, -encoder_hidden_states.shape[1]:],
-        )
-        if getattr(attn, "to_out", None) is not None:
-            hidden_states = attn.to_out[0](hidden_states)
-            hidden_states = attn.to_out[1](hidden_states)
-        if getattr(attn, "to_add_out", None) is not None:
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+    hidden_states, encoder_hidden_states = (
+        hidden_states[:, : -encoder_hidden_states.shape[1]],
+        hidden_states[:, -encoder_hidden_states.shape[1]:],
+    )
+    if getattr(attn, "to_out", None) is not None:
+        hidden_states = attn.to_out[0](hidden_states)
+        hidden_states = attn.to_out[1](hidden_states)
+    if getattr(attn, "to_add_out", None) is not None:
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
     return hidden_states, encoder_hidden_states
-
-
-def _qk_fused(attn) -> bool:
-    """The QK chain runs as one op when all four norms are diffusers' RMSNorm with one eps (the
-    ``qk_norm="rms_norm"`` every HunyuanVideo 1.5 block is built with); else diffusers' chain."""
-    return diffusers_rmsnorms(attn, _QK_NORMS, attn.inner_dim // attn.heads) is None
 
 
 _QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -180,7 +155,8 @@ def _attn_applies(attn) -> str | None:
 
     if type(attn.processor) is not HunyuanVideo15AttnProcessor2_0:
         return f"processor is {type(attn.processor).__name__}, not HunyuanVideo15AttnProcessor2_0"
-    return None
+    # the qk_norm="rms_norm" every HunyuanVideo 1.5 block is built with: the op's norm
+    return diffusers_rmsnorms(attn, _QK_NORMS, attn.inner_dim // attn.heads)
 
 
 SITES = (
