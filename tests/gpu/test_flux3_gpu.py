@@ -17,7 +17,7 @@ from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.kernels.rope.qk_rmsnorm_rope_triton import qk_fp32_rmsnorm_rope
 from ditfuse.models import families
 from ditfuse.models.flux3 import ADAPTER
-from tests.support.engaged import compare_accelerated
+from tests.support.engaged import compare_accelerated, handoff_counts_after
 
 DEV = "cuda"
 FLUX3 = families.get("flux3")
@@ -34,15 +34,7 @@ def _run(config, batch, size, layers=None, txt=512, cond=0):
                              cond_tokens=cond)
         inp = {k: v.to(DEV) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     compare_accelerated(m, inp, ADAPTER.ops(), f"flux3 {config} B={batch} {size} txt={txt} cond={cond}")
-    import ditfuse
-
-    with torch.no_grad():  # the blocks hand off (round 18): every link of a chain that ran is used
-        h = ditfuse.accelerate(m)
-        try:
-            m(**inp)
-            counts = ditfuse.models.handoff_counts(m)
-        finally:
-            h.unmount()
+    counts = handoff_counts_after(m, inp)  # the blocks hand off
     assert counts["discarded"] == 0 and (counts["links"] == 0 or counts["used"] > 0), counts
 
 

@@ -16,23 +16,16 @@ DEV = "cuda"
 
 
 def _run(config, batch, size, txt):
-    import ditfuse
     from ditfuse.models import families
     from ditfuse.models.hunyuanvideo15 import ADAPTER
-    from tests.support.engaged import compare_accelerated
+    from tests.support.engaged import compare_accelerated, handoff_counts_after
 
     fam = families.get("hunyuanvideo15")
     fam = dataclasses.replace(fam, configs={**fam.configs, "dev_small": dict(fam.config("dev"), num_layers=3)})
     m = fam.build(config, device=DEV)
     inp = fam.make_inputs(m, batch, size, device=DEV, txt_tokens=txt)
     compare_accelerated(m, inp, ADAPTER.ops(), f"hunyuanvideo15 {config} B={batch} {size} txt={txt}")
-    with torch.no_grad():
-        h = ditfuse.accelerate(m)
-        try:
-            m(**inp)
-            counts = ditfuse.models.handoff_counts(m)
-        finally:
-            h.unmount()
+    counts = handoff_counts_after(m, inp)  # the blocks hand off
     assert counts["used"] >= 2 and counts["discarded"] == 0, counts
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 DEV = "cuda"
 
@@ -26,21 +25,14 @@ def _family():
 
 
 def _run(config, batch, size, txt, mode, cond=0):
-    import ditfuse
     from ditfuse.models.qwenimage21 import ADAPTER
-    from tests.support.engaged import compare_accelerated
+    from tests.support.engaged import compare_accelerated, handoff_counts_after
 
     fam = _family()
     m = fam.build(config, device=DEV)
     inp = fam.make_inputs(m, batch, size, device=DEV, txt_tokens=txt, mode=mode, cond=cond)
     compare_accelerated(m, inp, ADAPTER.ops(), f"qwenimage21 {config} B={batch} {size} txt={txt} {mode} cond={cond}")
-    with torch.no_grad():
-        h = ditfuse.accelerate(m)
-        try:
-            m(**inp)
-            counts = ditfuse.models.handoff_counts(m)
-        finally:
-            h.unmount()
+    counts = handoff_counts_after(m, inp)  # the blocks hand off
     assert counts["used"] >= len(m.transformer_blocks) - 1 and counts["discarded"] == 0, counts
 
 

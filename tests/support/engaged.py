@@ -47,3 +47,15 @@ def compare_accelerated(model: torch.nn.Module, inputs: dict[str, Any], ops, lab
     assert_bitwise_equal(second, base, f"{label} second call (kernels only)")
     assert_bitwise_equal(after, base, f"{label} after unmount")
     assert_engaged(ops)
+
+
+def handoff_counts_after(model: torch.nn.Module, inputs: dict[str, Any]) -> dict[str, int]:
+    """Mount, run one forward, unmount: the cross-block hand-off's counts for that forward
+    (``{"links", "used", "discarded"}``, models/handoff.py)."""
+    with torch.no_grad():
+        h = ditfuse.accelerate(model)
+        try:
+            model(**inputs)
+            return ditfuse.models.handoff_counts(model)
+        finally:
+            h.unmount()
