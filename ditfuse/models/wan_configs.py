@@ -103,25 +103,15 @@ TINY_WAN_TEXT_LEN = 128
 WAN_FPS = 16
 
 
-def _t5_tokenizer(max_length: int) -> Any:
-    """A T5 Unigram tokenizer over lowercase letters, digits and punctuation (no extra ids).
-
-    Same recipe as the tiny-flux preset's T5 tokenizer (UMT5 uses T5's tokenizer class)."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()/"
-    pieces += [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
-
-
 def build_tiny_wan() -> Any:
     """Build the tiny WanPipeline in memory (random weights, seed ``TINY_WAN_SEED``)."""
     import torch
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    tokenizer = _t5_tokenizer(TINY_WAN_TEXT_LEN)
+    from .tiny_text import t5_tokenizer
+
+    tokenizer = t5_tokenizer(TINY_WAN_TEXT_LEN)
     torch.manual_seed(TINY_WAN_SEED)
     text_encoder = UMT5EncoderModel(
         UMT5Config(

@@ -221,42 +221,19 @@ def resolve_dtype(dtype: str | Any | None, device: str) -> Any:
         raise ValueError(f"unknown dtype {dtype!r}; allowed: auto, bf16, fp16, fp32") from None
 
 
-def _clip_tokenizer(max_length: int):
-    """A CLIP BPE tokenizer over single byte-level characters (no merges): every word becomes
-    its characters, the last one carrying CLIP's ``</w>`` suffix."""
-    from tokenizers.pre_tokenizers import ByteLevel
-    from transformers import CLIPTokenizer
-
-    vocab: dict[str, int] = {}
-    for tok in ("<|startoftext|>", "<|endoftext|>"):
-        vocab[tok] = len(vocab)
-    for ch in sorted(ByteLevel.alphabet()):
-        vocab[ch] = len(vocab)
-        vocab[ch + "</w>"] = len(vocab)
-    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
-
-
-def _t5_tokenizer(max_length: int):
-    """A T5 Unigram tokenizer over lowercase letters, digits and punctuation (no extra ids)."""
-    from transformers import T5Tokenizer
-
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
-    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()/"
-    pieces += [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
-    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
-
-
 def build_tiny_flux():
     """Build the tiny FluxPipeline in memory (random weights, seed ``_TINY_SEED``)."""
     import torch
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+
+    from ..models.tiny_text import clip_tokenizer, t5_tokenizer
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     # Both tokenizers are character-level, so a prompt costs about one token per character:
     # CLIP keeps its usual 77 positions and T5 gets 128 (FLUX.1 uses 512; not needed here).
     clip_len, t5_len = 77, 128
-    tokenizer = _clip_tokenizer(clip_len)
-    tokenizer_2 = _t5_tokenizer(t5_len)
+    tokenizer = clip_tokenizer(clip_len)
+    tokenizer_2 = t5_tokenizer(t5_len)
 
     torch.manual_seed(_TINY_SEED)
     text_encoder = CLIPTextModel(

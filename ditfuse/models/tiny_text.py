@@ -1,0 +1,100 @@
+"""Tokenizers for the tiny random-weight pipelines, built offline (no download, no vocab files).
+
+Every tiny pipeline (``tiny-flux``, ``tiny-wan``, ``tiny-sd3``, ...) needs its family's tokenizer
+class, because the diffusers pipeline calls that class's API (a CLIP tokenizer's 77 positions, a
+Qwen2 tokenizer's chat template, ...). The vocabularies here are character- or byte-level, so a
+prompt costs about one token per character; the text encoders behind them have random weights,
+so what a prompt *means* is irrelevant: these exist to run the code path, not to make pictures.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Qwen2's special tokens, in the order the real vocabulary lists them (the ones diffusers'
+# Qwen-family pipelines and transformers' Qwen-VL processors name).
+QWEN2_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+
+# The chat template Qwen2.5 / Qwen3 tokenizers ship (system / user / assistant turns), reduced to
+# what ``apply_chat_template(..., add_generation_prompt=...)`` needs for text-and-image messages.
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' or 'image' in item %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def _byte_level_alphabet() -> list[str]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return sorted(ByteLevel.alphabet())
+
+
+def clip_tokenizer(max_length: int = 77) -> Any:
+    """A CLIP BPE tokenizer over single byte-level characters (no merges): every word becomes
+    its characters, the last one carrying CLIP's ``</w>`` suffix."""
+    from transformers import CLIPTokenizer
+
+    vocab: dict[str, int] = {}
+    for tok in ("<|startoftext|>", "<|endoftext|>"):
+        vocab[tok] = len(vocab)
+    for ch in _byte_level_alphabet():
+        vocab[ch] = len(vocab)
+        vocab[ch + "</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length)
+
+
+def t5_tokenizer(max_length: int) -> Any:
+    """A T5 Unigram tokenizer over lowercase letters, digits and punctuation (no extra ids).
+    UMT5 (Wan) uses the same tokenizer class."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    chars = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,;:!?'\"-()/"
+    pieces += [("▁" + c, -3.0) for c in chars] + [(c, -4.0) for c in chars]
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=max_length)
+
+
+def qwen2_tokenizer(max_length: int = 32768) -> Any:
+    """A Qwen2 byte-level BPE tokenizer with no merges (one token per byte) plus Qwen's special
+    tokens and a chat template; Qwen-Image's, Z-Image's, FLUX.2 Klein's and HunyuanVideo 1.5's
+    pipelines call it as they call the real one (templates, ``apply_chat_template``)."""
+    from transformers import AddedToken, Qwen2Tokenizer
+
+    vocab = {ch: i for i, ch in enumerate(_byte_level_alphabet())}
+    tok = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        unk_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=max_length,
+    )
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in QWEN2_SPECIAL_TOKENS]}
+    )
+    tok.chat_template = QWEN2_CHAT_TEMPLATE
+    return tok
+
+
+def byt5_tokenizer(max_length: int = 256) -> Any:
+    """transformers' ByT5 tokenizer (bytes, no vocabulary file): HunyuanVideo 1.5's glyph encoder."""
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer(model_max_length=max_length)
