@@ -48,3 +48,80 @@ FAMILY = Family(
            "medium": "SD3.5-medium size (24 blocks, width 1536, dual attention in blocks 0-12)",
            "sd3-medium": "SD3-medium size (24 blocks, width 1536, no QK norm)"},
 )
+
+
+# ------------------------------------------------------------------------------ the tiny SD3.5 pipeline
+
+TINY_SEED = 0
+# Character-level tokenizers (models/tiny_text.py): one token per character. CLIP keeps SD3's 77
+# positions (the pipeline reads them from the tokenizer); T5 gets 64 instead of 256.
+TINY_CLIP_LEN = 77
+TINY_T5_LEN = 64
+# What every call of the tiny pipeline passes: the pipeline's T5 length defaults to 256.
+TINY_CALL_KWARGS: dict[str, Any] = {"max_sequence_length": TINY_T5_LEN}
+
+
+def build_tiny_pipeline() -> Any:
+    """A complete ``StableDiffusion3Pipeline`` (SD3.5 layout) with **random weights** from seed
+    ``TINY_SEED``: its images are noise; it exercises the pipeline's code path offline.
+
+    Parts: the ``tiny`` SD3Transformer2DModel of :data:`FAMILY` (QK RMSNorm, block 0 with dual
+    attention, the context_pre_only last block) with 16 latent channels; two 2-layer
+    ``CLIPTextModelWithProjection`` (CLIP-L / CLIP-G stand-ins) and a 1-layer ``T5EncoderModel``
+    with the character-level tokenizers of :mod:`ditfuse.models.tiny_text`; a 4-level
+    ``AutoencoderKL`` with 16 latent channels (vae_scale_factor 8: sizes are multiples of 16);
+    SD3.5's ``FlowMatchEulerDiscreteScheduler`` (shift 3). Calls should pass
+    :data:`TINY_CALL_KWARGS`.
+    """
+    import torch
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                           StableDiffusion3Pipeline)
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from .tiny_text import clip_tokenizer, t5_tokenizer
+
+    cfg = dict(FAMILY.configs["tiny"])
+    # The VAE's 16 latent channels (SD3's); sample_size 32 makes the pipeline's default size
+    # 256x256; a 64-patch position table allows images up to 1024 px a side (16 px per patch).
+    cfg.update(in_channels=16, out_channels=16, sample_size=32, pos_embed_max_size=64)
+    joint, pooled = cfg["joint_attention_dim"], cfg["pooled_projection_dim"]  # 20, 12
+
+    tokenizer, tokenizer_2 = clip_tokenizer(TINY_CLIP_LEN), clip_tokenizer(TINY_CLIP_LEN)
+    tokenizer_3 = t5_tokenizer(TINY_T5_LEN)
+
+    def clip(hidden: int, projection: int) -> Any:
+        # 2 layers: the pipeline takes hidden_states[-2] (the penultimate layer) as SD3 does, so
+        # with 1 layer the sequence embedding would skip every attention layer.
+        return CLIPTextModelWithProjection(CLIPTextConfig(
+            vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=TINY_CLIP_LEN, projection_dim=projection,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )).eval()
+
+    torch.manual_seed(TINY_SEED)
+    # The pipeline concatenates the two CLIPs' sequence states (8 + 8 = 16, zero-padded to T5's
+    # width, the transformer's joint_attention_dim) and their pooled projections (4 + 8 =
+    # pooled_projection_dim); SD3 pads 768 + 1280 to 4096 the same way.
+    text_encoder = clip(8, 4)
+    text_encoder_2 = clip(8, pooled - 4)
+    text_encoder_3 = T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer_3), d_model=joint, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        relative_attention_num_buckets=8, dense_act_fn="gelu_new", feed_forward_proj="gated-gelu",
+        is_gated_act=True, pad_token_id=tokenizer_3.pad_token_id, eos_token_id=tokenizer_3.eos_token_id,
+    )).eval()
+    transformer = SD3Transformer2DModel(**cfg).eval()
+    # SD3's VAE in miniature: 4 levels (8x downsampling), 16 latent channels, no quant convs,
+    # SD3.5's scaling and shift factors.
+    vae = AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+        latent_channels=16, norm_num_groups=4, sample_size=64, scaling_factor=1.5305, shift_factor=0.0609,
+        use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    return StableDiffusion3Pipeline(
+        transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, text_encoder_3=text_encoder_3,
+        tokenizer_3=tokenizer_3,
+    )

@@ -28,11 +28,17 @@ def _lora_args(p: argparse.ArgumentParser) -> None:
 def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-flux", help=MODEL_HELP)
     p.add_argument("--prompt", required=True, help="what to generate (the tiny presets ignore its meaning)")
-    p.add_argument("--negative-prompt", default=None, help="only used with --true-cfg-scale > 1 (FLUX) or Wan's CFG")
-    p.add_argument("--true-cfg-scale", type=float, default=1.0, help="> 1 with --negative-prompt: true CFG (2 passes per step)")
+    p.add_argument("--negative-prompt", default=None,
+                   help="CFG pipelines (SD3, Wan, Z-Image, Chroma, HunyuanVideo 1.5) use it when guidance > 1; "
+                        "FLUX.1 and Qwen-Image only with --true-cfg-scale > 1")
+    p.add_argument("--true-cfg-scale", type=float, default=None,
+                   help="FLUX.1 / Qwen-Image: > 1 with --negative-prompt runs true CFG (2 passes per step); "
+                        "default: the pipeline's (1.0; Qwen-Image 4.0)")
     p.add_argument("--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default: the model's default)")
-    p.add_argument("--steps", type=int, default=None, dest="steps", help="denoising steps (default: 28; tiny-wan 8, Wan 50)")
-    p.add_argument("--guidance", type=float, default=None, dest="guidance", help="guidance scale (default: 3.5; Wan 5.0)")
+    p.add_argument("--steps", type=int, default=None, dest="steps", help="denoising steps (default: the pipeline's: FLUX.1 / SD3 28, Chroma 35, Qwen-Image 2.1 40, "
+                        "FLUX.2 / Qwen-Image / Z-Image / Wan / HunyuanVideo 1.5 50; tiny-wan 8)")
+    p.add_argument("--guidance", type=float, default=None, dest="guidance", help="guidance scale (default: the pipeline's: FLUX.1 3.5, SD3 7.0, Wan / Z-Image / Chroma 5.0, "
+                        "HunyuanVideo 1.5 its guider's; Qwen-Image takes none)")
     p.add_argument("--seed", type=int, default=0, help="seed of output 0; output i uses seed + i")
     p.add_argument("--n", type=int, default=1, help="outputs to generate (out.png -> out-0.png, out-1.png, ...)")
     p.add_argument("--quality", default="lossless", help="lossless (bit-exact kernels only, default) or high")

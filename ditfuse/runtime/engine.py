@@ -83,6 +83,7 @@ from typing import TYPE_CHECKING, Any
 from ..contracts.quality import Quality
 from .metrics import EngineMetrics, LiveState, WorkerState
 from .params import SamplingParams
+from .pipelines import GUIDANCE_GUIDER, GUIDANCE_KWARG, NEGATIVE_CFG, NEGATIVE_TRUE_CFG, spec_for
 
 if TYPE_CHECKING:
     from .workers import Worker, WorkerPool
@@ -160,6 +161,34 @@ def _call_kwargs(pipe: Any) -> set[str]:
         return set()
 
 
+class _StepCounter:
+    """Progress for a pipeline without ``callback_on_step_end`` (HunyuanVideo 1.5): its
+    scheduler's ``step`` is called once per denoising step, whatever its guidance does, so an
+    instance attribute wrapping it reports ``on_step(i, total)`` for the duration of one call."""
+
+    def __init__(self, pipe: Any, on_step: Callable[[int, int], None], total: int) -> None:
+        self.scheduler = getattr(pipe, "scheduler", None)
+        self.on_step, self.total, self.done = on_step, total, 0
+
+    def start(self) -> None:
+        sched = self.scheduler
+        if sched is None or "step" in vars(sched):
+            return
+        inner = sched.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            out = inner(*args, **kwargs)
+            self.on_step(self.done, self.total)
+            self.done += 1
+            return out
+
+        sched.step = step
+
+    def stop(self) -> None:
+        if self.scheduler is not None:
+            vars(self.scheduler).pop("step", None)
+
+
 def run_batch(
     loaded: Any,
     slots: Sequence[tuple[SamplingParams, int]],
@@ -189,40 +218,51 @@ def run_batch(
     pipe = loaded.pipe
     accepted = _call_kwargs(pipe)
     gen_device = "cpu" if loaded.device == "cpu" else loaded.device
+    spec = getattr(loaded, "spec", None) or spec_for(type(pipe).__name__)
     kwargs: dict[str, Any] = {
         "prompt": [p.prompt for p, _ in full],
         "height": p0.height,
         "width": p0.width,
         "num_inference_steps": p0.num_inference_steps,
-        "guidance_scale": p0.guidance_scale,
         "generator": [torch.Generator(device=gen_device).manual_seed(p.seed + i) for p, i in full],
         "num_images_per_prompt": 1,
         "output_type": "pil",
     }
-    if p0.uses_true_cfg:
-        kwargs["negative_prompt"] = [p.negative_prompt for p, _ in full]
-        kwargs["true_cfg_scale"] = p0.true_cfg_scale
-    # -- video (WanPipeline): frames as float arrays, CFG's negative prompts per video ---------
+    if spec.guidance == GUIDANCE_KWARG:
+        kwargs["guidance_scale"] = p0.guidance_scale
+    negatives = any(p.negative_prompt for p, _ in full)
+    if spec.negative == NEGATIVE_TRUE_CFG:
+        if p0.uses_true_cfg:
+            kwargs["negative_prompt"] = [p.negative_prompt for p, _ in full]
+            kwargs["true_cfg_scale"] = p0.true_cfg_scale
+    elif spec.negative == NEGATIVE_CFG:
+        if negatives:
+            # the pipelines' own default negative prompt is "" (used whenever guidance is on)
+            kwargs["negative_prompt"] = [p.negative_prompt or "" for p, _ in full]
+    elif negatives:
+        raise ValueError(spec.check_request({"negative_prompt"})[1])
+    # -- video: frames as float arrays ----------------------------------------------------------
     # An image request on a video model is a one-frame clip (Wan is trained on images too).
     video = p0.num_frames is not None
     still = not video and getattr(loaded, "is_video", False)
     if video or still:
         del kwargs["num_images_per_prompt"]
         kwargs.update(num_frames=p0.num_frames or 1, num_videos_per_prompt=1, output_type="np")
-        if any(p.negative_prompt for p, _ in full):
-            # Wan's default negative prompt is "" (used whenever guidance_scale > 1).
-            kwargs["negative_prompt"] = [p.negative_prompt or "" for p, _ in full]
     # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
-    if on_step is not None and "callback_on_step_end" in accepted:
+    steps_counted = None
+    if on_step is not None:
         total = p0.num_inference_steps
+        if "callback_on_step_end" in accepted:
 
-        def _cb(_pipe: Any, i: int, _t: Any, cb_kwargs: dict[str, Any]) -> dict[str, Any]:
-            on_step(i, total)
-            return {}
+            def _cb(_pipe: Any, i: int, _t: Any, cb_kwargs: dict[str, Any]) -> dict[str, Any]:
+                on_step(i, total)
+                return {}
 
-        kwargs["callback_on_step_end"] = _cb
-        kwargs["callback_on_step_end_tensor_inputs"] = []
+            kwargs["callback_on_step_end"] = _cb
+            kwargs["callback_on_step_end_tensor_inputs"] = []
+        else:
+            steps_counted = _StepCounter(pipe, on_step, total)
     if accepted:
         dropped = [k for k in kwargs if k not in accepted]
         if "negative_prompt" in dropped:
@@ -232,8 +272,21 @@ def run_batch(
     # no_grad, as diffusers' pipelines themselves: under inference_mode every tensor is an
     # inference tensor without a version counter, and the cross-block hand-off and the RoPE table
     # cache (models/handoff.py, models/pos_cache.py), which rely on it, would stand down.
-    with torch.no_grad():
-        out = pipe(**kwargs)
+    guider = getattr(pipe, "guider", None) if spec.guidance == GUIDANCE_GUIDER else None
+    saved_scale = guider.guidance_scale if guider is not None else None
+    try:
+        if guider is not None:
+            # HunyuanVideo 1.5 reads its scale from the guider component: set for this call only
+            guider.guidance_scale = p0.guidance_scale
+        if steps_counted is not None:
+            steps_counted.start()
+        with torch.no_grad():
+            out = pipe(**kwargs)
+    finally:
+        if guider is not None:
+            guider.guidance_scale = saved_scale
+        if steps_counted is not None:
+            steps_counted.stop()
     if video or still:
         from .video_io import frames_to_uint8
 

@@ -106,7 +106,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         video = info.kind == "video"
         frames, seconds = getattr(args, "frames", None), getattr(args, "seconds", None)
         if not video and (frames is not None or seconds is not None):
-            raise ParamError("frames", f"--frames/--seconds need a video model (tiny-wan or a WanPipeline directory); {args.model} makes images")
+            raise ParamError("frames", f"--frames/--seconds need a video model (tiny-wan, a WanPipeline or HunyuanVideo15Pipeline directory); {args.model} makes images")
         out = out_path(info)
         if video:
             video_format(out)  # ValueError for anything but .mp4/.webp/.gif
@@ -116,9 +116,17 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         else:
             fmt = out.suffix.lower().lstrip(".") or "png"
             fmt = {"jpg": "jpeg"}.get(fmt, fmt)
-        steps = args.steps if args.steps is not None else (info.default_steps or 28)
+        spec = info.spec
+        named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", getattr(args, "true_cfg_scale", None)),
+                                ("negative_prompt", args.negative_prompt)) if v is not None}
+        refused = spec.check_request(named)
+        if refused:
+            raise ParamError(*refused)
+        true_cfg = getattr(args, "true_cfg_scale", None)
+        steps = args.steps if args.steps is not None else (info.default_steps or spec.default_steps)
+        default_guidance = info.default_guidance if info.default_guidance is not None else spec.default_guidance
         guidance = args.guidance if args.guidance is not None else (
-            info.default_guidance if info.default_guidance is not None else 3.5
+            default_guidance if default_guidance is not None else 3.5
         )
         params = SamplingParams.create(
             args.prompt,
@@ -129,7 +137,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             n=args.n,
             quality=args.quality,
             negative_prompt=args.negative_prompt,
-            true_cfg_scale=args.true_cfg_scale,
+            true_cfg_scale=spec.default_true_cfg if true_cfg is None else true_cfg,
             output_format=fmt,
             default_size=info.default_size,
             size_multiple=info.size_multiple,

@@ -16,19 +16,25 @@ there afterwards, so every process sees the same weights. :data:`PRESET_TABLE` l
 
 Anything else passed as a model is treated as a path to a diffusers-format directory and loaded
 with ``DiffusionPipeline.from_pretrained(path, dtype=...)``; the pipeline class named in its
-``model_index.json`` says whether it makes images or videos (:data:`VIDEO_PIPELINES`).
+``model_index.json`` says how to call it and whether it makes images or videos
+(:data:`ditfuse.runtime.pipelines.PIPELINE_SPECS`).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .pipelines import PipelineSpec, spec_for, unknown_pipeline_note
+
+log = logging.getLogger("ditfuse.runtime")
 
 TINY_FLUX = "tiny-flux"
 TINY_WAN = "tiny-wan"
@@ -49,7 +55,8 @@ class Preset:
     version: int  # part of the cache directory name: bump when the recipe changes
     default_size: tuple[int, int]  # (width, height)
     size_multiple: int
-    call_kwargs: dict[str, Any]
+    # what every call gets (a short text length, ...); None: the builder module's TINY_CALL_KWARGS
+    call_kwargs: dict[str, Any] | None
     note: str
     kind: str = "image"  # "image" | "video"
     fps: int | None = None  # video: frames per second of the clips
@@ -57,6 +64,17 @@ class Preset:
     default_frames: int | None = None
     default_steps: int | None = None  # None: SamplingParams' default
     default_guidance: float | None = None
+    pipeline: str = "FluxPipeline"  # the diffusers pipeline class it builds (runtime/pipelines.py)
+
+    @property
+    def spec(self) -> PipelineSpec:
+        return spec_for(self.pipeline)
+
+    def resolved_call_kwargs(self) -> dict[str, Any]:
+        if self.call_kwargs is not None:
+            return dict(self.call_kwargs)
+        module = importlib.import_module(self.builder.partition(":")[0])
+        return dict(getattr(module, "TINY_CALL_KWARGS", {}))
 
 
 PRESET_TABLE: dict[str, Preset] = {
@@ -83,16 +101,37 @@ PRESET_TABLE: dict[str, Preset] = {
         default_frames=17,
         default_steps=8,
         default_guidance=5.0,
+        pipeline="WanPipeline",
     ),
 }
+
+
+def _tiny_image_preset(name: str, family: str, pipeline: str, label: str) -> Preset:
+    """A tiny image pipeline of one family (``ditfuse.models.<family>_configs.build_tiny_pipeline``,
+    whose module's ``TINY_CALL_KWARGS`` every call gets): 256x256 by default, sizes in steps of
+    16, the pipeline's own steps and guidance."""
+    return Preset(
+        name=name,
+        builder=f"ditfuse.models.{family}_configs:build_tiny_pipeline",
+        version=1,
+        default_size=(256, 256),
+        size_multiple=16,
+        call_kwargs=None,
+        note=f"{name} has random weights: its images are noise (it exercises the {label} pipeline, not image quality)",
+        pipeline=pipeline,
+    )
+
+
+PRESET_TABLE.update({p.name: p for p in (
+    _tiny_image_preset("tiny-sd3", "sd3", "StableDiffusion3Pipeline", "SD3.5"),
+    _tiny_image_preset("tiny-chroma", "chroma", "ChromaPipeline", "Chroma"),
+    _tiny_image_preset("tiny-flux2-klein", "flux2", "Flux2KleinPipeline", "FLUX.2 Klein"),
+    _tiny_image_preset("tiny-qwenimage", "qwenimage", "QwenImagePipeline", "Qwen-Image"),
+    _tiny_image_preset("tiny-zimage", "zimage", "ZImagePipeline", "Z-Image"),
+)})
 PRESETS = tuple(PRESET_TABLE)
 # (default size, size multiple) per preset, known without loading it.
 PRESET_GEOMETRY = {name: (p.default_size, p.size_multiple) for name, p in PRESET_TABLE.items()}
-
-# Video pipelines a model directory may hold (the class named in its model_index.json), with
-# their clips' frame rate. Wan 2.1/2.2 generate 16 fps clips of 4k+1 frames (81 by default).
-VIDEO_PIPELINES = {"WanPipeline": {"fps": 16, "default_frames": 81, "default_steps": 50, "default_guidance": 5.0}}
-
 
 @dataclass
 class LoadedModel:
@@ -116,6 +155,8 @@ class LoadedModel:
     default_steps: int | None = None
     default_guidance: float | None = None
     loras: tuple[str, ...] = ()  # what --lora loaded, for the startup lines ("path (scale 0.8)")
+    # How the runtime calls this pipeline class (guidance, negative prompts; runtime/pipelines.py).
+    spec: PipelineSpec = field(default_factory=lambda: spec_for("FluxPipeline"))
 
     @property
     def is_video(self) -> bool:
@@ -396,13 +437,14 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
     if model in PRESET_TABLE:
         p = PRESET_TABLE[model]
         pipe = _from_pretrained(ensure_preset(model), torch_dtype)
+        spec = spec_for(type(pipe).__name__)
         return LoadedModel(
             name=p.name,
             pipe=pipe.to(device),
             device=device,
             dtype=torch_dtype,
             is_preset=True,
-            call_kwargs=dict(p.call_kwargs),
+            call_kwargs=p.resolved_call_kwargs(),
             default_size=p.default_size,
             size_multiple=p.size_multiple,
             note=p.note,
@@ -410,8 +452,9 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
             fps=p.fps,
             frame_multiple=p.frame_multiple,
             default_frames=p.default_frames,
-            default_steps=p.default_steps,
-            default_guidance=p.default_guidance,
+            default_steps=p.default_steps if p.default_steps is not None else spec.default_steps,
+            default_guidance=p.default_guidance if p.default_guidance is not None else spec.guidance_for(pipe),
+            spec=spec,
         )
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -426,23 +469,29 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
                 "`ditfuse generate` / `serve` load DiffusionPipeline directories only; in Python, "
                 "`ditfuse.accelerate(pipe)` mounts on a loaded ModularPipeline's components")
         raise ValueError(f"{path} is not a diffusers pipeline directory (no model_index.json)")
-    cls_name = pipeline_class(path)
-    if cls_name in VIDEO_PIPELINES:
-        return _load_video_dir(path, cls_name, device, torch_dtype)
+    spec = spec_for(pipeline_class(path))
+    note = unknown_pipeline_note(spec)
+    if note:
+        log.warning(note)
     pipe = _from_pretrained(path, torch_dtype).to(device)
-    vsf = int(getattr(pipe, "vae_scale_factor", 8))
-    # Flux-style pipelines pack 2x2 latent patches, so sizes must be multiples of 2 * vae_scale_factor.
-    multiple = vsf * 2
-    sample = getattr(pipe, "default_sample_size", 128) * vsf
-    return LoadedModel(
+    loaded = LoadedModel(
         name=path.name,
         pipe=pipe,
         device=device,
         dtype=torch_dtype,
         is_preset=False,
-        default_size=(sample, sample),
-        size_multiple=multiple,
+        default_size=spec.size_for(pipe),
+        size_multiple=spec.size_multiple(pipe),
+        kind=spec.kind,
+        default_steps=spec.default_steps,
+        default_guidance=spec.guidance_for(pipe),
+        spec=spec,
     )
+    if spec.is_video:
+        loaded.fps = spec.fps
+        loaded.frame_multiple = int(pipe.vae_scale_factor_temporal)
+        loaded.default_frames = spec.default_frames
+    return loaded
 
 
 def pipeline_class(path: Path) -> str | None:
@@ -455,32 +504,6 @@ def pipeline_class(path: Path) -> str | None:
     return name if isinstance(name, str) else None
 
 
-def _load_video_dir(path: Path, cls_name: str, device: str, torch_dtype: Any) -> LoadedModel:
-    """A local text-to-video pipeline directory (e.g. Wan2.1-T2V-1.3B-Diffusers)."""
-    info = VIDEO_PIPELINES[cls_name]
-    pipe = _from_pretrained(path, torch_dtype).to(device)
-    transformer = pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.transformer_2
-    patch = tuple(transformer.config.patch_size)
-    spatial = int(pipe.vae_scale_factor_spatial)
-    return LoadedModel(
-        name=path.name,
-        pipe=pipe,
-        device=device,
-        dtype=torch_dtype,
-        is_preset=False,
-        # Wan's pipeline calls default to 480p (832x480); sizes must be multiples of the VAE's
-        # spatial factor times the patch size (8 * 2 = 16 for Wan 2.1).
-        default_size=(832, 480),
-        size_multiple=spatial * max(patch[1], patch[2]),
-        kind="video",
-        fps=info["fps"],
-        frame_multiple=int(pipe.vae_scale_factor_temporal),
-        default_frames=info["default_frames"],
-        default_steps=info["default_steps"],
-        default_guidance=info["default_guidance"],
-    )
-
-
 def is_video_model(model: str) -> bool:
     """Whether ``model`` (a preset name or a diffusers directory) makes videos, without loading it."""
     if model in PRESET_TABLE:
@@ -488,7 +511,7 @@ def is_video_model(model: str) -> bool:
     path = Path(model).expanduser()
     if not (path / "model_index.json").is_file():
         return False
-    return pipeline_class(path) in VIDEO_PIPELINES
+    return spec_for(pipeline_class(path)).is_video
 
 
 CUDA_GRAPH_SETTINGS = ("auto", "on", "off")

@@ -175,7 +175,16 @@ def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
         raise ParamError("response_format", f"response_format {fmt!r} is not supported; use 'b64_json'")
     quality = parse_quality(body.get("quality"), engine.default_quality)
     loaded = engine.loaded
-    kwargs: dict[str, Any] = {}
+    spec = loaded.spec
+    refused = spec.check_request({k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if body.get(k) is not None})
+    if refused:
+        raise ParamError(*refused)
+    # the pipeline's defaults for what the request leaves out (diffusers' own, runtime/pipelines.py)
+    kwargs: dict[str, Any] = {"true_cfg_scale": spec.default_true_cfg}
+    if loaded.default_steps is not None:
+        kwargs["num_inference_steps"] = loaded.default_steps
+    if loaded.default_guidance is not None:
+        kwargs["guidance_scale"] = loaded.default_guidance
     for key in ("num_inference_steps", "guidance_scale", "true_cfg_scale"):
         if body.get(key) is not None:
             kwargs[key] = body[key]

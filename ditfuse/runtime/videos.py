@@ -122,6 +122,9 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
     model = fields.get("model")
     if model is not None and model not in (engine.model_name, "ditfuse"):
         raise APIError(404, f"model {model!r} is not served here; this server runs {engine.model_name!r}", "model", "model_not_found")
+    refused = loaded.spec.check_request({k for k in ("guidance_scale", "negative_prompt") if fields.get(k) is not None})
+    if refused:
+        raise ParamError(*refused)
     if fields.get("steps") is not None and fields.get("num_inference_steps") is not None:
         raise ParamError("steps", "give steps or num_inference_steps, not both")
     steps = fields.get("steps", fields.get("num_inference_steps"))

@@ -28,7 +28,7 @@ def _help(*argv: str) -> str:
     "argv,needles",
     [
         (("serve",), ["--port PORT           TCP port (default: 30000)", "(default: 4)", "(default: 256)", "(default: lossless)"]),
-        (("generate",), ["denoising steps (default: 28; tiny-wan 8, Wan 50)", "(default: 3.5; Wan 5.0)", "seed + i (default: 0)", "(default: tiny-flux)"]),
+        (("generate",), ["denoising steps (default: the pipeline's: FLUX.1 / SD3 28,", "(default: the pipeline's: FLUX.1 3.5, SD3 7.0,", "seed + i (default: 0)", "(default: tiny-flux)"]),
     ],
 )
 def test_help_shows_defaults(argv, needles):

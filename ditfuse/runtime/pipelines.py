@@ -1,0 +1,164 @@
+"""How the runtime calls each diffusers pipeline class: one declarative row per class.
+
+diffusers' text-to-image / text-to-video pipelines agree on ``prompt``, ``height``, ``width``,
+``num_inference_steps`` and ``generator``, and disagree on the rest: where the guidance scale goes
+(a ``guidance_scale`` argument, FLUX's and FLUX.2's distilled guidance embedding, HunyuanVideo
+1.5's ``guider`` component, or nowhere: Qwen-Image guides only through ``true_cfg_scale``), what a
+negative prompt needs (classifier-free guidance above 1, or ``true_cfg_scale`` above 1), the sizes
+they accept, and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
+says this for one class; :data:`PIPELINE_SPECS` lists every class ``generate`` / ``serve`` know.
+
+A directory holding a class not listed loads as a text-to-image pipeline called the FLUX way
+(``guidance_scale``, a negative prompt through ``true_cfg_scale``), with a log line saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+log = logging.getLogger("ditfuse.runtime")
+
+# Where a request's guidance_scale goes.
+GUIDANCE_KWARG = "kwarg"  # the pipeline's guidance_scale argument
+GUIDANCE_GUIDER = "guider"  # pipe.guider.guidance_scale, for the duration of the call
+# What a negative prompt needs.
+NEGATIVE_CFG = "cfg"  # used whenever the guidance scale is above 1 (SD3, Wan, Z-Image, Chroma, ...)
+NEGATIVE_TRUE_CFG = "true_cfg"  # used only with true_cfg_scale above 1 (FLUX.1, Qwen-Image)
+
+
+def _flux_packed_multiple(pipe: Any) -> int:
+    # 2x2 latent patches packed into tokens: sides are multiples of 2 x the VAE's factor.
+    return int(getattr(pipe, "vae_scale_factor", 8)) * 2
+
+
+def _square_default(pipe: Any) -> tuple[int, int]:
+    side = int(getattr(pipe, "default_sample_size", 128)) * int(getattr(pipe, "vae_scale_factor", 8))
+    return side, side
+
+
+def _wan_multiple(pipe: Any) -> int:
+    transformer = pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.transformer_2
+    patch = tuple(transformer.config.patch_size)
+    return int(pipe.vae_scale_factor_spatial) * max(patch[1], patch[2])
+
+
+def _hunyuanvideo15_default(pipe: Any) -> tuple[int, int]:
+    # diffusers' own default: the crop bucket nearest 16:9 at the transformer's target size
+    h, w = pipe.video_processor.calculate_default_height_width(
+        pipe.default_aspect_ratio[1], pipe.default_aspect_ratio[0], pipe.target_size
+    )
+    return int(w), int(h)
+
+
+def _hunyuanvideo15_multiple(pipe: Any) -> int:
+    patch = int(getattr(pipe.transformer.config, "patch_size", 1))
+    return int(pipe.vae_scale_factor_spatial) * patch
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How to call one diffusers pipeline class (see the module docstring)."""
+
+    name: str  # the pipeline class name, as model_index.json's _class_name says it
+    label: str  # what users call it, in messages ("Qwen-Image")
+    kind: str = "image"  # "image" | "video"
+    guidance: str | None = GUIDANCE_KWARG  # GUIDANCE_KWARG, GUIDANCE_GUIDER or None (takes none)
+    negative: str | None = NEGATIVE_CFG  # NEGATIVE_CFG, NEGATIVE_TRUE_CFG or None (takes none)
+    default_steps: int = 28
+    # None: read from the loaded pipeline (the guider's scale for GUIDANCE_GUIDER)
+    default_guidance: float | None = 3.5
+    # true_cfg_scale when a request names none (diffusers' own default for the class)
+    default_true_cfg: float = 1.0
+    # (width, height), or a module-level function of the loaded pipeline giving it (module-level:
+    # a spec travels to worker processes pickled)
+    default_size: "tuple[int, int] | Callable[[Any], tuple[int, int]]" = _square_default
+    size_multiple: Callable[[Any], int] = _flux_packed_multiple
+    # video: frames per second of the clips and the default clip length (frame counts are
+    # pipe.vae_scale_factor_temporal * k + 1)
+    fps: int | None = None
+    default_frames: int | None = None
+    known: bool = True  # False: the fallback for a class not in the table
+
+    @property
+    def is_video(self) -> bool:
+        return self.kind == "video"
+
+    @property
+    def takes_true_cfg(self) -> bool:
+        return self.negative == NEGATIVE_TRUE_CFG
+
+    def size_for(self, pipe: Any) -> tuple[int, int]:
+        """The (width, height) a request gets when it names no size."""
+        return self.default_size(pipe) if callable(self.default_size) else tuple(self.default_size)
+
+    def guidance_for(self, pipe: Any) -> float | None:
+        """The guidance scale a request gets when it names none."""
+        if self.guidance == GUIDANCE_GUIDER:
+            return float(pipe.guider.guidance_scale)
+        return self.default_guidance
+
+    def check_request(self, fields: "set[str] | frozenset[str]") -> tuple[str, str] | None:
+        """``(field, why)`` when a request naming ``fields`` cannot run on this pipeline, else
+        None. Only the fields a caller set explicitly count: a default never makes a request fail."""
+        if "guidance_scale" in fields and self.guidance is None:
+            return "guidance_scale", (f"{self.label} ({self.name}) takes no guidance_scale: its classifier-free "
+                                      "guidance is negative_prompt with true_cfg_scale above 1")
+        if "true_cfg_scale" in fields and not self.takes_true_cfg:
+            how = "guidance_scale" if self.guidance else "none"
+            return "true_cfg_scale", f"{self.label} ({self.name}) takes no true_cfg_scale (its guidance: {how})"
+        if "negative_prompt" in fields and self.negative is None:
+            return "negative_prompt", f"{self.label} ({self.name}) takes no negative_prompt"
+        return None
+
+
+PIPELINE_SPECS: dict[str, PipelineSpec] = {
+    s.name: s
+    for s in (
+        # FLUX.1: guidance_scale feeds the distilled guidance embedding (dev); true CFG is
+        # negative_prompt + true_cfg_scale > 1 (two transformer passes per step).
+        PipelineSpec("FluxPipeline", "FLUX.1", negative=NEGATIVE_TRUE_CFG, default_steps=28, default_guidance=3.5),
+        # FLUX.2 dev: distilled guidance embedding, no negative prompt.
+        PipelineSpec("Flux2Pipeline", "FLUX.2", negative=None, default_steps=50, default_guidance=4.0),
+        # FLUX.2 Klein: real CFG on the base models, against an empty negative prompt (its call
+        # takes negative_prompt_embeds only, no negative_prompt text).
+        PipelineSpec("Flux2KleinPipeline", "FLUX.2 Klein", negative=None, default_steps=50, default_guidance=4.0),
+        PipelineSpec("StableDiffusion3Pipeline", "Stable Diffusion 3", default_steps=28, default_guidance=7.0),
+        # Qwen-Image: guidance_scale exists only for guidance-distilled checkpoints; CFG is
+        # negative_prompt + true_cfg_scale (diffusers' default 4.0, used only with a negative prompt).
+        PipelineSpec("QwenImagePipeline", "Qwen-Image", guidance=None, negative=NEGATIVE_TRUE_CFG,
+                     default_steps=50, default_guidance=None, default_true_cfg=4.0),
+        PipelineSpec("QwenImage21Pipeline", "Qwen-Image 2.1", guidance=None, negative=NEGATIVE_TRUE_CFG,
+                     default_steps=40, default_guidance=None, default_size=(1024, 1024)),
+        PipelineSpec("ZImagePipeline", "Z-Image", default_steps=50, default_guidance=5.0,
+                     default_size=(1024, 1024)),
+        PipelineSpec("ChromaPipeline", "Chroma", default_steps=35, default_guidance=5.0),
+        # Wan 2.1 / 2.2 text-to-video: 16 fps, 81 frames (5 s) at 832x480 by default.
+        PipelineSpec("WanPipeline", "Wan", kind="video", default_steps=50, default_guidance=5.0,
+                     default_size=(832, 480), size_multiple=_wan_multiple, fps=16, default_frames=81),
+        # HunyuanVideo 1.5 text-to-video: its guidance scale lives on the guider component; 24 fps,
+        # 121 frames (5 s) by default.
+        PipelineSpec("HunyuanVideo15Pipeline", "HunyuanVideo 1.5", kind="video", guidance=GUIDANCE_GUIDER,
+                     default_steps=50, default_guidance=None, default_size=_hunyuanvideo15_default,
+                     size_multiple=_hunyuanvideo15_multiple, fps=24, default_frames=121),
+    )
+}
+
+
+def spec_for(class_name: str | None) -> PipelineSpec:
+    """The row for ``class_name``; for a class not in the table, the FLUX-style image row."""
+    if class_name in PIPELINE_SPECS:
+        return PIPELINE_SPECS[class_name]
+    return PipelineSpec(
+        name=class_name or "?", label=class_name or "this pipeline", negative=NEGATIVE_TRUE_CFG, known=False
+    )
+
+
+def unknown_pipeline_note(spec: PipelineSpec) -> str | None:
+    """The log line for a pipeline class the table does not list (None for a listed one)."""
+    if spec.known:
+        return None
+    listed = ", ".join(sorted(PIPELINE_SPECS))
+    return (f"{spec.name} is not one of the pipelines ditfuse's runtime knows ({listed}): calling it as a "
+            "text-to-image pipeline with guidance_scale, and a negative prompt through true_cfg_scale")

@@ -1,0 +1,193 @@
+"""runtime/pipelines.py: the per-class call table, checked against diffusers 0.42.1's real
+pipeline signatures, and run_batch / the request parsers following it (fake pipelines that carry
+the real classes' signatures and record what they were called with)."""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+
+import diffusers
+from ditfuse.runtime import pipelines as pl
+from ditfuse.runtime.engine import run_batch
+from ditfuse.runtime.params import ParamError, SamplingParams
+from ditfuse.runtime.presets import LoadedModel
+
+
+def _accepted(cls_name: str) -> set[str]:
+    return set(inspect.signature(getattr(diffusers, cls_name).__call__).parameters)
+
+
+@pytest.mark.parametrize("name", sorted(pl.PIPELINE_SPECS))
+def test_table_matches_the_real_pipeline_signatures(name):
+    """What each row says the class takes is what diffusers 0.42.1's __call__ takes."""
+    spec = pl.PIPELINE_SPECS[name]
+    params = _accepted(name)
+    assert spec.name == name
+    assert ("guidance_scale" in params) == (spec.guidance == pl.GUIDANCE_KWARG) or name == "QwenImagePipeline", (
+        name, spec.guidance)  # Qwen-Image's guidance_scale is for guidance-distilled checkpoints only
+    assert ("true_cfg_scale" in params) == spec.takes_true_cfg, name
+    assert ("negative_prompt" in params) == (spec.negative is not None), name
+    assert ("num_frames" in params) == spec.is_video, name
+    if spec.guidance == pl.GUIDANCE_GUIDER:
+        init = inspect.signature(getattr(diffusers, name).__init__).parameters
+        assert "guider" in init, name
+    default = inspect.signature(getattr(diffusers, name).__call__).parameters["num_inference_steps"].default
+    assert spec.default_steps == default, (name, spec.default_steps, default)
+    if spec.guidance == pl.GUIDANCE_KWARG:
+        g = inspect.signature(getattr(diffusers, name).__call__).parameters["guidance_scale"].default
+        assert spec.default_guidance == g, (name, spec.default_guidance, g)
+    if spec.takes_true_cfg:
+        t = inspect.signature(getattr(diffusers, name).__call__).parameters["true_cfg_scale"].default
+        assert spec.default_true_cfg == t, (name, spec.default_true_cfg, t)
+
+
+def test_check_request_names_the_field_and_the_pipeline():
+    qwen = pl.PIPELINE_SPECS["QwenImagePipeline"]
+    field, why = qwen.check_request({"guidance_scale", "negative_prompt"})
+    assert field == "guidance_scale" and "Qwen-Image" in why and "true_cfg_scale" in why
+    assert qwen.check_request({"negative_prompt", "true_cfg_scale"}) is None
+    sd3 = pl.PIPELINE_SPECS["StableDiffusion3Pipeline"]
+    assert sd3.check_request({"true_cfg_scale"})[0] == "true_cfg_scale"
+    assert sd3.check_request({"guidance_scale", "negative_prompt"}) is None
+    assert pl.PIPELINE_SPECS["Flux2Pipeline"].check_request({"negative_prompt"})[0] == "negative_prompt"
+    assert pl.PIPELINE_SPECS["FluxPipeline"].check_request({"guidance_scale", "true_cfg_scale", "negative_prompt"}) is None
+    assert pl.PIPELINE_SPECS["HunyuanVideo15Pipeline"].check_request({"guidance_scale", "negative_prompt"}) is None
+
+
+def test_unknown_class_is_called_the_flux_way_and_says_so():
+    spec = pl.spec_for("SomeNewPipeline")
+    assert not spec.known and spec.guidance == pl.GUIDANCE_KWARG and spec.takes_true_cfg
+    note = pl.unknown_pipeline_note(spec)
+    assert "SomeNewPipeline" in note and "QwenImagePipeline" in note
+    assert pl.unknown_pipeline_note(pl.spec_for("FluxPipeline")) is None
+
+
+def _fake(cls_name: str, video: bool = False):
+    """A pipeline object whose __call__ has the real class's signature and records its kwargs."""
+    calls: list[dict] = []
+
+    class Fake:
+        def __call__(self, **kw):
+            calls.append(dict(kw, _guider_scale=getattr(getattr(self, "guider", None), "guidance_scale", None)))
+            sched = getattr(self, "scheduler", None)
+            for _ in range(kw["num_inference_steps"]):
+                if sched is not None:
+                    sched.step()
+            n = len(kw["prompt"])
+            if video:
+                import numpy as np
+
+                return SimpleNamespace(frames=[np.zeros((kw["num_frames"], 4, 4, 3), np.float32)] * n)
+            return SimpleNamespace(images=[f"img{i}" for i in range(n)])
+
+    real = inspect.signature(getattr(diffusers, cls_name).__call__)
+    Fake.__call__.__signature__ = real
+    Fake.__name__ = cls_name
+    return Fake(), calls
+
+
+def _loaded(cls_name: str, pipe, kind: str = "image") -> LoadedModel:
+    return LoadedModel(cls_name, pipe, "cpu", None, True, kind=kind, spec=pl.spec_for(cls_name))
+
+
+def P(**kw):
+    kw.setdefault("size", "64x64")
+    kw.setdefault("num_inference_steps", 2)
+    kw.setdefault("seed", 0)
+    return SamplingParams.create("a cat", **kw)
+
+
+def test_qwenimage_gets_no_guidance_scale_and_true_cfg_with_a_negative_prompt():
+    pipe, calls = _fake("QwenImagePipeline")
+    ld = _loaded("QwenImagePipeline", pipe)
+    run_batch(ld, [(P(), 0)])
+    assert "guidance_scale" not in calls[-1] and "negative_prompt" not in calls[-1]
+    p = P(negative_prompt="blur", true_cfg_scale=4.0)
+    run_batch(ld, [(p, 0), (p, 1)])
+    assert calls[-1]["negative_prompt"] == ["blur", "blur"] and calls[-1]["true_cfg_scale"] == 4.0
+    assert "guidance_scale" not in calls[-1]
+
+
+def test_cfg_pipelines_get_negative_prompts_per_image():
+    pipe, calls = _fake("StableDiffusion3Pipeline")
+    ld = _loaded("StableDiffusion3Pipeline", pipe)
+    run_batch(ld, [(P(guidance_scale=7.0, negative_prompt="blur"), 0)])
+    assert calls[-1]["negative_prompt"] == ["blur"] and calls[-1]["guidance_scale"] == 7.0
+    assert "true_cfg_scale" not in calls[-1]
+    run_batch(ld, [(P(guidance_scale=7.0), 0)])
+    assert "negative_prompt" not in calls[-1]  # the pipeline's own default ("") applies
+
+
+def test_negative_prompt_on_a_pipeline_without_one_is_an_error():
+    pipe, _ = _fake("Flux2Pipeline")
+    with pytest.raises(ValueError, match="FLUX.2 .*takes no negative_prompt"):
+        run_batch(_loaded("Flux2Pipeline", pipe), [(P(negative_prompt="blur"), 0)])
+
+
+def test_guider_scale_set_for_the_call_only_and_progress_from_the_scheduler():
+    """HunyuanVideo 1.5: guidance on the guider component (restored after the call, also when
+    it raises); no callback_on_step_end, so steps are counted at the scheduler's step()."""
+    pipe, calls = _fake("HunyuanVideo15Pipeline", video=True)
+    stepped = []
+
+    class Sched:
+        def step(self):
+            stepped.append(1)
+
+    pipe.guider = SimpleNamespace(guidance_scale=6.0)
+    pipe.scheduler = Sched()
+    ld = _loaded("HunyuanVideo15Pipeline", pipe, kind="video")
+    progress = []
+    p = P(guidance_scale=3.0, num_inference_steps=3).with_(num_frames=5)
+    clips = run_batch(ld, [(p, 0)], on_step=lambda i, n: progress.append((i, n)))
+    assert calls[-1]["_guider_scale"] == 3.0 and "guidance_scale" not in calls[-1]
+    assert "callback_on_step_end" not in calls[-1]
+    assert pipe.guider.guidance_scale == 6.0
+    assert progress == [(0, 3), (1, 3), (2, 3)] and len(stepped) == 3
+    assert "step" not in vars(pipe.scheduler)  # the wrapper is gone
+    assert clips[0].shape == (5, 4, 4, 3)
+
+    def boom(**kw):
+        raise RuntimeError("oom")
+
+    type(pipe).__call__ = lambda self, **kw: boom(**kw)
+    type(pipe).__call__.__signature__ = inspect.signature(diffusers.HunyuanVideo15Pipeline.__call__)
+    with pytest.raises(RuntimeError):
+        run_batch(ld, [(p, 0)], on_step=lambda i, n: None)
+    assert pipe.guider.guidance_scale == 6.0 and "step" not in vars(pipe.scheduler)
+
+
+def _engine(cls_name: str, kind: str = "image", **loaded_kw):
+    from ditfuse.contracts.quality import Quality
+
+    ld = LoadedModel(cls_name, None, "cpu", None, False, kind=kind, spec=pl.spec_for(cls_name), **loaded_kw)
+    return SimpleNamespace(loaded=ld, model_name=cls_name, default_quality=Quality.LOSSLESS)
+
+
+def test_image_requests_checked_and_defaulted_by_the_table():
+    from ditfuse.runtime.server import parse_generation_request
+
+    eng = _engine("QwenImagePipeline", default_steps=50)
+    with pytest.raises(ParamError) as e:
+        parse_generation_request({"prompt": "a cat", "guidance_scale": 4.0}, eng)
+    assert e.value.param == "guidance_scale" and "true_cfg_scale" in str(e.value)
+    p = parse_generation_request({"prompt": "a cat", "negative_prompt": "blur"}, eng)
+    assert p.true_cfg_scale == 4.0 and p.uses_true_cfg and p.num_inference_steps == 50
+    eng = _engine("StableDiffusion3Pipeline", default_steps=28, default_guidance=7.0)
+    p = parse_generation_request({"prompt": "a cat"}, eng)
+    assert (p.guidance_scale, p.num_inference_steps) == (7.0, 28)
+    with pytest.raises(ParamError) as e:
+        parse_generation_request({"prompt": "a cat", "true_cfg_scale": 2.0}, eng)
+    assert e.value.param == "true_cfg_scale"
+
+
+def test_video_requests_checked_by_the_table():
+    from ditfuse.runtime.videos import parse_video_request
+
+    eng = _engine("HunyuanVideo15Pipeline", kind="video", fps=24, frame_multiple=4, default_frames=121,
+                  default_steps=50, default_guidance=6.0, default_size=(848, 480))
+    params, seconds = parse_video_request({"prompt": "a fox", "seconds": "1", "size": "64x48"}, eng)
+    assert params.num_frames == 25 and params.guidance_scale == 6.0 and seconds == "1"
