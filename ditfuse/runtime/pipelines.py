@@ -57,6 +57,15 @@ def _hunyuanvideo15_multiple(pipe: Any) -> int:
     return int(pipe.vae_scale_factor_spatial) * patch
 
 
+def _hunyuanvideo15_prepare(pipe: Any) -> None:
+    # diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decode fails for more than one video (its
+    # mid-block attention mask is [B, S, S] against [B, 1, S, S] queries); slicing decodes the
+    # batch one video at a time, which is what a batch of one computes.
+    vae = getattr(pipe, "vae", None)
+    if vae is not None and hasattr(vae, "enable_slicing"):
+        vae.enable_slicing()
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """How to call one diffusers pipeline class (see the module docstring)."""
@@ -80,6 +89,9 @@ class PipelineSpec:
     fps: int | None = None
     default_frames: int | None = None
     known: bool = True  # False: the fallback for a class not in the table
+    # Called once on the loaded pipeline (a module-level function): what it needs before the
+    # runtime's batched calls work.
+    prepare: Callable[[Any], None] | None = None
 
     @property
     def is_video(self) -> bool:
@@ -141,7 +153,8 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # 121 frames (5 s) by default.
         PipelineSpec("HunyuanVideo15Pipeline", "HunyuanVideo 1.5", kind="video", guidance=GUIDANCE_GUIDER,
                      default_steps=50, default_guidance=None, default_size=_hunyuanvideo15_default,
-                     size_multiple=_hunyuanvideo15_multiple, fps=24, default_frames=121),
+                     size_multiple=_hunyuanvideo15_multiple, fps=24, default_frames=121,
+                     prepare=_hunyuanvideo15_prepare),
     )
 }
 

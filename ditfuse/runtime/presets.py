@@ -438,6 +438,8 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
         p = PRESET_TABLE[model]
         pipe = _from_pretrained(ensure_preset(model), torch_dtype)
         spec = spec_for(type(pipe).__name__)
+        if spec.prepare is not None:
+            spec.prepare(pipe)
         return LoadedModel(
             name=p.name,
             pipe=pipe.to(device),
@@ -474,6 +476,8 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
     if note:
         log.warning(note)
     pipe = _from_pretrained(path, torch_dtype).to(device)
+    if spec.prepare is not None:
+        spec.prepare(pipe)
     loaded = LoadedModel(
         name=path.name,
         pipe=pipe,

@@ -77,7 +77,8 @@ ALLOWED_FIELDS = (
     "num_inference_steps", "guidance_scale", "negative_prompt",
 )
 # OpenAI fields ditfuse does not implement: a 400 that says so, not "unknown field".
-UNSUPPORTED_FIELDS = {"input_reference": "input_reference (image-to-video) is not supported: tiny-wan and WanPipeline are text-to-video"}
+UNSUPPORTED_FIELDS = {"input_reference": "input_reference (image-to-video) is not supported: the video pipelines ditfuse serves "
+                                         "(WanPipeline, HunyuanVideo15Pipeline) are text-to-video"}
 POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
@@ -599,7 +600,7 @@ def unsupported_router(model: str) -> APIRouter:
     r = APIRouter()
     message = (
         f"this server runs {model!r}, an image model; the videos API needs a video model "
-        "(`ditfuse serve --model tiny-wan` or a WanPipeline directory)"
+        "(`ditfuse serve --model tiny-wan`, or a WanPipeline or HunyuanVideo15Pipeline directory)"
     )
 
     async def refuse(request: Request) -> JSONResponse:

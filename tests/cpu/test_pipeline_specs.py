@@ -191,3 +191,11 @@ def test_video_requests_checked_by_the_table():
                   default_steps=50, default_guidance=6.0, default_size=(848, 480))
     params, seconds = parse_video_request({"prompt": "a fox", "seconds": "1", "size": "64x48"}, eng)
     assert params.num_frames == 25 and params.guidance_scale == 6.0 and seconds == "1"
+
+
+def test_serving_doc_lists_every_pipeline_class():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
+    missing = [name for name in pl.PIPELINE_SPECS if f"| `{name}`" not in doc]
+    assert not missing, f"docs/serving.md's Pipelines table lacks {missing}"

@@ -48,7 +48,8 @@ def test_tiny(batch, size, cond):
 @pytest.mark.parametrize("size,txt,cond", [("1024x1024", 512, 0), ("336x208", 77, 0), ("512x512", 77, 256)],
                          ids=["1024px", "odd", "reference"])
 def test_dev_width(batch, size, txt, cond):
-    _run("dev", batch, size, layers=(1, 1), txt=txt, cond=cond)
+    # two blocks of each kind: the cross-block hand-off (an op of ADAPTER.ops()) links them
+    _run("dev", batch, size, layers=(2, 2), txt=txt, cond=cond)
 
 
 @pytest.mark.parametrize("S", [1, 77, 4096 + 512])

@@ -56,7 +56,7 @@ def _vae(cfg, dtype):
     return AutoencoderKL(**cfg).to(DEV, dtype).eval()
 
 
-def _compare(vae, z, label, adapter=ADAPTER, ops=None):
+def _compare(vae, z, label, adapter=ADAPTER, ops=None, declined_ok=()):
     import ditfuse
     from ditfuse.kernels.compare import assert_bitwise_equal
 
@@ -75,7 +75,7 @@ def _compare(vae, z, label, adapter=ADAPTER, ops=None):
     if ops is None:
         ops = _kl_ops(z.dtype) if adapter is ADAPTER else adapter.ops()
     assert_engaged(ops, per_signature_ok=("modulate.conv_bias_cl", "modulate.conv_bias_residual_cl",
-                                          "layout.conv_channels_last"))
+                                          "layout.conv_channels_last"), declined_ok=declined_ok)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -176,10 +176,10 @@ def test_wan_tiny(dtype, batch, lat):
     _compare(vae, z, f"wan tiny {dtype} B={batch} {lat}", WAN_ADAPTER, ops)
 
 
-def _wan_compare_cl(vae, z, label):
+def _wan_compare_cl(vae, z, label, declined_ok=()):
     """_compare, plus: the channels-last decode ran (its convolution op verified and called; the
     first decode records eager's layouts, the second runs channels-last)."""
-    _compare(vae, z, label, WAN_ADAPTER)
+    _compare(vae, z, label, WAN_ADAPTER, declined_ok=declined_ok)
     c = __import__("ditfuse").gate.report().calls.get(CONV_CL, {})
     assert c.get("kernel", 0) > 0, c
 
@@ -210,7 +210,11 @@ def test_wan22_vae_channels_last(batch, lat):
     decode, bitwise over three decodes, the channels-last convolution engaged."""
     vae = _wan_vae(WAN22_VAE, torch.bfloat16)
     z = torch.randn(batch, 48, *lat, device=DEV).to(torch.bfloat16)
-    _wan_compare_cl(vae, z, f"Wan 2.2 VAE B={batch} {lat}")
+    # At these small latents torch splits some of the 2.2 decoder's wide RMS norms (few positions,
+    # many channels) across thread blocks; the kernels decline those (eager runs them, logged)
+    # and must run on the rest (H100 run, round 19).
+    _wan_compare_cl(vae, z, f"Wan 2.2 VAE B={batch} {lat}",
+                    declined_ok=("norm.wan_rms_norm_silu", "norm.wan_rms_norm_silu_pad"))
 
 
 def _qwenimage_vae(dtype):
