@@ -6,10 +6,15 @@ text width 3584, ByT5 width 1472, SigLIP image width 1152), ``tiny`` for tests. 
 WxHxFRAMES: latents [B, 65, (F - 1) / 4 + 1, H / 16, W / 16] (the 1.5 VAE compresses 16x16
 spatially, 4x in time), ``txt_tokens`` random Qwen2.5-VL states with the prompt's tokens valid
 and the rest padding, 64 ByT5 tokens likewise, zero image embeddings (text-to-video).
+:func:`build_tiny_pipeline`: a complete random-weight ``HunyuanVideo15Pipeline`` around the
+``tiny`` transformer (presets, tests), with :func:`guidance_scale` (the guidance scale per call)
+and :func:`set_text_lengths` (the pipeline's fixed text lengths).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .families import Family, parse_size
@@ -82,3 +87,175 @@ FAMILY = Family(
     to_images=_to_images,
     notes={"dev": "HunyuanVideo 1.5 size (54 dual-stream blocks, width 2048), random bf16 weights"},
 )
+
+
+# -- the tiny HunyuanVideo15Pipeline (``ditfuse generate`` / ``serve`` presets, tests) -------------
+
+TINY_SEED = 0
+
+# HunyuanVideo15Pipeline.__call__ has no text-length argument (its lengths are instance attributes:
+# :func:`set_text_lengths`), and its defaults are valid for the tiny pipeline: nothing to add.
+TINY_CALL_KWARGS: dict[str, Any] = {}
+
+# Short text for the Triton-interpreter tests: the transformer's joint text sequence is
+# mllm + byt5 + image slots long whatever the prompt (1000 + 256 + 729 by default), and the
+# interpreter's cost grows with it (minutes per 2-step call at the default, about 15 s at these on
+# 2 cores, for 64x48, 5 frames).
+TINY_TEXT_LENGTHS: dict[str, int] = {"mllm_tokens": 48, "byt5_tokens": 8, "image_slots": 8}
+
+# Diffusers' 480p text-to-video settings: the flow shift of the 480p checkpoints and their
+# classifier-free guidance scale.
+_SHIFT_480P = 5.0
+_GUIDANCE_SCALE = 6.0
+
+
+def build_tiny_pipeline() -> Any:
+    """A complete diffusers ``HunyuanVideo15Pipeline`` (text-to-video) with **random weights**
+    (seed :data:`TINY_SEED`): its videos are noise; it exercises the pipeline's code path (the
+    Qwen chat template and its crop, the quoted-text ByT5 glyph branch, the guider's CFG batches,
+    the zero image embeddings of text-to-video, the causal 3D VAE decode), not video quality.
+    Built offline, no download.
+
+    Parts: ``HunyuanVideo15Transformer3DModel`` from :data:`FAMILY`'s ``tiny`` config (3
+    dual-stream blocks, width 32, 4 latent channels + 4 condition + 1 mask in); a 3-layer
+    ``Qwen2_5_VLTextModel`` of width 24 (``text_embed_dim``) with the byte-level Qwen2 tokenizer
+    (:func:`ditfuse.models.tiny_text.qwen2_tokenizer`); a 1-layer ``T5EncoderModel`` of width 20
+    (``text_embed_2_dim``) with transformers' ``ByT5Tokenizer``; ``AutoencoderKLHunyuanVideo15``
+    with the real 16x spatial / 4x temporal compression at 8 channels; the 480p
+    ``FlowMatchEulerDiscreteScheduler`` (shift 5) and ``ClassifierFreeGuidance`` (scale 6).
+
+    Calls take sizes in multiples of 16 and ``num_frames = 4k + 1``; without a size the pipeline
+    makes 848x480 (the transformer's ``target_size`` 640 at 16:9), 121 frames. The transformer's
+    ByT5 projection has a fixed hidden width of 2048 (4.2M of its 4.4M parameters): diffusers
+    hard-codes it. The guidance scale lives on the guider, not in the call: see
+    :func:`guidance_scale`. Text lengths: see :func:`set_text_lengths`.
+
+    Batches (diffusers 0.42.1, any HunyuanVideo 1.5 pipeline): the VAE's decode fails for more
+    than one video (its mid-block attention mask is [B, S, S] against [B, 1, S, S] queries) unless
+    ``pipe.vae.enable_slicing()`` decodes them one by one (an attribute: not saved, set it after
+    every load); ``num_videos_per_prompt`` > 1 fails in the transformer (the zero image
+    embeddings are sized by the prompt count): repeat the prompt in the list instead.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
+    from diffusers.guiders import ClassifierFreeGuidance
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+    from .tiny_text import byt5_tokenizer, qwen2_tokenizer
+
+    tokenizer = qwen2_tokenizer()
+    tokenizer_2 = byt5_tokenizer()
+    cfg = FAMILY.config("tiny")
+    torch.manual_seed(TINY_SEED)
+    text_encoder = Qwen2_5_VLTextModel(
+        Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg["text_embed_dim"],
+            intermediate_size=2 * cfg["text_embed_dim"],
+            # the pipeline reads hidden_states[-3] (skips the last 2 layers): with 3 layers that is
+            # the first layer's output, with 2 it would be the bare token embeddings
+            num_hidden_layers=3,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            # the pipeline pads every prompt to 108 + 1000 tokens
+            max_position_embeddings=2048,
+            # head dim 12: the multimodal RoPE's (t, h, w) sections must cover its 6 pairs
+            rope_parameters=dict(rope_type="default", mrope_section=[2, 2, 2], rope_theta=1000000.0),
+            bos_token_id=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    ).eval()
+    text_encoder_2 = T5EncoderModel(
+        T5Config(
+            vocab_size=len(tokenizer_2),
+            d_model=cfg["text_embed_2_dim"],
+            d_kv=8,
+            d_ff=2 * cfg["text_embed_2_dim"],
+            num_layers=1,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            dense_act_fn="gelu_new",
+            feed_forward_proj="gated-gelu",
+            is_gated_act=True,
+            pad_token_id=tokenizer_2.pad_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            decoder_start_token_id=tokenizer_2.pad_token_id,
+        )
+    ).eval()
+    # task_type is not read by the model; the real text-to-video checkpoints declare it
+    transformer = HunyuanVideo15Transformer3DModel(**cfg, task_type="t2v").eval()
+    # 5 stages as the real VAE (4 spatial downsamples, the last 2 also temporal) at 8 channels;
+    # the latent width is the transformer's output width
+    vae = AutoencoderKLHunyuanVideo15(
+        latent_channels=cfg["out_channels"], block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+    ).eval()
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=_SHIFT_480P),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        guider=ClassifierFreeGuidance(guidance_scale=_GUIDANCE_SCALE),
+    )
+
+
+def prompt_template_start(pipe: Any) -> int:
+    """How many tokens of ``pipe``'s chat template precede the user's prompt: the crop the
+    pipeline should apply (it hard-codes 108, the real Qwen2.5-VL tokenizer's count; the tiny
+    byte-level tokenizer spells the same system message in about 490)."""
+    from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
+
+    marker = "\x00"
+    text = pipe.tokenizer.apply_chat_template(format_text_input([marker], pipe.system_message), tokenize=False,
+                                              add_generation_prompt=True)[0]
+    head = text[: text.index(marker)]
+    return len(pipe.tokenizer(head, add_special_tokens=False).input_ids)
+
+
+def set_text_lengths(pipe: Any, mllm_tokens: int | None = None, byt5_tokens: int | None = None,
+                     image_slots: int | None = None) -> None:
+    """Set a HunyuanVideo15Pipeline's text lengths (None: keep): ``mllm_tokens`` Qwen positions
+    after the template crop (default 1000), ``byt5_tokens`` ByT5 positions (256),
+    ``image_slots`` image-embedding slots (729, all padding in text-to-video); and the crop to
+    :func:`prompt_template_start`, so the kept positions start at the prompt.
+
+    These are attributes ``HunyuanVideo15Pipeline.__init__`` sets, not config: they are not
+    saved, and ``from_pretrained`` restores the defaults (with the 108-token crop, which leaves
+    the tiny tokenizer's system-message tail in the embeddings and truncates prompts past about
+    590 bytes). Call it again after every load.
+    """
+    pipe.prompt_template_encode_start_idx = prompt_template_start(pipe)
+    if mllm_tokens is not None:
+        pipe.tokenizer_max_length = mllm_tokens
+    if byt5_tokens is not None:
+        pipe.tokenizer_2_max_length = byt5_tokens
+    if image_slots is not None:
+        pipe.vision_num_semantic_tokens = image_slots
+
+
+@contextmanager
+def guidance_scale(pipe: Any, scale: float | None) -> Iterator[None]:
+    """Run the ``pipe(...)`` calls inside with classifier-free guidance at ``scale`` (None: the
+    pipeline's own). ``HunyuanVideo15Pipeline.__call__`` takes no guidance argument: it reads
+    ``pipe.guider``. This swaps in a fresh copy of the guider with that scale (fresh step state
+    too) and puts the original back on exit, so nothing persists; the pipeline is not safe for
+    concurrent calls at different scales while it is swapped. ``scale`` 1.0 turns CFG off: the
+    negative prompt is not encoded and each step runs the transformer once instead of twice.
+    """
+    if scale is None:
+        yield
+        return
+    saved = pipe.guider
+    pipe.guider = saved.new(guidance_scale=float(scale))
+    try:
+        yield
+    finally:
+        pipe.guider = saved

@@ -12,8 +12,10 @@ from pathlib import Path
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-MODEL_HELP = ("'tiny-flux' (built-in image model) or 'tiny-wan' (built-in video model); both have random "
-              "weights: their images and videos are noise. Or a diffusers directory (a WanPipeline makes videos)")
+MODEL_HELP = ("a built-in preset with random weights, whose images and videos are noise: images tiny-flux, "
+              "tiny-sd3, tiny-chroma, tiny-flux2-klein, tiny-qwenimage, tiny-zimage; videos tiny-wan, "
+              "tiny-hunyuanvideo15. Or a diffusers directory (docs/serving.md lists the pipeline classes; "
+              "WanPipeline and HunyuanVideo15Pipeline make videos)")
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +47,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="output file (default out.png; video models: out.mp4). Videos: .mp4 (H.264), .webp or .gif")
     p.add_argument("--frames", type=int, default=None, dest="frames",
-                   help="video models: number of frames, 4k+1 (default: tiny-wan 17, Wan 81)")
+                   help="video models: number of frames, 4k+1 (default: tiny-wan and tiny-hunyuanvideo15 17, Wan 81, HunyuanVideo 1.5 121)")
     p.add_argument("--seconds", type=float, default=None,
                    help="video models: clip length instead of --frames (4k+1 frames nearest to seconds*fps+1)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -133,7 +135,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser(
         "generate",
-        help="generate images or videos from a prompt (tiny-flux / tiny-wan presets: random weights, outputs are noise)",
+        help="generate images or videos from a prompt (the tiny-* presets: random weights, outputs are noise)",
         description="Generate images (or, with a video model, an MP4/WebP/GIF clip) with a diffusers pipeline "
         "accelerated by ditfuse. The built-in tiny-flux and tiny-wan presets have random weights: their images "
         "and videos are noise (they exercise the code path).",

@@ -47,6 +47,8 @@ def save_image(image: Any, path: "Path | IO[bytes]", fmt: str, metadata: dict[st
         info.add_text("parameters", "; ".join(f"{k}={v}" for k, v in metadata.items()))
         image.save(path, format="PNG", pnginfo=info)
     elif fmt == "jpeg":
+        # JPEG has no alpha channel (Qwen-Image 2.1's pipeline returns RGBA images)
+        image = image.convert("RGB") if image.mode not in ("RGB", "L") else image
         image.save(path, format="JPEG", quality=95)
     else:
         image.save(path, format=fmt.upper())

@@ -65,6 +65,9 @@ class Preset:
     default_steps: int | None = None  # None: SamplingParams' default
     default_guidance: float | None = None
     pipeline: str = "FluxPipeline"  # the diffusers pipeline class it builds (runtime/pipelines.py)
+    # "module:function" applied to the pipeline after every load: settings diffusers does not
+    # save (HunyuanVideo 1.5's text lengths are instance attributes)
+    prepare: str | None = None
 
     @property
     def spec(self) -> PipelineSpec:
@@ -122,6 +125,23 @@ def _tiny_image_preset(name: str, family: str, pipeline: str, label: str) -> Pre
     )
 
 
+PRESET_TABLE["tiny-hunyuanvideo15"] = Preset(
+    name="tiny-hunyuanvideo15",
+    builder="ditfuse.models.hunyuanvideo15_configs:build_tiny_pipeline",
+    version=1,
+    default_size=(256, 144),
+    size_multiple=16,
+    call_kwargs=None,
+    note=("tiny-hunyuanvideo15 has random weights: its videos are noise (it exercises the HunyuanVideo 1.5 "
+          "pipeline, not video quality)"),
+    kind="video",
+    fps=24,
+    frame_multiple=4,
+    default_frames=17,
+    default_steps=8,
+    pipeline="HunyuanVideo15Pipeline",
+    prepare="ditfuse.models.hunyuanvideo15_configs:set_text_lengths",
+)
 PRESET_TABLE.update({p.name: p for p in (
     _tiny_image_preset("tiny-sd3", "sd3", "StableDiffusion3Pipeline", "SD3.5"),
     _tiny_image_preset("tiny-chroma", "chroma", "ChromaPipeline", "Chroma"),
@@ -440,6 +460,9 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
         spec = spec_for(type(pipe).__name__)
         if spec.prepare is not None:
             spec.prepare(pipe)
+        if p.prepare is not None:
+            module, _, attr = p.prepare.partition(":")
+            getattr(importlib.import_module(module), attr)(pipe)
         return LoadedModel(
             name=p.name,
             pipe=pipe.to(device),

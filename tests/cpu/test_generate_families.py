@@ -76,3 +76,44 @@ def test_qwenimage_true_cfg_runs_and_changes_the_image(tiny_cache):
     assert neg.uses_true_cfg
     a, b = (np.asarray(run_batch(loaded, [(p, 0)])[0]) for p in (plain, neg))
     assert a.shape == b.shape == (48, 64, 3) and not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
+def test_rgba_images_save_in_every_format(fmt, tmp_path):
+    """Qwen-Image 2.1's pipeline returns RGBA images: every output format writes them (JPEG
+    without the alpha channel)."""
+    from ditfuse.runtime.generate import save_image
+
+    img = Image.new("RGBA", (8, 6), (10, 20, 30, 255))
+    path = tmp_path / f"x.{fmt}"
+    save_image(img, path, fmt, {"prompt": "p"})
+    back = Image.open(path)
+    assert back.size == (8, 6), back.size
+    if fmt == "png":  # lossless: the pixels come back
+        assert back.mode == "RGBA" and back.getpixel((0, 0)) == (10, 20, 30, 255)
+    if fmt == "jpeg":
+        assert back.mode == "RGB"
+
+
+@pytest.mark.slow
+def test_generate_a_hunyuanvideo15_clip(tiny_cache, tmp_path):
+    """The video preset of the second video family: an MP4 of the asked frames and size, guidance
+    on the guider, progress counted at the scheduler (the pipeline has no step callback)."""
+    from ditfuse.runtime.video_io import probe_video
+
+    out = tmp_path / "clip.mp4"
+    r = run_cli(["generate", "--model", "tiny-hunyuanvideo15", "--prompt", 'a sign that says "OPEN"', "--frames", "9",
+                 "--size", "64x48", "--steps", "2", "--guidance", "4", "--negative-prompt", "blurry", "--seed", "3",
+                 "--out", str(out)], tiny_cache)
+    assert r.returncode == 0, r.stdout + r.stderr
+    info = probe_video(out)
+    assert (info.frames, info.width, info.height, info.fps) == (9, 64, 48, 24.0)
+    assert "(HunyuanVideo15Pipeline)" in r.stdout and "guidance 4" in r.stdout and "noise" in r.stdout
+    assert "2/3" in r.stderr  # two denoising steps counted (the third tick is the VAE decode)
+
+
+def test_hunyuanvideo15_preset_is_a_video_model_with_its_guider_default():
+    from ditfuse.runtime.presets import is_video_model
+
+    p = PRESET_TABLE["tiny-hunyuanvideo15"]
+    assert is_video_model("tiny-hunyuanvideo15") and p.spec.guidance == "guider" and p.fps == 24
