@@ -92,6 +92,9 @@ class PipelineSpec:
     # Called once on the loaded pipeline (a module-level function): what it needs before the
     # runtime's batched calls work.
     prepare: Callable[[Any], None] | None = None
+    # Whether cuda_graph="auto" captures its transformer steps: False where the forward syncs
+    # with the host (capture would fail on every new shape, and the step run eager anyway).
+    cuda_graphs: bool = True
 
     @property
     def is_video(self) -> bool:
@@ -141,8 +144,10 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # negative_prompt + true_cfg_scale (diffusers' default 4.0, used only with a negative prompt).
         PipelineSpec("QwenImagePipeline", "Qwen-Image", guidance=None, negative=NEGATIVE_TRUE_CFG,
                      default_steps=50, default_guidance=None, default_true_cfg=4.0),
+        # Its transformer's forward reads tensors on the host (the RoPE positions' tolist, the
+        # image-token count): no CUDA graph can be captured of it.
         PipelineSpec("QwenImage21Pipeline", "Qwen-Image 2.1", guidance=None, negative=NEGATIVE_TRUE_CFG,
-                     default_steps=40, default_guidance=None, default_size=(1024, 1024)),
+                     default_steps=40, default_guidance=None, default_size=(1024, 1024), cuda_graphs=False),
         PipelineSpec("ZImagePipeline", "Z-Image", default_steps=50, default_guidance=5.0,
                      default_size=(1024, 1024)),
         PipelineSpec("ChromaPipeline", "Chroma", default_steps=35, default_guidance=5.0),

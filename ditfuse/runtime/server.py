@@ -639,7 +639,8 @@ def build_engine(
         handle = _accelerate(loaded.pipe, quality=default_quality, cuda_graph=graphs, max_cuda_graphs=max_cuda_graphs)
         summary = handle.report().summary()
         if cuda_graph == "auto" and not graphs:
-            summary += "\nCUDA graphs: off for a video model (--cuda-graph auto; --cuda-graph on captures them)"
+            why = "a video model" if loaded.is_video else f"{loaded.spec.label}, whose forward syncs with the host"
+            summary += f"\nCUDA graphs: off for {why} (--cuda-graph auto; --cuda-graph on captures them)"
     summary = loaded.lora_lines() + summary
     engine = Engine(loaded, handle, default_quality=default_quality, **engine_kwargs)
     return engine, summary

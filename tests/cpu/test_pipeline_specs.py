@@ -199,3 +199,12 @@ def test_serving_doc_lists_every_pipeline_class():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     missing = [name for name in pl.PIPELINE_SPECS if f"| `{name}`" not in doc]
     assert not missing, f"docs/serving.md's Pipelines table lacks {missing}"
+
+
+def test_cuda_graph_auto_follows_the_table():
+    from ditfuse.runtime.presets import cuda_graphs_for
+
+    assert cuda_graphs_for("auto", _loaded("FluxPipeline", None))
+    assert not cuda_graphs_for("auto", _loaded("QwenImage21Pipeline", None))  # its forward syncs
+    assert not cuda_graphs_for("auto", _loaded("WanPipeline", None, kind="video"))
+    assert cuda_graphs_for("on", _loaded("QwenImage21Pipeline", None))  # asked for: tried (and warned)
