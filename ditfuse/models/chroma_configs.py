@@ -33,7 +33,7 @@ FAMILY = Family(
 # ------------------------------------------------------------------------------ the tiny Chroma pipeline
 
 TINY_SEED = 0
-# The T5 tokenizer is character-level (models/tiny_text.py): one token per character; Chroma
+# The T5 tokenizer is character-level (models/tiny_parts.py): one token per character; Chroma
 # pads to 512, 64 is plenty here.
 TINY_T5_LEN = 64
 # What every call of the tiny pipeline passes: the pipeline's T5 length defaults to 512.
@@ -46,16 +46,15 @@ def build_tiny_pipeline() -> Any:
 
     Parts: the ``tiny`` ChromaTransformer2DModel of :data:`FAMILY` (2 dual + 2 single blocks,
     a 1-layer approximator) taking FLUX.1's 2x2-packed 16-channel latents; a 1-layer
-    ``T5EncoderModel`` with the character-level T5 tokenizer of :mod:`ditfuse.models.tiny_text`;
+    ``T5EncoderModel`` with the character-level T5 tokenizer of :mod:`ditfuse.models.tiny_parts`;
     a 4-level ``AutoencoderKL`` with 16 latent channels and FLUX.1's scaling / shift
     (vae_scale_factor 8, 2x2 packing: sizes are multiples of 16); FLUX.1's dynamically shifted
     ``FlowMatchEulerDiscreteScheduler``. Calls should pass :data:`TINY_CALL_KWARGS`.
     """
     import torch
-    from diffusers import AutoencoderKL, ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
-    from transformers import T5Config, T5EncoderModel
+    from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
 
-    from .tiny_text import t5_tokenizer
+    from .tiny_parts import autoencoder_kl, t5_encoder, t5_tokenizer
 
     cfg = dict(FAMILY.configs["tiny"])
     # The pipeline packs 2x2 patches of the VAE's latents: 16 channels -> 64 (Chroma1-HD's).
@@ -64,19 +63,10 @@ def build_tiny_pipeline() -> Any:
 
     torch.manual_seed(TINY_SEED)
     # T5's width is the transformer's joint_attention_dim (Chroma1-HD: T5-XXL's 4096).
-    text_encoder = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer), d_model=cfg["joint_attention_dim"], d_kv=8, d_ff=32, num_layers=1,
-        num_heads=2, relative_attention_num_buckets=8, dense_act_fn="gelu_new", feed_forward_proj="gated-gelu",
-        is_gated_act=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-    )).eval()
+    text_encoder = t5_encoder(tokenizer, cfg["joint_attention_dim"])
     transformer = ChromaTransformer2DModel(**cfg).eval()
     # FLUX.1's VAE in miniature: 4 levels (8x downsampling), 16 latent channels, no quant convs.
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
-        latent_channels=16, norm_num_groups=4, sample_size=64, scaling_factor=0.3611, shift_factor=0.1159,
-        use_quant_conv=False, use_post_quant_conv=False,
-    ).eval()
+    vae = autoencoder_kl(16)
     # Chroma1-HD's scheduler (FLUX.1's): the pipeline computes mu from the image's token count.
     scheduler = FlowMatchEulerDiscreteScheduler(
         num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,

@@ -32,7 +32,7 @@ FAMILY = Family(
 # ------------------------------------------------------------------------------ the tiny FLUX.2 Klein pipeline
 
 TINY_SEED = 0
-# The Qwen2 tokenizer is byte-level (models/tiny_text.py): one token per byte, and Klein's chat
+# The Qwen2 tokenizer is byte-level (models/tiny_parts.py): one token per byte, and Klein's chat
 # template adds about 20 around the prompt; the pipeline pads to 512, 64 is plenty here.
 TINY_TEXT_LEN = 64
 # What every call of the tiny pipeline passes: the pipeline's text length defaults to 512.
@@ -49,7 +49,7 @@ def build_tiny_pipeline() -> Any:
     Parts: the ``tiny`` Flux2Transformer2DModel of :data:`FAMILY` (2 double + 2 single blocks)
     taking the 2x2-packed 32-channel latents (128 channels) without a guidance embedding, as
     Klein's; a 28-layer, 8-wide ``Qwen3ForCausalLM`` with the byte-level Qwen2 tokenizer and chat
-    template of :mod:`ditfuse.models.tiny_text`; a 4-level ``AutoencoderKLFlux2`` with 32 latent
+    template of :mod:`ditfuse.models.tiny_parts`; a 4-level ``AutoencoderKLFlux2`` with 32 latent
     channels (vae_scale_factor 8, 2x2 packing: sizes are multiples of 16); Klein's dynamically
     shifted ``FlowMatchEulerDiscreteScheduler``. ``is_distilled=False`` (a Klein base model):
     ``guidance_scale > 1`` runs a second, unconditional forward per step. Calls should pass
@@ -60,7 +60,7 @@ def build_tiny_pipeline() -> Any:
                            Flux2Transformer2DModel)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from .tiny_text import qwen2_tokenizer
+    from .tiny_parts import qwen2_tokenizer
 
     cfg = dict(FAMILY.configs["tiny"])
     # FLUX.2's VAE has 32 latent channels, packed 2x2 by the pipeline: 128. Klein's transformer

@@ -119,7 +119,7 @@ def build_tiny_pipeline() -> Any:
     Parts: ``HunyuanVideo15Transformer3DModel`` from :data:`FAMILY`'s ``tiny`` config (3
     dual-stream blocks, width 32, 4 latent channels + 4 condition + 1 mask in); a 3-layer
     ``Qwen2_5_VLTextModel`` of width 24 (``text_embed_dim``) with the byte-level Qwen2 tokenizer
-    (:func:`ditfuse.models.tiny_text.qwen2_tokenizer`); a 1-layer ``T5EncoderModel`` of width 20
+    (:func:`ditfuse.models.tiny_parts.qwen2_tokenizer`); a 1-layer ``T5EncoderModel`` of width 20
     (``text_embed_2_dim``) with transformers' ``ByT5Tokenizer``; ``AutoencoderKLHunyuanVideo15``
     with the real 16x spatial / 4x temporal compression at 8 channels; the 480p
     ``FlowMatchEulerDiscreteScheduler`` (shift 5) and ``ClassifierFreeGuidance`` (scale 6).
@@ -144,9 +144,9 @@ def build_tiny_pipeline() -> Any:
         HunyuanVideo15Transformer3DModel,
     )
     from diffusers.guiders import ClassifierFreeGuidance
-    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+    from transformers import Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-    from .tiny_text import byt5_tokenizer, qwen2_tokenizer
+    from .tiny_parts import byt5_tokenizer, qwen2_tokenizer, t5_encoder
 
     tokenizer = qwen2_tokenizer()
     tokenizer_2 = byt5_tokenizer()
@@ -171,23 +171,8 @@ def build_tiny_pipeline() -> Any:
             pad_token_id=tokenizer.pad_token_id,
         )
     ).eval()
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=cfg["text_embed_2_dim"],
-            d_kv=8,
-            d_ff=2 * cfg["text_embed_2_dim"],
-            num_layers=1,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            dense_act_fn="gelu_new",
-            feed_forward_proj="gated-gelu",
-            is_gated_act=True,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-            decoder_start_token_id=tokenizer_2.pad_token_id,
-        )
-    ).eval()
+    text_encoder_2 = t5_encoder(tokenizer_2, cfg["text_embed_2_dim"], d_ff=2 * cfg["text_embed_2_dim"],
+                                decoder_start_token_id=tokenizer_2.pad_token_id)
     # task_type is not read by the model; the real text-to-video checkpoints declare it
     transformer = HunyuanVideo15Transformer3DModel(**cfg, task_type="t2v").eval()
     # 5 stages as the real VAE (4 spatial downsamples, the last 2 also temporal) at 8 channels;

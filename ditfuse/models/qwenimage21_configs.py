@@ -90,7 +90,7 @@ def build_tiny_pipeline() -> Any:
     single-stream blocks, 16 latent channels, VLM width 24); a ``Qwen3VLForConditionalGeneration``
     with a 2-layer text model of width 24 (Qwen3-VL's interleaved multimodal RoPE) and a 1-block
     vision tower (run only for condition images); a ``Qwen3VLProcessor`` of the byte-level Qwen2
-    tokenizer (:func:`ditfuse.models.tiny_text.qwen2_tokenizer`, its chat template), a Qwen2-VL
+    tokenizer (:func:`ditfuse.models.tiny_parts.qwen2_tokenizer`, its chat template), a Qwen2-VL
     image processor with Qwen3-VL's 16-pixel patches and Qwen3-VL's video processor (defaults);
     ``AutoencoderKLQwenImage21`` (RGBA in and out, 16x spatial compression) with 16 latent
     channels at 8 base channels and identity latent statistics; Qwen-Image's dynamic-shift
@@ -116,7 +116,7 @@ def build_tiny_pipeline() -> Any:
         Qwen3VLVideoProcessor,
     )
 
-    from .tiny_text import QWEN2_CHAT_TEMPLATE, qwen2_tokenizer
+    from .tiny_parts import QWEN2_CHAT_TEMPLATE, qwen2_tokenizer
 
     tokenizer = qwen2_tokenizer()
     tid = tokenizer.convert_tokens_to_ids

@@ -63,7 +63,7 @@ def build_tiny_pipeline() -> Any:
     blocks, 16 packed channels = 4 latent channels x 2x2, text width 24); a 2-layer
     ``Qwen2_5_VLForConditionalGeneration`` (text width 24 with Qwen2.5-VL's multimodal RoPE, and a
     1-block vision tower the text-to-image path never calls); the byte-level Qwen2 tokenizer
-    (:func:`ditfuse.models.tiny_text.qwen2_tokenizer`); ``AutoencoderKLQwenImage`` with 4 latent
+    (:func:`ditfuse.models.tiny_parts.qwen2_tokenizer`); ``AutoencoderKLQwenImage`` with 4 latent
     channels and Qwen-Image's 8x spatial compression at 4-16 channels; Qwen-Image's
     ``FlowMatchEulerDiscreteScheduler`` (exponential dynamic shift). Every call should pass
     :data:`TINY_CALL_KWARGS`. Sizes are multiples of 16 (VAE 8x, then 2x2 packing).
@@ -77,7 +77,7 @@ def build_tiny_pipeline() -> Any:
     )
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from .tiny_text import qwen2_tokenizer
+    from .tiny_parts import qwen2_tokenizer
 
     tokenizer = qwen2_tokenizer()
     tid = tokenizer.convert_tokens_to_ids

@@ -53,7 +53,7 @@ FAMILY = Family(
 # ------------------------------------------------------------------------------ the tiny SD3.5 pipeline
 
 TINY_SEED = 0
-# Character-level tokenizers (models/tiny_text.py): one token per character. CLIP keeps SD3's 77
+# Character-level tokenizers (models/tiny_parts.py): one token per character. CLIP keeps SD3's 77
 # positions (the pipeline reads them from the tokenizer); T5 gets 64 instead of 256.
 TINY_CLIP_LEN = 77
 TINY_T5_LEN = 64
@@ -68,17 +68,16 @@ def build_tiny_pipeline() -> Any:
     Parts: the ``tiny`` SD3Transformer2DModel of :data:`FAMILY` (QK RMSNorm, block 0 with dual
     attention, the context_pre_only last block) with 16 latent channels; two 2-layer
     ``CLIPTextModelWithProjection`` (CLIP-L / CLIP-G stand-ins) and a 1-layer ``T5EncoderModel``
-    with the character-level tokenizers of :mod:`ditfuse.models.tiny_text`; a 4-level
+    with the character-level tokenizers of :mod:`ditfuse.models.tiny_parts`; a 4-level
     ``AutoencoderKL`` with 16 latent channels (vae_scale_factor 8: sizes are multiples of 16);
     SD3.5's ``FlowMatchEulerDiscreteScheduler`` (shift 3). Calls should pass
     :data:`TINY_CALL_KWARGS`.
     """
     import torch
-    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
-                           StableDiffusion3Pipeline)
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection
 
-    from .tiny_text import clip_tokenizer, t5_tokenizer
+    from .tiny_parts import autoencoder_kl, clip_tokenizer, t5_encoder, t5_tokenizer
 
     cfg = dict(FAMILY.configs["tiny"])
     # The VAE's 16 latent channels (SD3's); sample_size 32 makes the pipeline's default size
@@ -105,20 +104,11 @@ def build_tiny_pipeline() -> Any:
     # pooled_projection_dim); SD3 pads 768 + 1280 to 4096 the same way.
     text_encoder = clip(8, 4)
     text_encoder_2 = clip(8, pooled - 4)
-    text_encoder_3 = T5EncoderModel(T5Config(
-        vocab_size=len(tokenizer_3), d_model=joint, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
-        relative_attention_num_buckets=8, dense_act_fn="gelu_new", feed_forward_proj="gated-gelu",
-        is_gated_act=True, pad_token_id=tokenizer_3.pad_token_id, eos_token_id=tokenizer_3.eos_token_id,
-    )).eval()
+    text_encoder_3 = t5_encoder(tokenizer_3, joint)
     transformer = SD3Transformer2DModel(**cfg).eval()
     # SD3's VAE in miniature: 4 levels (8x downsampling), 16 latent channels, no quant convs,
     # SD3.5's scaling and shift factors.
-    vae = AutoencoderKL(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
-        latent_channels=16, norm_num_groups=4, sample_size=64, scaling_factor=1.5305, shift_factor=0.0609,
-        use_quant_conv=False, use_post_quant_conv=False,
-    ).eval()
+    vae = autoencoder_kl(16, scaling_factor=1.5305, shift_factor=0.0609)
     scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
     return StableDiffusion3Pipeline(
         transformer=transformer, scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,

@@ -109,7 +109,7 @@ def build_tiny_wan() -> Any:
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
-    from .tiny_text import t5_tokenizer
+    from .tiny_parts import t5_tokenizer
 
     tokenizer = t5_tokenizer(TINY_WAN_TEXT_LEN)
     torch.manual_seed(TINY_WAN_SEED)

@@ -77,16 +77,16 @@ def build_tiny_pipeline() -> Any:
     refiner and 2 main blocks, 4 latent channels, caption width 24) with RoPE tables long enough
     for :data:`TINY_CALL_KWARGS` and 2048-px images; a 2-layer ``Qwen3Model`` of width 24 (the
     pipeline reads its second-to-last hidden state); the byte-level Qwen2 tokenizer
-    (:func:`ditfuse.models.tiny_text.qwen2_tokenizer`); an ``AutoencoderKL`` with 4 latent channels,
+    (:func:`ditfuse.models.tiny_parts.qwen2_tokenizer`); an ``AutoencoderKL`` with 4 latent channels,
     FLUX.1's 8x compression and latent scale / shift, at 8-16 channels; Z-Image-Turbo's
     ``FlowMatchEulerDiscreteScheduler`` (shift 3). Every call should pass :data:`TINY_CALL_KWARGS`.
     Sizes are multiples of 16 (VAE 8x, then 2x2 patches).
     """
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from transformers import Qwen3Config, Qwen3Model
 
-    from .tiny_text import qwen2_tokenizer
+    from .tiny_parts import autoencoder_kl, qwen2_tokenizer
 
     tokenizer = qwen2_tokenizer()
     # RoPE axis 0 numbers the caption tokens (padded to a multiple of 32) then puts the image one
@@ -114,21 +114,7 @@ def build_tiny_pipeline() -> Any:
     transformer = ZImageTransformer2DModel(**cfg).eval()
     # Four resolution levels -> vae_scale_factor 8 (FLUX.1's VAE, which Z-Image uses, with its
     # latent scale and shift) at the transformer's latent channel count.
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        latent_channels=cfg["in_channels"],
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
+    vae = autoencoder_kl(cfg["in_channels"])
     scheduler = FlowMatchEulerDiscreteScheduler(**ZIMAGE_SCHEDULER)
     return ZImagePipeline(
         scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,

@@ -285,10 +285,10 @@ def resolve_dtype(dtype: str | Any | None, device: str) -> Any:
 def build_tiny_flux():
     """Build the tiny FluxPipeline in memory (random weights, seed ``_TINY_SEED``)."""
     import torch
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextConfig, CLIPTextModel
 
-    from ..models.tiny_text import clip_tokenizer, t5_tokenizer
-    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+    from ..models.tiny_parts import autoencoder_kl, clip_tokenizer, t5_encoder, t5_tokenizer
 
     # Both tokenizers are character-level, so a prompt costs about one token per character:
     # CLIP keeps its usual 77 positions and T5 gets 128 (FLUX.1 uses 512; not needed here).
@@ -311,22 +311,7 @@ def build_tiny_flux():
             pad_token_id=tokenizer.pad_token_id,
         )
     ).eval()
-    text_encoder_2 = T5EncoderModel(
-        T5Config(
-            vocab_size=len(tokenizer_2),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=1,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            dense_act_fn="gelu_new",
-            feed_forward_proj="gated-gelu",
-            is_gated_act=True,
-            pad_token_id=tokenizer_2.pad_token_id,
-            eos_token_id=tokenizer_2.eos_token_id,
-        )
-    ).eval()
+    text_encoder_2 = t5_encoder(tokenizer_2, 32, heads=4, d_ff=64)
     # FLUX.1 layout in miniature: 16 latent channels packed 2x2 -> in_channels 64; the RoPE axes
     # (4, 6, 6) sum to the head dim 16; 1 dual-stream + 1 single-stream block.
     transformer = FluxTransformer2DModel(
@@ -342,21 +327,7 @@ def build_tiny_flux():
         axes_dims_rope=(4, 6, 6),
     ).eval()
     # Four resolution levels -> vae_scale_factor 8, as in FLUX.1, so sizes are multiples of 16.
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        block_out_channels=(8, 8, 16, 16),
-        layers_per_block=1,
-        latent_channels=16,
-        norm_num_groups=4,
-        sample_size=64,
-        scaling_factor=0.3611,
-        shift_factor=0.1159,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-    ).eval()
+    vae = autoencoder_kl(16)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0,
         use_dynamic_shifting=True,

@@ -5,7 +5,6 @@ batch of its videos only with VAE slicing: the runtime's pipeline table covers a
 
 from __future__ import annotations
 
-import threading
 import time
 from types import SimpleNamespace
 
@@ -14,15 +13,13 @@ import pytest
 
 from ditfuse.runtime import video_io
 
-from .test_videos_server import free_port, one_thread  # noqa: F401 - fixture
+from .test_videos_server import one_thread, serving  # noqa: F401 - fixture
 
 KEY = "k"
 
 
 @pytest.fixture(scope="module")
 def hv(tiny_cache, one_thread, tmp_path_factory):  # noqa: F811
-    import uvicorn
-
     from ditfuse.runtime.server import build_engine, create_app
     from ditfuse.runtime.videos import VideoJobs
 
@@ -32,17 +29,8 @@ def hv(tiny_cache, one_thread, tmp_path_factory):  # noqa: F811
                              batch_wait_ms=300, max_queue=16)
     jobs = VideoJobs(engine, tmp_path_factory.mktemp("hv-data"), sweep_interval_s=0)
     app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024, videos=jobs)
-    port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not srv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine)
-    srv.should_exit = True
-    thread.join(60)
+    with serving(app) as url:
+        yield SimpleNamespace(url=url, engine=engine)
 
 
 def test_two_jobs_share_a_padded_batch_and_decode(hv):

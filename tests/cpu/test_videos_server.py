@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,8 +63,6 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def vs(tiny_cache, one_thread, tmp_path_factory):
-    import uvicorn
-
     from ditfuse.runtime.server import build_engine, create_app
     from ditfuse.runtime.videos import VideoJobs
 
@@ -74,6 +73,16 @@ def vs(tiny_cache, one_thread, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("video-data")
     jobs = VideoJobs(engine, data_dir, sweep_interval_s=0)
     app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024, videos=jobs)
+    with serving(app) as url:
+        yield SimpleNamespace(url=url, engine=engine, jobs=jobs, data_dir=data_dir)
+
+
+@contextmanager
+def serving(app):
+    """``app`` under uvicorn on a free loopback port in a thread: yields its base URL, stops it
+    on exit."""
+    import uvicorn
+
     port = free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -82,9 +91,11 @@ def vs(tiny_cache, one_thread, tmp_path_factory):
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
-    yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, jobs=jobs, data_dir=data_dir)
-    srv.should_exit = True
-    thread.join(60)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(60)
     assert not thread.is_alive()
 
 

@@ -1,10 +1,12 @@
-"""Tokenizers for the tiny random-weight pipelines, built offline (no download, no vocab files).
+"""Shared parts of the tiny random-weight pipelines, built offline (no download, no vocab files):
+their tokenizers, a T5 text encoder, a FLUX-style AutoencoderKL.
 
 Every tiny pipeline (``tiny-flux``, ``tiny-wan``, ``tiny-sd3``, ...) needs its family's tokenizer
 class, because the diffusers pipeline calls that class's API (a CLIP tokenizer's 77 positions, a
 Qwen2 tokenizer's chat template, ...). The vocabularies here are character- or byte-level, so a
 prompt costs about one token per character; the text encoders behind them have random weights,
 so what a prompt *means* is irrelevant: these exist to run the code path, not to make pictures.
+The module constructors draw from torch's global generator: a builder seeds it first.
 """
 
 from __future__ import annotations
@@ -98,3 +100,28 @@ def byt5_tokenizer(max_length: int = 256) -> Any:
     from transformers import ByT5Tokenizer
 
     return ByT5Tokenizer(model_max_length=max_length)
+
+
+def t5_encoder(tokenizer: Any, width: int, heads: int = 2, d_ff: int = 32, **extra: Any) -> Any:
+    """A one-layer ``T5EncoderModel`` of width ``width`` (the transformer's text width) over
+    ``tokenizer``'s vocabulary, T5 v1.1's gated-GELU feed-forward, in eval mode."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(
+        vocab_size=len(tokenizer), d_model=width, d_kv=8, d_ff=d_ff, num_layers=1, num_heads=heads,
+        relative_attention_num_buckets=8, dense_act_fn="gelu_new", feed_forward_proj="gated-gelu",
+        is_gated_act=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **extra,
+    )).eval()
+
+
+def autoencoder_kl(latent_channels: int = 16, scaling_factor: float = 0.3611, shift_factor: float = 0.1159) -> Any:
+    """FLUX.1's VAE layout in miniature: four levels (vae_scale_factor 8), 8-16 channels, no quant
+    convs; FLUX.1's latent scale and shift unless given (SD3.5's are 1.5305 / 0.0609)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+        latent_channels=latent_channels, norm_num_groups=4, sample_size=64, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
+    ).eval()
