@@ -520,7 +520,7 @@ def cuda_graphs_for(setting: "bool | str", loaded: LoadedModel) -> bool:
 
     ``True`` / ``"on"`` and ``False`` / ``"off"`` say so; ``"auto"`` is on for image models and
     off for video models and for pipelines whose forward syncs with the host
-    (``PipelineSpec.cuda_graphs``: Qwen-Image 2.1). Measured on the H200 (round 9, bench/results/*_round9_h200.csv):
+    (``PipelineSpec.cuda_graphs``: Qwen-Image 2.1, Chroma). Measured on the H200 (round 9, bench/results/*_round9_h200.csv):
     graphs cut an image step's host time to ~1 ms. That made the step 1.5-3 % faster: FLUX.1
     128.22 -> 125.45 ms, SD3.5-large 70.96 -> 69.75. A Wan-1.3B 480p step (507.7 ms) already
     hides its host time, and its graph ran slower: 510.2 ms at B=1, 1016.2 against 1010.8 ms at
