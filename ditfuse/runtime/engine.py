@@ -200,7 +200,8 @@ def run_batch(
 
     All slots must share a signature. ``pad_to`` appends copies of slot 0 until the call has that
     many images (their outputs are discarded); see the module docstring for why. ``on_step(i,
-    total)`` is called after each denoising step (from ``callback_on_step_end``).
+    total)`` is called after each denoising step (from ``callback_on_step_end``, or from the
+    scheduler's ``step`` for a pipeline without one).
     """
     import torch
 

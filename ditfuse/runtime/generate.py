@@ -119,12 +119,12 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             fmt = out.suffix.lower().lstrip(".") or "png"
             fmt = {"jpg": "jpeg"}.get(fmt, fmt)
         spec = info.spec
-        named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", getattr(args, "true_cfg_scale", None)),
+        true_cfg = getattr(args, "true_cfg_scale", None)
+        named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", true_cfg),
                                 ("negative_prompt", args.negative_prompt)) if v is not None}
         refused = spec.check_request(named)
         if refused:
             raise ParamError(*refused)
-        true_cfg = getattr(args, "true_cfg_scale", None)
         steps = args.steps if args.steps is not None else (info.default_steps or spec.default_steps)
         default_guidance = info.default_guidance if info.default_guidance is not None else spec.default_guidance
         guidance = args.guidance if args.guidance is not None else (
