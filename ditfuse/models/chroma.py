@@ -15,6 +15,11 @@ text-padding attention mask Chroma passes::
                  x + gate * proj_out(cat)                    -> gate_residual
     norm_out     LN(x) * (1 + scale) + shift (shift first)   -> layernorm_modulate
 
+The timestep embedder (ChromaCombinedTimestepTextProjEmbeddings) projects a constant
+``torch.tensor([0] * B)`` on the CPU and copies it to the GPU on every forward: a host sync per step
+and a copy CUDA graph capture refuses. Its site keeps those rows on the device per (B, dtype,
+device); no kernel, the same ops on the same values.
+
 Every op is one FLUX.1 runs; every site is bit-exact and gated at first sight. Not done: the
 cross-block handoff (each block has its own modulation slice; the FLUX.1 handoff would need the
 next block's slice from the model's forward), a quality="high" tier (no admission on Chroma
@@ -144,6 +149,51 @@ def _norm_out_applies(norm) -> str | None:
     return plain_layernorm(norm.norm)
 
 
+_GUIDANCE_ATTR = "_ditfuse_guidance_rows"
+
+
+def _guidance_rows(embed, batch_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """``guidance_proj(torch.tensor([0] * B)).to(dtype, device)`` made once per (B, dtype, device)
+    and the projection's settings: diffusers builds that CPU tensor, projects it on the CPU and
+    copies it to the GPU on every forward, a blocking copy from pageable memory (a host sync per
+    step) that also makes CUDA graph capture fail. The value is a deterministic function of the
+    key, so a kept copy is the same bits. None (compute as diffusers does) while torch.compile
+    traces and on a miss during CUDA graph capture (the copy is what capture cannot hold)."""
+    if torch.compiler.is_compiling():
+        return None
+    p = embed.guidance_proj
+    key = (batch_size, dtype, str(device), p.num_channels, p.flip_sin_to_cos, p.downscale_freq_shift, p.scale)
+    rows = embed.__dict__.setdefault(_GUIDANCE_ATTR, {})
+    hit = rows.get(key)
+    if hit is not None or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return hit
+    value = p(torch.tensor([0] * batch_size)).to(dtype=dtype, device=device)
+    rows[key] = value
+    return value
+
+
+def timestep_embed_forward(embed, original, timestep: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
+    """ChromaCombinedTimestepTextProjEmbeddings, with the constant guidance rows kept on the device
+    (:func:`_guidance_rows`); every other op is diffusers' own, in its order. No kernel runs here,
+    so the contract is trivially bit-exact: the same ops on the same values."""
+    mod_index_length = embed.mod_proj.shape[0]
+    batch_size = timestep.shape[0]
+    timesteps_proj = embed.time_proj(timestep).to(dtype=timestep.dtype)
+    guidance_proj = _guidance_rows(embed, batch_size, timestep.dtype, timestep.device)
+    if guidance_proj is None:
+        return original(timestep)
+    mod_proj = embed.mod_proj.to(dtype=timesteps_proj.dtype, device=timesteps_proj.device).repeat(batch_size, 1, 1)
+    timestep_guidance = (
+        torch.cat([timesteps_proj, guidance_proj], dim=1).unsqueeze(1).repeat(1, mod_index_length, 1)
+    )
+    input_vec = torch.cat([timestep_guidance, mod_proj], dim=-1)
+    return input_vec.to(timestep.dtype)
+
+
+def _release_guidance_rows(embed) -> None:
+    embed.__dict__.pop(_GUIDANCE_ATTR, None)
+
+
 _TRANSFORMER_PARAMS = (
     "self", "hidden_states", "encoder_hidden_states", "timestep", "img_ids", "txt_ids", "attention_mask",
     "joint_attention_kwargs", "controlnet_block_samples", "controlnet_single_block_samples", "return_dict",
@@ -186,6 +236,17 @@ SITES = (
         description="norm_out (ChromaAdaLayerNormContinuousPruned, shift first)",
     ),
     ids_scope_site("chroma", f"{_TF}:ChromaTransformer2DModel", _TRANSFORMER_PARAMS),
+    Site(
+        name="chroma.timestep_embed",
+        cls=f"{_TF}:ChromaCombinedTimestepTextProjEmbeddings",
+        params=("self", "timestep"),
+        forward=timestep_embed_forward,
+        ops=(),
+        high=False,
+        release=_release_guidance_rows,
+        description="timestep embedder: the constant guidance rows kept on the device (no per-step CPU "
+                    "projection and blocking host-to-device copy; CUDA graph capture works)",
+    ),
     embedder_site("chroma.pos_embed", f"{_FLUX}:FluxPosEmbed"),
 )
 

@@ -39,7 +39,7 @@ def _run(m, inp):
 
 
 EXPECTED_SITES = sorted(["chroma.dual_block"] * 2 + ["chroma.single_block"] * 2 + ["chroma.attention"] * 4
-                        + ["chroma.norm_out", "chroma.transformer", "chroma.pos_embed"])
+                        + ["chroma.norm_out", "chroma.transformer", "chroma.pos_embed", "chroma.timestep_embed"])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -112,3 +112,40 @@ def test_family_fixture_builds_inputs():
     inp = CHROMA.make_inputs(m, batch=2, size="64x48", device="cpu", txt_tokens=9)
     assert inp["hidden_states"].shape == (2, 12, 8) and inp["attention_mask"].shape == (2, 21)
     assert _run(m, inp).shape == (2, 12, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_timestep_embed_keeps_guidance_rows(dtype, monkeypatch):
+    """The embedder site computes diffusers' CPU guidance projection once per (batch, dtype,
+    device) and returns diffusers' exact output at every call; batch 1 and 2 get their own rows,
+    unmount drops them."""
+    from diffusers.models.transformers import transformer_chroma as tc
+
+    m = _model(dtype)
+    embed = next(mod for mod in m.modules() if isinstance(mod, tc.ChromaCombinedTimestepTextProjEmbeddings))
+    projected = []
+    real = type(embed.guidance_proj).forward
+
+    def counting(self, t):
+        if self is embed.guidance_proj:
+            projected.append(tuple(t.shape))
+        return real(self, t)
+
+    monkeypatch.setattr(type(embed.guidance_proj), "forward", counting)
+    steps = [torch.tensor([0.25], dtype=dtype), torch.tensor([0.5, 0.75], dtype=dtype), torch.tensor([1.0], dtype=dtype)]
+    with torch.no_grad():
+        want = [embed(t) for t in steps]
+    assert len(projected) == 3
+    projected.clear()
+    h = ditfuse.accelerate(m)
+    try:
+        assert ("chroma.timestep_embed" in [s for _, s in h.report().components[0].sites])
+        with torch.no_grad():
+            for _ in range(2):
+                for t, w in zip(steps, want):
+                    assert_bitwise_equal(embed(t), w, f"timestep embed B={t.shape[0]}")
+        assert projected == [(1,), (2,)], projected
+        assert len(embed.__dict__[chroma_adapter._GUIDANCE_ATTR]) == 2
+    finally:
+        h.unmount()
+    assert chroma_adapter._GUIDANCE_ATTR not in embed.__dict__
