@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan|flux2|flux3|chroma|sd3|qwenimage|qwenimage21|zimage|hunyuanvideo15|vae|kernels`",
+        help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan|flux2|flux3|chroma|sd3|qwenimage|qwenimage21|zimage|hunyuanvideo15|ltx|vae|kernels`",
         description="`ditfuse bench FAMILY [args]` runs bench/bench_step.py --family FAMILY (one real-size "
         "transformer step: eager / lossless / +CUDA graph / high / torch.compile, profiler breakdown, CSV + "
         "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench vae [--model flux|flux2|qwenimage|wan|wan22]` runs "

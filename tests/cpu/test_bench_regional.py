@@ -36,6 +36,7 @@ EXPECTED = {
     "wan": ((3,), {"WanTransformerBlock": 3}),
     # the noise and context refiners are ZImageTransformerBlocks too: 2 main + 2 x 1 refiner
     "zimage": ((2, 1), {"ZImageTransformerBlock": 4}),
+    "ltx": ((3,), {"LTXVideoTransformerBlock": 3}),
 }
 
 
