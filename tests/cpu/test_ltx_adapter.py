@@ -153,10 +153,13 @@ def test_video_coords_path_bitwise():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("per_token", [False, True], ids=["t", "per-token-t"])
 @pytest.mark.parametrize("batch", [1, 2])
-def test_mount_unmount_outputs_bitwise_unchanged(batch):
+def test_mount_unmount_outputs_bitwise_unchanged(batch, per_token):
     m = _model()
     inp = _inputs(m, batch=batch)
+    if per_token:
+        inp["timestep"] = torch.full((batch, 105), 500.0).index_fill_(1, torch.arange(35), 0.0)
     base = _run(m, inp)
     h = ditfuse.accelerate(m)
     try:
@@ -227,3 +230,18 @@ def test_family_configs():
         ltx_configs.latent_grid("224x160x16")
     img = LTX.to_images(torch.zeros(2, 105, 8))
     assert img.shape == (2, 8, 15, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_per_token_timestep_bitwise(dtype):
+    """LTXConditionPipeline's per-token timesteps ([B, S]: conditioning tokens at t = 0): the
+    modulation chunks and the tail's scale / shift become [B, S, D]."""
+    m = _model(dtype)
+    inp = _inputs(m, batch=2, dtype=dtype)
+    t = torch.full((2, 105), 500.0)
+    t[:, :35] = 0.0  # the first latent frame is the conditioning frame
+    t[1] = t[1] * 0.5
+    inp["timestep"] = t
+    base = _run(m, inp)
+    with reference_forwards(m, ltx_adapter.SITES, require_applies=True):
+        assert_bitwise_equal(_run(m, inp), base, f"per-token timestep {dtype}")
