@@ -206,6 +206,6 @@ def test_cuda_graph_auto_follows_the_table():
 
     assert cuda_graphs_for("auto", _loaded("FluxPipeline", None))
     assert not cuda_graphs_for("auto", _loaded("QwenImage21Pipeline", None))  # its forward syncs
-    assert not cuda_graphs_for("auto", _loaded("ChromaPipeline", None))  # a CPU -> GPU copy per forward
+    assert cuda_graphs_for("auto", _loaded("ChromaPipeline", None))  # its embedder's copy is kept on the device
     assert not cuda_graphs_for("auto", _loaded("WanPipeline", None, kind="video"))
     assert cuda_graphs_for("on", _loaded("QwenImage21Pipeline", None))  # asked for: tried (and warned)
