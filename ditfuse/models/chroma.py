@@ -15,6 +15,10 @@ text-padding attention mask Chroma passes::
                  x + gate * proj_out(cat)                    -> gate_residual
     norm_out     LN(x) * (1 + scale) + shift (shift first)   -> layernorm_modulate
 
+Each block builds the same [B, 1, S, S] joint attention mask from the one padding-mask tensor
+the model hands every block; the fast forwards build it once per mask tensor (models/per_forward.py:
+the same tensor object at the same version gives the same product) and share it.
+
 The timestep embedder (ChromaCombinedTimestepTextProjEmbeddings) projects a constant
 ``torch.tensor([0] * B)`` on the CPU and copies it to the GPU on every forward: a host sync per step
 and a copy CUDA graph capture refuses. Its site keeps those rows on the device per (B, dtype,
@@ -40,6 +44,7 @@ from .adaln import dual_block_applies, plain_layernorm
 from .base import Adapter, Site
 from .flux import flux_attention_site, ids_scope_site, single_attn_mlp_cat
 from .handoff import Opening
+from .per_forward import IdentityCache
 from .pos_cache import embedder_site
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -55,11 +60,21 @@ def _pruned_opening(norm, emb: torch.Tensor) -> Opening:
     return Opening(scale_msa, shift_msa, norm.norm.eps, (gate_msa, shift_mlp, scale_mlp, gate_mlp))
 
 
-def _joint_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+def joint_mask_value(attention_mask: torch.Tensor) -> torch.Tensor:
     """The blocks' ``mask[:, None, None, :] * mask[:, None, :, None]`` ([B, 1, S, S])."""
+    return attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+
+
+# Every block of a forward gets the same attention-mask tensor and builds the same [B, 1, S, S]
+# product from it (57 products of S² elements per Chroma1-HD step). Made once and shared while
+# the mask is the same tensor object at the same version (models/per_forward.py).
+_MASKS = IdentityCache()
+
+
+def _joint_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     if attention_mask is None:
         return None
-    return attention_mask[:, None, None, :] * attention_mask[:, None, :, None]
+    return _MASKS.get((attention_mask,), (), lambda: joint_mask_value(attention_mask))
 
 
 def dual_block_forward(block, original, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor,

@@ -283,7 +283,10 @@ def step_inputs(name: str, model, batch: int = 1, height: int = 1024, width: int
             timestep=torch.full((batch,), 0.7, device=device, dtype=dtype),
             img_ids=img_ids.to(device),
             txt_ids=torch.zeros(txt, 3, device=device),
-            attention_mask=mask.to(device),
+            # in the pipeline's dtype: ChromaPipeline casts the prompt mask to the text encoder's
+            # dtype and cats bool ones for the image tokens (promoted), so the blocks multiply and
+            # SDPA adds a float 1 / 0 mask, not a bool one
+            attention_mask=mask.to(device=device, dtype=dtype),
             return_dict=False,
         )
     if family == "qwenimage21":

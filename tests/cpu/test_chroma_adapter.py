@@ -27,9 +27,13 @@ def _model(dtype=torch.bfloat16):
 
 
 def _inputs(m, batch=1, txt=9, hw=(64, 48), dtype=torch.bfloat16, mask=True):
+    """``mask``: True (the pipeline's float 1 / 0 mask in the model dtype), "bool" (a caller's
+    bool mask), False (none)."""
     inp = ifc.step_inputs("chroma", m, batch=batch, height=hw[0], width=hw[1], text_tokens=txt, dtype=dtype)
     if not mask:
         inp["attention_mask"] = None
+    elif mask == "bool":
+        inp["attention_mask"] = inp["attention_mask"].bool()
     return inp
 
 
@@ -43,7 +47,7 @@ EXPECTED_SITES = sorted(["chroma.dual_block"] * 2 + ["chroma.single_block"] * 2 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("mask", [True, False], ids=["masked", "unmasked"])
+@pytest.mark.parametrize("mask", [True, "bool", False], ids=["masked", "bool-masked", "unmasked"])
 def test_fast_forwards_match_diffusers_call_for_call(dtype, mask):
     m = _model(dtype)
     inp = _inputs(m, batch=2, dtype=dtype, mask=mask)
@@ -149,3 +153,37 @@ def test_timestep_embed_keeps_guidance_rows(dtype, monkeypatch):
     finally:
         h.unmount()
     assert chroma_adapter._GUIDANCE_ATTR not in embed.__dict__
+
+
+def test_joint_mask_built_once_per_mask_tensor(monkeypatch):
+    """The [B, 1, S, S] joint mask is built by the first block and shared by the others (4 blocks
+    in the tiny model); the same mask tensor at the next step reuses it, an in-place write to the
+    mask or a new mask tensor rebuilds it; outputs stay bitwise equal to diffusers throughout."""
+    m = _model(torch.float32)
+    inp = _inputs(m, batch=2, dtype=torch.float32)
+    base = _run(m, inp)
+    other_mask = inp["attention_mask"].clone()
+    other_mask[0, 0] = not bool(other_mask[0, 0])
+    want_other = _run(m, dict(inp, attention_mask=other_mask.clone()))
+    assert not torch.equal(want_other, base)
+    built = []
+    real = chroma_adapter.joint_mask_value
+
+    def counting(mask):
+        built.append(mask)
+        return real(mask)
+
+    monkeypatch.setattr(chroma_adapter, "joint_mask_value", counting)
+    h = ditfuse.accelerate(m)
+    try:
+        assert_bitwise_equal(_run(m, inp), base, "step 1")
+        assert len(built) == 1, len(built)
+        assert_bitwise_equal(_run(m, inp), base, "step 2, same mask tensor")
+        assert len(built) == 1, len(built)
+        inp["attention_mask"].copy_(other_mask)
+        assert_bitwise_equal(_run(m, inp), want_other, "after an in-place write to the mask")
+        assert len(built) == 2, len(built)
+        assert_bitwise_equal(_run(m, dict(inp, attention_mask=other_mask.clone())), want_other, "a new mask tensor")
+        assert len(built) == 3, len(built)
+    finally:
+        h.unmount()
