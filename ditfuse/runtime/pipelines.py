@@ -5,7 +5,8 @@ diffusers' text-to-image / text-to-video pipelines agree on ``prompt``, ``height
 (a ``guidance_scale`` argument, FLUX's and FLUX.2's distilled guidance embedding, HunyuanVideo
 1.5's ``guider`` component, or nowhere: Qwen-Image guides only through ``true_cfg_scale``), what a
 negative prompt needs (classifier-free guidance above 1, or ``true_cfg_scale`` above 1), the sizes
-they accept, and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
+they accept (and, for video, the frame-count rule and whether the call takes the frame rate:
+LTX-Video's ``frame_rate``), and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
 says this for one class; :data:`PIPELINE_SPECS` lists every class ``generate`` / ``serve`` know.
 
 A directory holding a class not listed loads as a text-to-image pipeline called the FLUX way
