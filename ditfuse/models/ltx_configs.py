@@ -102,3 +102,63 @@ FAMILY = Family(
     notes={"dev": "LTX-Video 0.9.x size (28 blocks, width 2048, 128 latent channels), random bf16 weights",
            "13b": "LTX-Video 0.9.7/0.9.8 13B size (48 blocks, width 4096), random bf16 weights"},
 )
+
+
+# -- the tiny random-weight pipeline (the runtime's ``tiny-ltx`` preset) ------------------------------
+
+TINY_SEED = 0
+# The text length every call of the tiny pipeline pads to: LTXPipeline's own max_sequence_length
+# (128). The tiny tokenizer is character-level, so a prompt costs about one token per character.
+TINY_TEXT_LEN = 128
+# What every call of the tiny pipeline should get (none: the pipeline's defaults fit it).
+TINY_CALL_KWARGS: dict[str, Any] = {}
+# The scheduler diffusers' LTX-Video checkpoints ship (scripts/convert_ltx_to_diffusers.py in
+# diffusers): resolution-dependent shift between 0.95 (1024 latent tokens) and 2.05 (4096), the
+# last sigma stretched to 0.1.
+SCHEDULER: dict[str, Any] = dict(use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05,
+                                 base_image_seq_len=1024, max_image_seq_len=4096, shift_terminal=0.1)
+
+
+def build_tiny_pipeline() -> Any:
+    """A complete diffusers ``LTXPipeline`` (text-to-video) with **random weights** (seed
+    :data:`TINY_SEED`): its videos are noise; it exercises the pipeline's code path (T5 prompt
+    embeddings with their padding mask, CFG batches, the packed latents, the frame-rate-scaled
+    RoPE, the causal 3D VAE decode), not video quality. Built offline, no download.
+
+    Parts: ``LTXVideoTransformer3DModel`` from :data:`FAMILY`'s ``tiny`` config (2 blocks, width
+    32, 8 latent channels, 24-wide captions); a 1-layer ``T5EncoderModel`` of width 24 over the
+    character-level T5 tokenizer of :mod:`ditfuse.models.tiny_parts` (128 positions);
+    ``AutoencoderKLLTXVideo`` with the real layout's compression (4x4 patches and three
+    spatio-temporal downsamples: 32x spatial, 8x temporal) at 8 channels, one layer per block;
+    the checkpoints' ``FlowMatchEulerDiscreteScheduler`` (:data:`SCHEDULER`).
+
+    Calls take sides in multiples of 32 and ``num_frames = 8k + 1``, as the real model's; without
+    them the pipeline makes 704x512, 161 frames.
+    """
+    import torch
+    from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    from .tiny_parts import t5_encoder, t5_tokenizer
+
+    cfg = FAMILY.config("tiny")
+    tokenizer = t5_tokenizer(TINY_TEXT_LEN)
+    torch.manual_seed(TINY_SEED)
+    text_encoder = t5_encoder(tokenizer, cfg["caption_channels"], d_ff=2 * cfg["caption_channels"])
+    transformer = FAMILY.load_class()(**cfg).eval()
+    # the real VAE's down/up layout (four levels, the first three downsampling space and time,
+    # 4x4 pixel patches) at 8 channels; its latent width is the transformer's input width
+    vae = AutoencoderKLLTXVideo(
+        latent_channels=cfg["in_channels"], block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 8, 8, 8),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+    ).eval()
+    # LTXPipeline reads these two for the latent grid, and the runtime for its 8k + 1 frame rule
+    if (vae.spatial_compression_ratio, vae.temporal_compression_ratio) != (VAE_SPATIAL, VAE_TEMPORAL):
+        raise RuntimeError(f"tiny LTX VAE compresses {vae.spatial_compression_ratio}x / "
+                           f"{vae.temporal_compression_ratio}x, not {VAE_SPATIAL}x / {VAE_TEMPORAL}x")
+    return LTXPipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+    )

@@ -14,8 +14,8 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 MODEL_HELP = ("a built-in preset with random weights, whose images and videos are noise: images tiny-flux, "
               "tiny-sd3, tiny-chroma, tiny-flux2-klein, tiny-qwenimage, tiny-zimage; videos tiny-wan, "
-              "tiny-hunyuanvideo15. Or a diffusers directory (docs/serving.md lists the pipeline classes; "
-              "WanPipeline and HunyuanVideo15Pipeline make videos)")
+              "tiny-hunyuanvideo15, tiny-ltx. Or a diffusers directory (docs/serving.md lists the pipeline classes; "
+              "WanPipeline, HunyuanVideo15Pipeline and LTXPipeline make videos)")
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
@@ -47,9 +47,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="output file (default out.png; video models: out.mp4). Videos: .mp4 (H.264), .webp or .gif")
     p.add_argument("--frames", type=int, default=None, dest="frames",
-                   help="video models: number of frames, 4k+1 (default: tiny-wan and tiny-hunyuanvideo15 17, Wan 81, HunyuanVideo 1.5 121)")
+                   help="video models: number of frames, 4k+1 (Wan, HunyuanVideo 1.5) or 8k+1 (LTX-Video) "
+                        "(default: the tiny video presets 17, Wan 81, HunyuanVideo 1.5 121, LTX-Video 161)")
     p.add_argument("--seconds", type=float, default=None,
-                   help="video models: clip length instead of --frames (4k+1 frames nearest to seconds*fps+1)")
+                   help="video models: clip length instead of --frames (the 4k+1 or 8k+1 frame count nearest to seconds*fps+1)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")

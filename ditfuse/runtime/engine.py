@@ -249,6 +249,9 @@ def run_batch(
     if video or still:
         del kwargs["num_images_per_prompt"]
         kwargs.update(num_frames=p0.num_frames or 1, num_videos_per_prompt=1, output_type="np")
+        if spec.fps_kwarg is not None and getattr(loaded, "fps", None):
+            # LTX-Video: the frame rate scales its RoPE in time; the clip is written at loaded.fps
+            kwargs[spec.fps_kwarg] = loaded.fps
     # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
     steps_counted = None

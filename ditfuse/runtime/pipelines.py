@@ -5,7 +5,8 @@ diffusers' text-to-image / text-to-video pipelines agree on ``prompt``, ``height
 (a ``guidance_scale`` argument, FLUX's and FLUX.2's distilled guidance embedding, HunyuanVideo
 1.5's ``guider`` component, or nowhere: Qwen-Image guides only through ``true_cfg_scale``), what a
 negative prompt needs (classifier-free guidance above 1, or ``true_cfg_scale`` above 1), the sizes
-they accept, and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
+they accept (and, for video, the frame-count rule and whether the call takes the frame rate:
+LTX-Video's ``frame_rate``), and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
 says this for one class; :data:`PIPELINE_SPECS` lists every class ``generate`` / ``serve`` know.
 
 A directory holding a class not listed loads as a text-to-image pipeline called the FLUX way
@@ -15,6 +16,7 @@ A directory holding a class not listed loads as a text-to-image pipeline called 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -57,6 +59,24 @@ def _hunyuanvideo15_multiple(pipe: Any) -> int:
     return int(pipe.vae_scale_factor_spatial) * patch
 
 
+def _vae_temporal(pipe: Any) -> int:
+    # Wan, HunyuanVideo 1.5: frames after the first that the VAE packs into one latent frame
+    return int(pipe.vae_scale_factor_temporal)
+
+
+def _ltx_multiple(pipe: Any) -> int:
+    # LTXPipeline.check_inputs refuses sides that are not multiples of 32 whatever its VAE; the
+    # latent grid also needs whole patches (32 x 1 for every LTX-Video checkpoint)
+    grid = int(pipe.vae_spatial_compression_ratio) * int(pipe.transformer_spatial_patch_size)
+    return math.lcm(32, grid)
+
+
+def _ltx_temporal(pipe: Any) -> int:
+    # LTX names it vae_temporal_compression_ratio (8): prepare_latents floors (frames - 1) / 8, so
+    # a count that is not 8k + 1 would silently lose its last frames; the runtime refuses it instead
+    return int(pipe.vae_temporal_compression_ratio)
+
+
 def _hunyuanvideo15_prepare(pipe: Any) -> None:
     # diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decode fails for more than one video (its
     # mid-block attention mask is [B, S, S] against [B, 1, S, S] queries); slicing decodes the
@@ -85,9 +105,15 @@ class PipelineSpec:
     default_size: "tuple[int, int] | Callable[[Any], tuple[int, int]]" = _square_default
     size_multiple: Callable[[Any], int] = _flux_packed_multiple
     # video: frames per second of the clips and the default clip length (frame counts are
-    # pipe.vae_scale_factor_temporal * k + 1)
+    # frame_multiple(pipe) * k + 1)
     fps: int | None = None
     default_frames: int | None = None
+    # video: how many frames the loaded pipeline's VAE packs into one latent frame (after the first)
+    frame_multiple: Callable[[Any], int] = _vae_temporal
+    # video: the call argument that takes the clip's frame rate, for a pipeline whose output
+    # depends on it (LTX-Video: frame_rate sets its RoPE's temporal scale); the runtime passes fps
+    # so the frames are generated for the rate they are written at. None: the call takes none.
+    fps_kwarg: str | None = None
     known: bool = True  # False: the fallback for a class not in the table
     # Called once on the loaded pipeline (a module-level function): what it needs before the
     # runtime's batched calls work.
@@ -163,6 +189,12 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
                      default_steps=50, default_guidance=None, default_size=_hunyuanvideo15_default,
                      size_multiple=_hunyuanvideo15_multiple, fps=24, default_frames=121,
                      prepare=_hunyuanvideo15_prepare),
+        # LTX-Video text-to-video; every default from diffusers 0.42.1's LTXPipeline.__call__:
+        # 50 steps, guidance_scale 3 (CFG with a negative prompt, "" by default), 704x512,
+        # 161 frames at frame_rate 25 (6.4 s); sides multiples of 32 (check_inputs), 8k + 1 frames.
+        PipelineSpec("LTXPipeline", "LTX-Video", kind="video", default_steps=50, default_guidance=3.0,
+                     default_size=(704, 512), size_multiple=_ltx_multiple, fps=25, default_frames=161,
+                     frame_multiple=_ltx_temporal, fps_kwarg="frame_rate"),
     )
 }
 

@@ -1,5 +1,5 @@
-"""Pipelines the runtime can load: a built-in preset (``tiny-flux``, ``tiny-wan``), or a local
-diffusers directory.
+"""Pipelines the runtime can load: a built-in preset (``tiny-flux``, ``tiny-wan``, ... :
+:data:`PRESET_TABLE`), or a local diffusers directory.
 
 ``tiny-flux`` is a complete diffusers ``FluxPipeline`` (FluxTransformer2DModel, AutoencoderKL,
 FlowMatchEulerDiscreteScheduler, CLIP and T5 text encoders, tokenizers) shrunk to a few thousand
@@ -141,6 +141,22 @@ PRESET_TABLE["tiny-hunyuanvideo15"] = Preset(
     default_steps=8,
     pipeline="HunyuanVideo15Pipeline",
     prepare="ditfuse.models.hunyuanvideo15_configs:set_text_lengths",
+)
+PRESET_TABLE["tiny-ltx"] = Preset(
+    name="tiny-ltx",
+    builder="ditfuse.models.ltx_configs:build_tiny_pipeline",
+    version=1,
+    # half LTXPipeline's 704x512 in each side; sides step by 32 (its check_inputs)
+    default_size=(352, 256),
+    size_multiple=32,
+    call_kwargs=None,
+    note="tiny-ltx has random weights: its videos are noise (it exercises the LTX-Video pipeline, not video quality)",
+    kind="video",
+    fps=25,
+    frame_multiple=8,
+    default_frames=17,
+    default_steps=8,
+    pipeline="LTXPipeline",
 )
 PRESET_TABLE.update({p.name: p for p in (
     _tiny_image_preset("tiny-sd3", "sd3", "StableDiffusion3Pipeline", "SD3.5"),
@@ -487,7 +503,7 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
     )
     if spec.is_video:
         loaded.fps = spec.fps
-        loaded.frame_multiple = int(pipe.vae_scale_factor_temporal)
+        loaded.frame_multiple = spec.frame_multiple(pipe)
         loaded.default_frames = spec.default_frames
     return loaded
 

@@ -17,8 +17,9 @@ Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``,
 Seconds and frames
     A clip of ``num_frames`` frames at the model's ``fps`` lasts ``(num_frames - 1) / fps``
     seconds (the time from the first frame to the last). ``seconds`` maps to the ``4k+1`` frame
-    count nearest to ``seconds * fps + 1``: Wan (16 fps) 1 s -> 17 frames, 4 s -> 65, 5 s -> 81.
-    ``num_frames`` may be given instead (it must be ``4k+1``); given both, they must agree. The job
+    count (LTX-Video: ``8k+1``) nearest to ``seconds * fps + 1``: Wan (16 fps) 1 s -> 17 frames,
+    4 s -> 65, 5 s -> 81; LTX-Video (25 fps) 1 s -> 25 frames (0.96 s). ``num_frames`` may be given
+    instead (it must be ``4k+1``, LTX-Video ``8k+1``); given both, they must agree. The job
     object's ``seconds`` is always ``(num_frames - 1) / fps``.
 
 Job lifecycle
@@ -78,7 +79,7 @@ ALLOWED_FIELDS = (
 )
 # OpenAI fields ditfuse does not implement: a 400 that says so, not "unknown field".
 UNSUPPORTED_FIELDS = {"input_reference": "input_reference (image-to-video) is not supported: the video pipelines ditfuse serves "
-                                         "(WanPipeline, HunyuanVideo15Pipeline) are text-to-video"}
+                                         "(WanPipeline, HunyuanVideo15Pipeline, LTXPipeline) are text-to-video"}
 POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
@@ -600,7 +601,7 @@ def unsupported_router(model: str) -> APIRouter:
     r = APIRouter()
     message = (
         f"this server runs {model!r}, an image model; the videos API needs a video model "
-        "(`ditfuse serve --model tiny-wan`, or a WanPipeline or HunyuanVideo15Pipeline directory)"
+        "(`ditfuse serve --model tiny-wan`, or a WanPipeline, HunyuanVideo15Pipeline or LTXPipeline directory)"
     )
 
     async def refuse(request: Request) -> JSONResponse:

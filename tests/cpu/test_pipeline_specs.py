@@ -42,6 +42,15 @@ def test_table_matches_the_real_pipeline_signatures(name):
     if spec.takes_true_cfg:
         t = inspect.signature(getattr(diffusers, name).__call__).parameters["true_cfg_scale"].default
         assert spec.default_true_cfg == t, (name, spec.default_true_cfg, t)
+    sig = inspect.signature(getattr(diffusers, name).__call__).parameters
+    # a call that takes the frame rate (LTX-Video) gets the clip's fps, diffusers' default
+    assert ("frame_rate" in params) == (spec.fps_kwarg == "frame_rate"), (name, spec.fps_kwarg)
+    if spec.fps_kwarg is not None:
+        assert spec.fps == sig[spec.fps_kwarg].default, (name, spec.fps, sig[spec.fps_kwarg].default)
+    if spec.is_video:
+        assert spec.default_frames == sig["num_frames"].default, (name, spec.default_frames)
+    if isinstance(spec.default_size, tuple) and isinstance(sig["height"].default, int):
+        assert spec.default_size == (sig["width"].default, sig["height"].default), (name, spec.default_size)
 
 
 def test_check_request_names_the_field_and_the_pipeline():
@@ -209,3 +218,21 @@ def test_cuda_graph_auto_follows_the_table():
     assert cuda_graphs_for("auto", _loaded("ChromaPipeline", None))  # its embedder's copy is kept on the device
     assert not cuda_graphs_for("auto", _loaded("WanPipeline", None, kind="video"))
     assert cuda_graphs_for("on", _loaded("QwenImage21Pipeline", None))  # asked for: tried (and warned)
+
+
+def test_frame_rate_passed_only_to_a_pipeline_that_takes_it():
+    """LTX-Video's frame_rate scales its RoPE in time: it gets the model's fps (clips and one-frame
+    stills alike); Wan's call has no such argument and gets none."""
+    pipe, calls = _fake("LTXPipeline", video=True)
+    ld = _loaded("LTXPipeline", pipe, kind="video")
+    ld.fps = 24
+    run_batch(ld, [(P(guidance_scale=3.0, negative_prompt="blur").with_(num_frames=9), 0)])
+    assert calls[-1]["frame_rate"] == 24 and calls[-1]["num_frames"] == 9
+    assert calls[-1]["negative_prompt"] == ["blur"] and calls[-1]["guidance_scale"] == 3.0
+    run_batch(ld, [(P(), 0)])  # an image request: a one-frame clip, same frame rate
+    assert calls[-1]["frame_rate"] == 24 and calls[-1]["num_frames"] == 1
+    wan, wan_calls = _fake("WanPipeline", video=True)
+    wld = _loaded("WanPipeline", wan, kind="video")
+    wld.fps = 16
+    run_batch(wld, [(P().with_(num_frames=5), 0)])
+    assert "frame_rate" not in wan_calls[-1]
