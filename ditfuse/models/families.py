@@ -91,6 +91,7 @@ _FAMILIES = {
     "flux3": "ditfuse.models.flux3_configs:FAMILY", "chroma": "ditfuse.models.chroma_configs:FAMILY",
     "qwenimage21": "ditfuse.models.qwenimage21_configs:FAMILY",
     "hunyuanvideo15": "ditfuse.models.hunyuanvideo15_configs:FAMILY",
+    "hunyuanvideo": "ditfuse.models.hunyuanvideo_configs:FAMILY",
     "ltx": "ditfuse.models.ltx_configs:FAMILY",
 }
 

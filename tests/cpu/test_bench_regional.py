@@ -37,6 +37,9 @@ EXPECTED = {
     # the noise and context refiners are ZImageTransformerBlocks too: 2 main + 2 x 1 refiner
     "zimage": ((2, 1), {"ZImageTransformerBlock": 4}),
     "ltx": ((3,), {"LTXVideoTransformerBlock": 3}),
+    # HunyuanVideo's _repeated_blocks also names its patch embedding and its token refiner (one each)
+    "hunyuanvideo": ((2, 3), {"HunyuanVideoTransformerBlock": 2, "HunyuanVideoSingleTransformerBlock": 3,
+                              "HunyuanVideoPatchEmbed": 1, "HunyuanVideoTokenRefiner": 1}),
 }
 
 
