@@ -92,6 +92,9 @@ _FAMILIES = {
     "qwenimage21": "ditfuse.models.qwenimage21_configs:FAMILY",
     "hunyuanvideo15": "ditfuse.models.hunyuanvideo15_configs:FAMILY",
     "ltx": "ditfuse.models.ltx_configs:FAMILY",
+    "chronoedit": "ditfuse.models.wan_variants_configs:CHRONOEDIT",
+    "skyreels_v2": "ditfuse.models.wan_variants_configs:SKYREELS_V2",
+    "wan_animate": "ditfuse.models.wan_variants_configs:WAN_ANIMATE",
 }
 
 
