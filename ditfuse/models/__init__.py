@@ -30,6 +30,8 @@ _ADAPTER_TARGETS: tuple[str, ...] = (
     "ditfuse.models.autoencoder_kl_wan:QWENIMAGE_ADAPTER", "ditfuse.models.chroma:ADAPTER",
     "ditfuse.models.qwenimage21:ADAPTER", "ditfuse.models.hunyuanvideo15:ADAPTER",
     "ditfuse.models.ltx:ADAPTER", "ditfuse.models.hunyuanvideo:ADAPTER",
+    "ditfuse.models.wan_variants:CHRONOEDIT_ADAPTER",
+    "ditfuse.models.wan_variants:WAN_ANIMATE_ADAPTER", "ditfuse.models.wan_variants:SKYREELS_V2_ADAPTER",
 )
 
 

@@ -93,6 +93,9 @@ _FAMILIES = {
     "hunyuanvideo15": "ditfuse.models.hunyuanvideo15_configs:FAMILY",
     "hunyuanvideo": "ditfuse.models.hunyuanvideo_configs:FAMILY",
     "ltx": "ditfuse.models.ltx_configs:FAMILY",
+    "chronoedit": "ditfuse.models.wan_variants_configs:CHRONOEDIT",
+    "skyreels_v2": "ditfuse.models.wan_variants_configs:SKYREELS_V2",
+    "wan_animate": "ditfuse.models.wan_variants_configs:WAN_ANIMATE",
 }
 
 

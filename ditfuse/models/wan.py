@@ -18,6 +18,7 @@ forward's tail (norm_out + modulate) is fused too. Everything else is diffusers'
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -59,9 +60,9 @@ def _modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
 
 
-def _opening(block, temb: torch.Tensor) -> Opening:
+def _opening(block, temb: torch.Tensor, chunks=_modulation) -> Opening:
     """norm1 + modulate in fp32 on the block's modulation; all six chunks ride along."""
-    mod = _modulation(block, temb)
+    mod = chunks(block, temb)
     return Opening(mod[1], mod[0], block.norm1.eps, (mod,), norm_dtype=_F32)
 
 
@@ -75,17 +76,23 @@ def block_forward(
     *,
     _ops: OpSet = LOSSLESS,
     _link: Link = NO_LINK,
+    _attention_mask: torch.Tensor | None = None,
+    _chunks=_modulation,
 ) -> torch.Tensor:
     """WanTransformerBlock with its five elementwise chains fused (module docstring). The FF
     gated residual also computes the next block's norm1 + modulate when it follows directly
-    (:mod:`ditfuse.models.handoff`); this block takes its own from its predecessor likewise."""
+    (:mod:`ditfuse.models.handoff`); this block takes its own from its predecessor likewise.
+
+    For Wan's "Copied from" variants (models/wan_variants.py): ``_attention_mask`` is what the
+    self-attention gets as its mask (Wan passes None), ``_chunks(block, temb)`` the six
+    modulation chunks (Wan's :func:`_modulation`)."""
     opened = _link.take(block, (hidden_states, temb), _ops)
     if opened is None:
-        opened = _opening(block, temb).run(hidden_states, _ops)
+        opened = _opening(block, temb, _chunks).run(hidden_states, _ops)
     norm_hidden_states, (shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa) = opened
 
     # 1. Self-attention
-    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
+    attn_output = block.attn1(norm_hidden_states, None, _attention_mask, rotary_emb)
     if isinstance(block.norm2, torch.nn.Identity):
         # norm2(h.float()).type_as(h) is h itself: an fp32 round trip of bf16 values.
         hidden_states = _ops.gate_residual(hidden_states, gate_msa, attn_output)
@@ -106,7 +113,7 @@ def block_forward(
     ff_output = block.ffn(norm_hidden_states)
     nxt = _link.next_block()
     hidden_states, opened_next = close_block(_ops, hidden_states, c_gate_msa, ff_output,
-                                             None if nxt is None else _opening(nxt, temb))
+                                             None if nxt is None else _opening(nxt, temb, _chunks))
     _link.give((hidden_states, temb), opened_next, _ops)
     return hidden_states
 
@@ -135,18 +142,25 @@ def attention_forward(
     rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _module: str = _TW,
+    _processor: str = "WanAttnProcessor",
     **kwargs: Any,
 ) -> torch.Tensor:
     """WanAttention + WanAttnProcessor, self-attention: norm_q/norm_k over all heads, the head
-    split and RoPE fused into one op that writes the [B, S, H, Dh] q/k attention consumes."""
-    from diffusers.models.attention_dispatch import dispatch_attention_fn
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor, _get_qkv_projections
+    split and RoPE fused into one op that writes the [B, S, H, Dh] q/k attention consumes.
 
+    ``_module`` / ``_processor``: the diffusers module whose ``_get_qkv_projections`` and
+    processor class ``_processor`` this attention runs (a "Copied from" variant's own,
+    models/wan_variants.py; the self-attention path of its processor is Wan's)."""
+    from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+    mod = importlib.import_module(_module)
     processor = attn.processor
-    if kwargs or encoder_hidden_states is not None or rotary_emb is None or type(processor) is not WanAttnProcessor:
+    if (kwargs or encoder_hidden_states is not None or rotary_emb is None
+            or type(processor) is not getattr(mod, _processor)):
         return original(hidden_states, encoder_hidden_states, attention_mask, rotary_emb, **kwargs)
 
-    query, key, value = _get_qkv_projections(attn, hidden_states, None)
+    query, key, value = mod._get_qkv_projections(attn, hidden_states, None)
     query, key = _ops.qk_rmsnorm_across_heads_rope(
         query, key, attn.norm_q.weight, attn.norm_k.weight, rotary_emb[0], rotary_emb[1], attn.heads, attn.norm_q.eps
     )
@@ -168,13 +182,11 @@ def attention_forward(
     return hidden_states
 
 
-def _attn_applies(attn) -> str | None:
-    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
-
+def _attn_applies(attn, _module: str = _TW, _processor: str = "WanAttnProcessor") -> str | None:
     if attn.is_cross_attention or attn.add_k_proj is not None:
         return "cross-attention: its norms have no RoPE after them (nothing to fuse)"
-    if type(attn.processor) is not WanAttnProcessor:
-        return f"processor is {type(attn.processor).__name__}, not WanAttnProcessor"
+    if type(attn.processor) is not getattr(importlib.import_module(_module), _processor):
+        return f"processor is {type(attn.processor).__name__}, not {_module}.{_processor}"
     for name in ("norm_q", "norm_k"):
         n = getattr(attn, name)
         if type(n) is not torch.nn.RMSNorm:
@@ -200,9 +212,12 @@ def model_forward(
     attention_kwargs: dict[str, Any] | None = None,
     *,
     _ops: OpSet = LOSSLESS,
+    _contiguous: bool = True,
 ):
     """WanTransformer3DModel.forward with the output norm + modulate fused. LoRA scales
-    (``attention_kwargs``) and gradient checkpointing take diffusers' own forward."""
+    (``attention_kwargs``) and gradient checkpointing take diffusers' own forward.
+    ``_contiguous=False``: the patch-embedded stream stays the transposed view (ChronoEdit's
+    copy of this forward has no ``.contiguous()`` there; the ops keep eager's layout)."""
     if attention_kwargs or (torch.is_grad_enabled() and model.gradient_checkpointing):
         # by keyword: diffusers' @apply_lora_scale reads the LoRA scale from kwargs only, so a
         # positional attention_kwargs would silently drop it
@@ -220,7 +235,8 @@ def model_forward(
 
     hidden_states = model.patch_embedding(hidden_states)
     hidden_states = hidden_states.flatten(2).transpose(1, 2)
-    hidden_states = hidden_states.contiguous()
+    if _contiguous:
+        hidden_states = hidden_states.contiguous()
 
     if timestep.ndim == 2:
         ts_seq_len = timestep.shape[1]

@@ -165,10 +165,12 @@ def test_variant_mounts_and_stays_bitwise(cls_name, mode, monkeypatch):
 
 def test_sites_match_by_class_not_name():
     """transformer_wan_animate has its own class named WanTransformerBlock (a copy): the Wan
-    adapter's site (written against transformer_wan's) must not take it."""
+    adapter's site (written against transformer_wan's) must not take it; the wan_animate adapter
+    (models/wan_variants.py, whose drift guard pins the copy's source to Wan's) does."""
     from diffusers.models.transformers import transformer_wan, transformer_wan_animate
 
     from ditfuse.models.wan import ADAPTER
+    from ditfuse.models.wan_variants import WAN_ANIMATE_ADAPTER
 
     assert transformer_wan_animate.WanTransformerBlock is not transformer_wan.WanTransformerBlock
     fam = families.get("wan")
@@ -180,6 +182,32 @@ def test_sites_match_by_class_not_name():
     holder.blocks = torch.nn.ModuleList([copy])
     mounted = ADAPTER.mount(holder)
     try:
-        assert not [s for s in mounted.mounted if s.site == "wan.block"], mounted.mounted
+        assert not mounted.mounted, mounted.mounted
     finally:
         ADAPTER.unmount(holder)
+    mounted = WAN_ANIMATE_ADAPTER.mount(holder)
+    try:
+        assert sorted(s.site for s in mounted.mounted) == ["wan_animate.attention", "wan_animate.block"]
+    finally:
+        WAN_ANIMATE_ADAPTER.unmount(holder)
+
+
+def test_what_the_wan_copies_get():
+    """Which Wan-derived classes of diffusers 0.42.1 an adapter takes (models/wan_variants.py),
+    and what stays diffusers': the Wan-Animate and SkyReels-V2 model forwards (their own code),
+    Wan-Animate's face adapter, and all of Wan-Animate 2 (no class there is a copy)."""
+    from ditfuse.models import adapters
+
+    taken = {s.cls for a in adapters() for s in a.sites}
+    D = "diffusers.models.transformers."
+    for cls in ("transformer_chronoedit:ChronoEditTransformer3DModel", "transformer_chronoedit:WanTransformerBlock",
+                "transformer_chronoedit:WanAttention", "transformer_wan_animate:WanTransformerBlock",
+                "transformer_wan_animate:WanAttention", "transformer_skyreels_v2:SkyReelsV2TransformerBlock",
+                "transformer_skyreels_v2:SkyReelsV2Attention"):
+        assert D + cls in taken, cls
+    for cls in ("transformer_wan_animate:WanAnimateTransformer3DModel",
+                "transformer_wan_animate:WanAnimateFaceBlockCrossAttention",
+                "transformer_skyreels_v2:SkyReelsV2Transformer3DModel"):
+        assert D + cls not in taken, cls
+    assert not [c for c in taken if c.startswith(D + "transformer_wan_animate_2:")]
+    assert not [a for a in adapters() if "WanAnimate2Transformer3DModel" in a.model_classes]
