@@ -96,3 +96,119 @@ FAMILY = Family(
     to_images=_to_images,
     notes={"dev": "HunyuanVideo size (20 dual + 40 single blocks, width 3072), random bf16 weights"},
 )
+
+
+# -- the tiny random-weight pipeline (the runtime's ``tiny-hunyuanvideo`` preset) --------------------
+
+TINY_SEED = 0
+# Llama positions per prompt after the template crop (HunyuanVideoPipeline's max_sequence_length,
+# 256 for the real model): the tiny tokenizer is character-level, so a prompt costs about one
+# token per character and longer prompts are cut (the pipeline truncates silently).
+TINY_TEXT_LEN = 64
+# How many tokens of diffusers' DEFAULT_PROMPT_TEMPLATE precede the prompt with the tiny
+# character-level tokenizer (<|begin_of_text|> included): the crop the pipeline must apply. The
+# template's own crop_start (95) counts the real LLaVA-Llama-3 tokenizer's tokens; with it the tiny
+# pipeline would feed most of the template's system message to the transformer as if it were the
+# prompt. :func:`prompt_template_start` computes it; build_tiny_pipeline checks the two agree.
+TINY_CROP_START = 424
+# Sampling settings of the published HunyuanVideo checkpoint (diffusers'
+# scripts/convert_hunyuan_video_to_diffusers.py): FlowMatchEulerDiscreteScheduler(shift=7.0).
+FLOW_SHIFT = 7.0
+
+
+def _tiny_prompt_template() -> dict[str, Any]:
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+    return {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": TINY_CROP_START}
+
+
+def prompt_template_start(tokenizer: Any, template: str | None = None) -> int:
+    """How many tokens ``tokenizer`` makes of ``template`` (default: diffusers' HunyuanVideo
+    DEFAULT_PROMPT_TEMPLATE) before its ``{}`` prompt slot, the tokenizer's BOS included: the
+    ``crop_start`` that makes the pipeline's kept Llama positions start at the prompt."""
+    if template is None:
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+
+        template = DEFAULT_PROMPT_TEMPLATE["template"]
+    head = template[: template.index("{}")]
+    return len(tokenizer(head).input_ids)
+
+
+def __getattr__(name: str) -> Any:
+    # TINY_CALL_KWARGS is built on first use: the template comes from diffusers, which this
+    # module does not import at load time (families.py imports every *_configs module).
+    if name == "TINY_CALL_KWARGS":
+        return {"max_sequence_length": TINY_TEXT_LEN, "prompt_template": _tiny_prompt_template()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build_tiny_pipeline() -> Any:
+    """A complete diffusers ``HunyuanVideoPipeline`` (text-to-video) with **random weights** (seed
+    :data:`TINY_SEED`): its videos are noise; it exercises the pipeline's code path (the Llama
+    prompt template and its crop, the right-padded text mask, CLIP's pooled embedding, the
+    embedded guidance, true CFG with a negative prompt, the causal 3D VAE's frame-wise decode),
+    not video quality. Built offline, no download.
+
+    Parts: ``HunyuanVideoTransformer3DModel`` from :data:`FAMILY`'s ``tiny`` config (2 dual + 3
+    single blocks, width 32, 4 latent channels, patch 2, guidance embedding on); a 3-layer
+    ``LlamaModel`` of width 24 (``text_embed_dim``; the pipeline reads ``hidden_states[-3]``) over
+    :func:`ditfuse.models.tiny_parts.llama3_tokenizer`; a 1-layer ``CLIPTextModel`` of width 12
+    (``pooled_projection_dim``: its pooled output) over the character-level CLIP tokenizer;
+    ``AutoencoderKLHunyuanVideo`` with the real 8x spatial / 4x temporal compression at 8
+    channels, one layer per block; ``FlowMatchEulerDiscreteScheduler(shift=7.0)`` (:data:`FLOW_SHIFT`).
+
+    Calls must pass ``TINY_CALL_KWARGS`` (the runtime's preset does): ``max_sequence_length``
+    :data:`TINY_TEXT_LEN` and the pipeline's own prompt template with the tiny tokenizer's crop
+    (:data:`TINY_CROP_START`). Sizes are multiples of 16, ``num_frames = 4k + 1``; without them the
+    pipeline makes 1280x720, 129 frames.
+    """
+    import torch
+    from diffusers import (
+        AutoencoderKLHunyuanVideo,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideoPipeline,
+        HunyuanVideoTransformer3DModel,
+    )
+    from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+    from .tiny_parts import clip_tokenizer, llama3_tokenizer
+
+    cfg = FAMILY.config("tiny")
+    tokenizer = llama3_tokenizer()
+    crop = prompt_template_start(tokenizer)
+    if crop != TINY_CROP_START:
+        raise RuntimeError(f"the tiny Llama tokenizer spells HunyuanVideo's template head in {crop} tokens, "
+                           f"not TINY_CROP_START = {TINY_CROP_START}: update the constant")
+    tokenizer_2 = clip_tokenizer(77)  # the pipeline always pads CLIP to 77
+    torch.manual_seed(TINY_SEED)
+    text_encoder = LlamaModel(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=cfg["text_embed_dim"], intermediate_size=2 * cfg["text_embed_dim"],
+        # the pipeline reads hidden_states[-3] (skips the last 2 layers): with 3 layers that is the
+        # first layer's output, with 2 it would be the bare token embeddings
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=2,
+        # the template head + TINY_TEXT_LEN, with room for a longer max_sequence_length
+        max_position_embeddings=1024,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )).eval()
+    text_encoder_2 = CLIPTextModel(CLIPTextConfig(
+        vocab_size=len(tokenizer_2), hidden_size=cfg["pooled_projection_dim"],
+        intermediate_size=2 * cfg["pooled_projection_dim"], num_hidden_layers=1, num_attention_heads=2,
+        max_position_embeddings=77, projection_dim=cfg["pooled_projection_dim"],
+        bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
+        pad_token_id=tokenizer_2.pad_token_id,
+    )).eval()
+    transformer = HunyuanVideoTransformer3DModel(**cfg).eval()
+    # the real VAE's four levels (three spatial downsamples, two temporal) at 8 channels; its latent
+    # width is the transformer's input width
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=cfg["in_channels"], block_out_channels=(8, 8, 8, 8), layers_per_block=1, norm_num_groups=4,
+    ).eval()
+    return HunyuanVideoPipeline(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=FLOW_SHIFT),
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+    )

@@ -1,5 +1,5 @@
 """Shared parts of the tiny random-weight pipelines, built offline (no download, no vocab files):
-their tokenizers, a T5 text encoder, a FLUX-style AutoencoderKL.
+their tokenizers (CLIP, T5, Qwen2, ByT5, Llama 3), a T5 text encoder, a FLUX-style AutoencoderKL.
 
 Every tiny pipeline (``tiny-flux``, ``tiny-wan``, ``tiny-sd3``, ...) needs its family's tokenizer
 class, because the diffusers pipeline calls that class's API (a CLIP tokenizer's 77 positions, a
@@ -125,3 +125,32 @@ def autoencoder_kl(latent_channels: int = 16, scaling_factor: float = 0.3611, sh
         latent_channels=latent_channels, norm_num_groups=4, sample_size=64, scaling_factor=scaling_factor,
         shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False,
     ).eval()
+
+
+# Llama 3's special tokens that HunyuanVideo's prompt template spells out (the real vocabulary
+# has 256 reserved ones; these are the ones a template or the tokenizer itself names).
+LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                         "<|eot_id|>")
+
+
+def llama3_tokenizer(max_length: int = 8192) -> Any:
+    """A ``LlamaTokenizerFast`` over single characters (printable ASCII and the newline, no
+    merges; other characters are dropped: the tokenizer's byte fallback finds no byte tokens) plus Llama 3's special tokens as whole tokens: HunyuanVideo's
+    prompt template (``<|start_header_id|>system<|end_header_id|>...<|eot_id|>``) tokenizes as it
+    does with the real LLaVA-Llama-3 tokenizer, one token per character between the specials.
+    Like the real one it prepends ``<|begin_of_text|>``; it pads with ``<|end_of_text|>`` on the
+    right (diffusers' HunyuanVideo conversion script loads the tokenizer with
+    ``padding_side="right"``)."""
+    import string
+
+    from transformers import AddedToken, LlamaTokenizerFast
+
+    chars = sorted(set(string.printable) - set(string.whitespace)) + ["\n", "▁"]  # ▁: the space
+    vocab = {t: i for i, t in enumerate(("<unk>", *LLAMA3_SPECIAL_TOKENS[:2], *chars))}
+    tok = LlamaTokenizerFast(
+        vocab=vocab, merges=[], unk_token="<unk>", bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>", add_bos_token=True, padding_side="right", model_max_length=max_length,
+    )
+    tok.add_special_tokens({"additional_special_tokens": [
+        AddedToken(t, special=True, normalized=False) for t in LLAMA3_SPECIAL_TOKENS[2:]]})
+    return tok

@@ -2,11 +2,12 @@
 
 diffusers' text-to-image / text-to-video pipelines agree on ``prompt``, ``height``, ``width``,
 ``num_inference_steps`` and ``generator``, and disagree on the rest: where the guidance scale goes
-(a ``guidance_scale`` argument, FLUX's and FLUX.2's distilled guidance embedding, HunyuanVideo
-1.5's ``guider`` component, or nowhere: Qwen-Image guides only through ``true_cfg_scale``), what a
-negative prompt needs (classifier-free guidance above 1, or ``true_cfg_scale`` above 1), the sizes
-they accept (and, for video, the frame-count rule and whether the call takes the frame rate:
-LTX-Video's ``frame_rate``), and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
+(a ``guidance_scale`` argument, FLUX's, FLUX.2's and HunyuanVideo's distilled guidance
+embedding, HunyuanVideo 1.5's ``guider`` component, or nowhere: Qwen-Image guides only through
+``true_cfg_scale``), what a negative prompt needs (classifier-free guidance above 1, or
+``true_cfg_scale`` above 1: FLUX.1, Qwen-Image, HunyuanVideo), the sizes they accept (and, for
+video, the frame-count rule and whether the call takes the frame rate: LTX-Video's
+``frame_rate``), and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
 says this for one class; :data:`PIPELINE_SPECS` lists every class ``generate`` / ``serve`` know.
 
 A directory holding a class not listed loads as a text-to-image pipeline called the FLUX way
@@ -27,7 +28,7 @@ GUIDANCE_KWARG = "kwarg"  # the pipeline's guidance_scale argument
 GUIDANCE_GUIDER = "guider"  # pipe.guider.guidance_scale, for the duration of the call
 # What a negative prompt needs.
 NEGATIVE_CFG = "cfg"  # used whenever the guidance scale is above 1 (SD3, Wan, Z-Image, Chroma, ...)
-NEGATIVE_TRUE_CFG = "true_cfg"  # used only with true_cfg_scale above 1 (FLUX.1, Qwen-Image)
+NEGATIVE_TRUE_CFG = "true_cfg"  # used only with true_cfg_scale above 1 (FLUX.1, Qwen-Image, HunyuanVideo)
 
 
 def _flux_packed_multiple(pipe: Any) -> int:
@@ -75,6 +76,13 @@ def _ltx_temporal(pipe: Any) -> int:
     # LTX names it vae_temporal_compression_ratio (8): prepare_latents floors (frames - 1) / 8, so
     # a count that is not 8k + 1 would silently lose its last frames; the runtime refuses it instead
     return int(pipe.vae_temporal_compression_ratio)
+
+
+def _hunyuanvideo_multiple(pipe: Any) -> int:
+    # HunyuanVideoPipeline.check_inputs refuses sides that are not multiples of 16; the latent grid
+    # needs whole patches: the VAE's 8x times the transformer's patch 2 (16 for the released model)
+    grid = int(pipe.vae_scale_factor_spatial) * int(pipe.transformer.config.patch_size)
+    return math.lcm(16, grid)
 
 
 def _hunyuanvideo15_prepare(pipe: Any) -> None:
@@ -195,6 +203,17 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         PipelineSpec("LTXPipeline", "LTX-Video", kind="video", default_steps=50, default_guidance=3.0,
                      default_size=(704, 512), size_multiple=_ltx_multiple, fps=25, default_frames=161,
                      frame_multiple=_ltx_temporal, fps_kwarg="frame_rate"),
+        # HunyuanVideo (1.0) text-to-video; every default from diffusers 0.42.1's
+        # HunyuanVideoPipeline.__call__: 50 steps, 1280x720, 129 frames. The released model is
+        # guidance-distilled: guidance_scale (6.0) feeds the transformer's guidance embedding (one
+        # pass per step), and true CFG runs only with negative_prompt and true_cfg_scale > 1
+        # (default 1.0: off), the FLUX.1 way. The call takes no frame rate; clips are written at
+        # 24 fps, the rate of Tencent's sample_video.py (diffusers' docstring example writes 15).
+        # Frames 4k + 1 (prepare_latents floors (frames - 1) / 4); a batch of two decodes as is
+        # (tests/cpu/test_videos_hunyuanvideo.py), so no prepare hook.
+        PipelineSpec("HunyuanVideoPipeline", "HunyuanVideo", kind="video", negative=NEGATIVE_TRUE_CFG,
+                     default_steps=50, default_guidance=6.0, default_true_cfg=1.0, default_size=(1280, 720),
+                     size_multiple=_hunyuanvideo_multiple, fps=24, default_frames=129),
     )
 }
 

@@ -158,6 +158,25 @@ PRESET_TABLE["tiny-ltx"] = Preset(
     default_steps=8,
     pipeline="LTXPipeline",
 )
+PRESET_TABLE["tiny-hunyuanvideo"] = Preset(
+    name="tiny-hunyuanvideo",
+    builder="ditfuse.models.hunyuanvideo_configs:build_tiny_pipeline",
+    version=1,
+    # a fifth of HunyuanVideoPipeline's 1280x720 in each side; sides step by 16 (its check_inputs)
+    default_size=(256, 144),
+    size_multiple=16,
+    # None: hunyuanvideo_configs.TINY_CALL_KWARGS (a short text length, the template crop of the
+    # tiny tokenizer)
+    call_kwargs=None,
+    note=("tiny-hunyuanvideo has random weights: its videos are noise (it exercises the HunyuanVideo "
+          "pipeline, not video quality)"),
+    kind="video",
+    fps=24,
+    frame_multiple=4,
+    default_frames=17,
+    default_steps=8,
+    pipeline="HunyuanVideoPipeline",
+)
 PRESET_TABLE.update({p.name: p for p in (
     _tiny_image_preset("tiny-sd3", "sd3", "StableDiffusion3Pipeline", "SD3.5"),
     _tiny_image_preset("tiny-chroma", "chroma", "ChromaPipeline", "Chroma"),

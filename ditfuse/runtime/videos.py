@@ -12,7 +12,9 @@ delete / download_content / create_and_poll``)
 
 Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``, plus ditfuse's
 ``quality``, ``seed``, ``num_frames``, ``steps`` (alias ``num_inference_steps``),
-``guidance_scale``, ``negative_prompt``. Anything else is a 400 naming the field.
+``guidance_scale``, ``negative_prompt``, ``true_cfg_scale`` (HunyuanVideo: its negative prompt
+runs true CFG only with ``true_cfg_scale`` > 1; a 400 for a pipeline without it). Anything else is
+a 400 naming the field.
 
 Seconds and frames
     A clip of ``num_frames`` frames at the model's ``fps`` lasts ``(num_frames - 1) / fps``
@@ -75,11 +77,11 @@ logger = logging.getLogger("ditfuse.videos")
 
 ALLOWED_FIELDS = (
     "prompt", "model", "size", "seconds", "quality", "seed", "num_frames", "steps",
-    "num_inference_steps", "guidance_scale", "negative_prompt",
+    "num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale",
 )
 # OpenAI fields ditfuse does not implement: a 400 that says so, not "unknown field".
 UNSUPPORTED_FIELDS = {"input_reference": "input_reference (image-to-video) is not supported: the video pipelines ditfuse serves "
-                                         "(WanPipeline, HunyuanVideo15Pipeline, LTXPipeline) are text-to-video"}
+                                         "(WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline) are text-to-video"}
 POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
@@ -124,7 +126,8 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
     model = fields.get("model")
     if model is not None and model not in (engine.model_name, "ditfuse"):
         raise APIError(404, f"model {model!r} is not served here; this server runs {engine.model_name!r}", "model", "model_not_found")
-    refused = loaded.spec.check_request({k for k in ("guidance_scale", "negative_prompt") if fields.get(k) is not None})
+    refused = loaded.spec.check_request(
+        {k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if fields.get(k) is not None})
     if refused:
         raise ParamError(*refused)
     if fields.get("steps") is not None and fields.get("num_inference_steps") is not None:
@@ -148,7 +151,10 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
         frame_multiple=loaded.frame_multiple,
         default_frames=loaded.default_frames,
     )
-    kwargs: dict[str, Any] = {}
+    # a pipeline with true CFG (HunyuanVideo) gets diffusers' default true_cfg_scale unless asked
+    true_cfg = fields.get("true_cfg_scale")
+    kwargs: dict[str, Any] = {"true_cfg_scale": loaded.spec.default_true_cfg if true_cfg is None
+                              else _float_field("true_cfg_scale", true_cfg)}
     if steps is not None:
         kwargs["num_inference_steps"] = steps
     if guidance is not None:
@@ -601,7 +607,8 @@ def unsupported_router(model: str) -> APIRouter:
     r = APIRouter()
     message = (
         f"this server runs {model!r}, an image model; the videos API needs a video model "
-        "(`ditfuse serve --model tiny-wan`, or a WanPipeline, HunyuanVideo15Pipeline or LTXPipeline directory)"
+        "(`ditfuse serve --model tiny-wan`, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline or "
+        "HunyuanVideoPipeline directory)"
     )
 
     async def refuse(request: Request) -> JSONResponse:

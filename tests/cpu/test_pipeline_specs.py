@@ -236,3 +236,35 @@ def test_frame_rate_passed_only_to_a_pipeline_that_takes_it():
     wld.fps = 16
     run_batch(wld, [(P().with_(num_frames=5), 0)])
     assert "frame_rate" not in wan_calls[-1]
+
+
+def test_hunyuanvideo_embedded_guidance_always_true_cfg_only_when_asked():
+    """HunyuanVideo (1.0) is guidance-distilled: guidance_scale goes to every call (its guidance
+    embedding); the negative prompt and true_cfg_scale only with true_cfg_scale > 1 (diffusers'
+    default 1.0 ignores a negative prompt); no frame rate argument."""
+    pipe, calls = _fake("HunyuanVideoPipeline", video=True)
+    ld = _loaded("HunyuanVideoPipeline", pipe, kind="video")
+    ld.fps = 24
+    run_batch(ld, [(P(guidance_scale=6.0, negative_prompt="blur").with_(num_frames=5), 0)])
+    assert calls[-1]["guidance_scale"] == 6.0 and calls[-1]["num_frames"] == 5
+    assert "negative_prompt" not in calls[-1] and "true_cfg_scale" not in calls[-1] and "frame_rate" not in calls[-1]
+    p = P(guidance_scale=6.0, negative_prompt="blur", true_cfg_scale=3.0).with_(num_frames=5)
+    run_batch(ld, [(p, 0), (p, 1)])
+    assert calls[-1]["negative_prompt"] == ["blur", "blur"] and calls[-1]["true_cfg_scale"] == 3.0
+    spec = pl.PIPELINE_SPECS["HunyuanVideoPipeline"]
+    assert spec.check_request({"guidance_scale", "true_cfg_scale", "negative_prompt"}) is None
+
+
+def test_videos_api_refuses_true_cfg_scale_where_the_pipeline_has_none():
+    from ditfuse.contracts.quality import Quality
+    from ditfuse.runtime.videos import parse_video_request
+
+    for name, fps in (("WanPipeline", 16), ("LTXPipeline", 25)):
+        ld = _loaded(name, None, kind="video")
+        ld.fps, ld.frame_multiple, ld.default_frames, ld.default_guidance = fps, 4, 17, 5.0
+        engine = SimpleNamespace(loaded=ld, model_name="m", default_quality=Quality.LOSSLESS)
+        with pytest.raises(ParamError) as e:
+            parse_video_request({"prompt": "a fox", "true_cfg_scale": 3}, engine)
+        assert e.value.param == "true_cfg_scale" and name in str(e.value), str(e.value)
+        params, _ = parse_video_request({"prompt": "a fox", "negative_prompt": "blur"}, engine)
+        assert params.true_cfg_scale == 1.0 and params.negative_prompt == "blur"
