@@ -164,8 +164,20 @@ def qk_rmsnorm_diffusers_rope_img_first_fp64(
     return q64, k64
 
 
+def qk_rmsnorm_diffusers_rope_joint_fp64(
+    q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+    cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6, n_txt: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm of the joint rows, interleaved RoPE on the first S - n_txt rows; fp64 (per
+    row, so the same as the img-first chain on the two row ranges)."""
+    s = q.shape[1] - n_txt
+    return qk_rmsnorm_diffusers_rope_img_first_fp64(q[:, :s], k[:, :s], q_weight, k_weight, cos, sin, eps,
+                                                    q[:, s:], k[:, s:], q_weight, k_weight)
+
+
 __all__ = [
     "qk_rmsnorm_diffusers_rope_img_first_fp64",
+    "qk_rmsnorm_diffusers_rope_joint_fp64",
     "qk_rmsnorm_diffusers_cat_fp64",
     "layer_norm_fp64",
     "layernorm_modulate_fp64",

@@ -787,8 +787,32 @@ def qk_rmsnorm_diffusers_rope_img_first(
     return q, k
 
 
+def qk_rmsnorm_diffusers_rope_joint(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = 1e-6,
+    n_txt: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference of op ``rope.qk_rmsnorm_diffusers_rope_joint``: ``HunyuanVideoAttnProcessor2_0``
+    in a single block (no ``add_q_proj``), from the unflattened joint projections [B, S, H, D]:
+    diffusers' RMSNorm on the whole joint q (and k) — one mean call over all rows — then FLUX's real
+    interleaved RoPE (:func:`rope_interleaved`, cos/sin [S - n_txt, D]) on the video rows and the
+    re-concat ``cat([rope(n[:, :-n_txt]), n[:, -n_txt:]], dim=1)``."""
+    q = rms_norm_diffusers(q, q_weight, eps)
+    k = rms_norm_diffusers(k, k_weight, eps)
+    s = q.shape[1] - n_txt
+    q = torch.cat([rope_interleaved(q[:, :s], cos, sin), q[:, s:]], dim=1)
+    k = torch.cat([rope_interleaved(k[:, :s], cos, sin), k[:, s:]], dim=1)
+    return q, k
+
+
 __all__ += [
     "qk_rmsnorm_diffusers_rope_img_first",
+    "qk_rmsnorm_diffusers_rope_joint",
     "qk_rmsnorm_diffusers_cat",
     "rms_norm_diffusers",
     "rms_norm_diffusers_scale",

@@ -28,12 +28,14 @@ roundings; r = a rounding to the activation dtype):
   through: nothing to cache (1.5 builds [B, 1, S, S] per block).
 - Attention, single-stream blocks (``pre_only``, no added projections): the processor projects
   the joint ``cat([video, text])``, normalises q / k with ``norm_q`` / ``norm_k`` in **one** call
-  over all S_video + S_text rows, then rotates the video rows only. The norm is the same op in its
-  norm-only form (no text inputs, no RoPE: one stream, the eager's one mean call). Splitting q
-  into a video and a text stream to fuse the rotation too would **not** be bitwise: the op (and
-  torch on CUDA) reduces each stream with its own launch configuration and mean factor
-  ``float(rows) / float(rows * D)``, which depend on the row count. So the rotation of the video
-  rows and the re-concat stay diffusers' ``apply_rotary_emb`` + ``torch.cat``.
+  over all S_video + S_text rows, then rotates the video rows only and re-concatenates. Splitting q
+  into a video and a text stream for the img-first op would **not** be bitwise: torch reduces with
+  one launch configuration for the joint rows (below 16 rows a stream alone gets more lanes, and
+  the mean factor ``float(rows) / float(rows * D)`` is per call). So the whole chain runs on
+  ``rope.qk_rmsnorm_diffusers_rope_joint`` (round 20): the img-first kernel on the two row ranges
+  of the joint tensor with the joint tensor's launch and factor for both. Without text rows
+  (diffusers' ``[:, :-0]`` slices are empty) the norm runs on the img-first op's norm-only form
+  and the rest stays diffusers'.
 - ``norm_out`` (``AdaLayerNormContinuous``, scale first): the shared site
   (``norm.layernorm_modulate``).
 
@@ -62,7 +64,7 @@ from ..kernels.activation import GELU_TANH_CAT
 from ..kernels.layout.joint_buffers_torch import cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
-from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST
+from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT
 from .adaln import dual_block_applies, norm_out_site, plain_layernorm
 from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 from .flux import single_attn_mlp_cat
@@ -176,11 +178,17 @@ def attention_forward(attn, original, hidden_states: torch.Tensor, encoder_hidde
             query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
             encoder_query, encoder_key, attn.norm_added_q.weight, attn.norm_added_k.weight)
         value = torch.cat([value, encoder_value], dim=1)
+    elif image_rotary_emb is not None and encoder_hidden_states.shape[1] > 0:
+        # norm_q / norm_k over the joint rows (one mean launch, as torch's), the video rows'
+        # RoPE and the re-concat in one op
+        query, key = _ops.qk_rmsnorm_diffusers_rope_joint(
+            query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin, attn.norm_q.eps,
+            encoder_hidden_states.shape[1])
     else:
-        # norm_q / norm_k over all rows in one pass (the op's norm-only form: one stream)
+        # norm_q / norm_k over all rows in one pass (the img-first op's norm-only form: one stream)
         query, key = _ops.qk_rmsnorm_diffusers_rope_img_first(
             query, key, attn.norm_q.weight, attn.norm_k.weight, None, None, attn.norm_q.eps)
-        if image_rotary_emb is not None:
+        if image_rotary_emb is not None:  # no text rows: diffusers' [:, :-0] slices are empty
             n_txt = encoder_hidden_states.shape[1]
             query = torch.cat([apply_rotary_emb(query[:, :-n_txt], image_rotary_emb, sequence_dim=1),
                                query[:, -n_txt:]], dim=1)
@@ -243,7 +251,8 @@ SITES = (
         chained=True,
     ),
     attention_site(
-        "hunyuanvideo.attention", attention_forward, (QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST,), _attn_applies,
+        "hunyuanvideo.attention", attention_forward,
+        (QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT), _attn_applies,
         "attention (HunyuanVideoAttnProcessor2_0): dual blocks QK RMSNorm + the video stream's RoPE + the "
         "video-first concat in one pass; single blocks the joint QK RMSNorm in one pass (RoPE eager)",
     ),

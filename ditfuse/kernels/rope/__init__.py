@@ -129,6 +129,24 @@ QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST = OpDescriptor(
              "is derived from each call's shapes as torch's launch does",
 )
 
+QK_RMSNORM_DIFFUSERS_ROPE_JOINT = OpDescriptor(
+    op="rope.qk_rmsnorm_diffusers_rope_joint",
+    contract=Contract.BIT_EXACT,
+    replaces="n = RMS_d(q); cat([r(rope(n[:, :-n_txt])), n[:, -n_txt:]], dim=1) (and k): one joint tensor "
+             "normalised as a whole, RoPE on its leading (video) rows, [B, S, H, D]",
+    summary="diffusers RMSNorm (two roundings, torch's mean order and factor of the joint tensor) + FLUX's "
+            "real interleaved RoPE on the leading video rows, text rows copied after them (HunyuanVideo "
+            "single blocks)",
+    reference=f"{_REF}:qk_rmsnorm_diffusers_rope_joint",
+    exact=f"{_EXACT}:qk_rmsnorm_diffusers_rope_joint_fp64",
+    impls=(triton_impl("rope.qk_rmsnorm_rope_triton", "qk_rmsnorm_diffusers_rope_joint"),),
+    key=(K("q", dims=(-1,)), K("k"), K("q_weight"), K("k_weight"), K("cos"), K("sin"), K("eps", value=True),
+         K("n_txt", value=True)),
+    key_note="head_dim fixes the mean's reduction and the RoPE pairing; the joint row count B*S*H "
+             "(torch's factor and, below 16 rows, lane count) and n_txt (where the rotation stops) "
+             "are derived per call as torch's launch and the processor's slices do",
+)
+
 DESCRIPTORS = (QK_RMSNORM_ROPE, QK_RMSNORM_ROPE_FP32, QK_FP32_RMSNORM_ROPE, QK_RMSNORM_ACROSS_HEADS_ROPE,
                QK_RMSNORM_ACROSS_HEADS_ROPE_FP32, QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX,
-               QK_RMSNORM_DIFFUSERS_CAT, QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST)
+               QK_RMSNORM_DIFFUSERS_CAT, QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT)

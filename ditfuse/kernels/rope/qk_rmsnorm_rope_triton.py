@@ -1597,3 +1597,149 @@ def _keyed_img_first(key, q, k, q_weight, k_weight, cos, sin, eps=1e-6, q_txt=No
 
 
 qk_rmsnorm_diffusers_rope_img_first.keyed = _keyed_img_first
+
+
+# ---------------------------------------------------------------------------------------------
+# qk_rmsnorm_diffusers_rope_joint (HunyuanVideo 1.0's single blocks): the img-first kernel on the
+# two row ranges of ONE joint tensor, with the joint tensor's reduction launch and mean factor for
+# every row (NORM=1, ROPE=3, LAYOUT=2)
+
+
+def _joint_split(q, k, n_txt: int):
+    """The video rows and the trailing text rows of the joint q / k, as views."""
+    s_img = q.shape[1] - n_txt
+    if n_txt == 0:
+        return q, k, None, None
+    return q[:, :s_img], k[:, :s_img], q[:, s_img:], k[:, s_img:]
+
+
+def _joint_reason(q, k, q_weight, k_weight, cos, sin, eps, n_txt) -> str | None:
+    if not isinstance(n_txt, int) or isinstance(n_txt, bool):
+        return "n_txt must be an int"
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)) or q.dim() != 4:
+        return "q and k must be [B, S, H, D] tensors"
+    if not 0 < n_txt < q.shape[1]:
+        return f"n_txt={n_txt} must leave text rows and video rows in S={q.shape[1]}"
+    if cos is None or sin is None:
+        return "cos and sin are required (without RoPE: the img-first op's norm-only form)"
+    if k.shape != q.shape:
+        return f"k has shape {tuple(k.shape)}, q {tuple(q.shape)}"
+    # torch normalises the joint tensors: their rows must be what its mean reduces in place
+    for t in (q, k):
+        if not _reduces_rows_in_place(t):
+            return ("an input's head dim is not its innermost contiguous dim (torch's mean would "
+                    "reduce along a strided dim, another launch)")
+    B, S, H, D = q.shape
+    if _reduce_launch(D, B * S * H)[2]:
+        return f"head_dim {D} with {B * S * H} rows: torch splits each row's mean across warps (not implemented)"
+    qi, ki, qt, kt = _joint_split(q, k, n_txt)
+    return _img_first_reason(qi, ki, q_weight, k_weight, cos, sin, eps, qt, kt, q_weight, k_weight)
+
+
+def can_use_qk_rmsnorm_diffusers_rope_joint(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    n_txt: int = 1,
+) -> bool:
+    """True when :func:`qk_rmsnorm_diffusers_rope_joint` reproduces the reference on these inputs:
+    :func:`can_use_qk_rmsnorm_diffusers_rope_img_first`'s conditions on the two row ranges, plus
+    0 < n_txt < S, cos / sin given, q and k of one shape, and the joint rows reduced in place
+    without torch's warp split."""
+    return _joint_reason(q, k, q_weight, k_weight, cos, sin, eps, n_txt) is None
+
+
+def _joint_recipe(q, k, q_weight, k_weight, cos, sin, eps, n_txt, **kw):
+    B, S, H, D = q.shape
+    rows = B * S * H
+    w, vec, _ = _reduce_launch(D, max(rows, 1))
+    fac = _mean_factor(rows, D)
+    # one reduction launch and one factor for all rows, the joint tensor's, as torch's single
+    # RMSNorm call over it computes them (the img-first op derives each stream's own)
+    params = dict(NORM=1, W_IMG=w, W_TXT=w, VEC=vec, CMUL=CMUL_MODE, LAYOUT=2, fac_img=fac, fac_txt=fac)
+    qi, ki, qt, kt = _joint_split(q, k, n_txt)
+    return _recipe(qi, ki, q_weight, k_weight, cos, sin, eps, qt, kt, q_weight, k_weight,
+                   rope=3, diffusers=params, **kw)
+
+
+def _joint_out(r, q, k, q_weight, k_weight, cos, sin, n_txt):
+    qi, ki, qt, kt = _joint_split(q, k, n_txt)
+    return _fire(r, qi, ki, q_weight, k_weight, cos, sin, qt, kt, q_weight, k_weight)
+
+
+def _launch_joint(q, k, q_weight, k_weight, cos, sin, eps, n_txt, rows_per_program: int | None = None,
+                  num_warps: int = 2, kernel: str | None = None, lanes_tiling: tuple[int, int, int] | None = None):
+    """Uncached launch (tests and probes)."""
+    r = _joint_recipe(q, k, q_weight, k_weight, cos, sin, eps, n_txt, rows_per_program=rows_per_program,
+                      num_warps=num_warps, kernel=kernel, lanes_tiling=lanes_tiling)
+    return _joint_out(r, q, k, q_weight, k_weight, cos, sin, n_txt)
+
+
+@torch.library.custom_op("ditfuse::qk_rmsnorm_diffusers_rope_joint", mutates_args=())
+def _qk_rmsnorm_diffusers_rope_joint_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+    n_txt: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_joint(q, k, q_weight, k_weight, cos, sin, eps, n_txt)
+
+
+@_qk_rmsnorm_diffusers_rope_joint_op.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, eps, n_txt):
+    return q.new_empty(q.shape), q.new_empty(q.shape)
+
+
+def qk_rmsnorm_diffusers_rope_joint(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    eps: float = 1e-6,
+    n_txt: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HunyuanVideo's single-block QK chain (``HunyuanVideoAttnProcessor2_0`` without
+    ``add_q_proj``) in one launch: diffusers ``RMSNorm`` on the joint q and k (one mean call
+    each over all B*S*H rows: that launch's lane count and factor for every row), then FLUX's real
+    interleaved RoPE on the first ``S - n_txt`` (video) rows only and the re-concat:
+    ``q_out = cat([rope(RMS_d(q)[:, :-n_txt]), RMS_d(q)[:, -n_txt:]], dim=1)``, same for k. Equal
+    to ``ditfuse.kernels.reference.qk_rmsnorm_diffusers_rope_joint`` on CUDA (torch 2.11): the
+    img-first op's kernel (each piece bitwise on the GPU) on the two row ranges of the joint
+    tensor, with the joint tensor's reduction parameters for both.
+
+    q, k: [B, S, H, D] (the unflattened joint projections, head dim innermost); weights [D] in
+    the input dtype or None; cos, sin: [S - n_txt, D] (fp32, bf16 or fp16); 0 < n_txt < S.
+    Returns (q_out, k_out), each a contiguous [B, S, H, D]. Raises :class:`UnsupportedInput`
+    exactly where :func:`can_use_qk_rmsnorm_diffusers_rope_joint` is False.
+    """
+    return _keyed_joint(None, q, k, q_weight, k_weight, cos, sin, eps, n_txt)
+
+
+_JOINT_RECIPES = Recipes()
+
+
+def _keyed_joint(key, q, k, q_weight, k_weight, cos, sin, eps=1e-6, n_txt=1):
+    args = (q, k, q_weight, k_weight, cos, sin, eps, n_txt)
+    if use_custom_op():
+        reason = _joint_reason(*args)
+        if reason is not None:
+            raise UnsupportedInput(reason)
+        return torch.ops.ditfuse.qk_rmsnorm_diffusers_rope_joint(q, k, q_weight, k_weight, cos, sin, float(eps),
+                                                                 n_txt)
+    if key is None:
+        key = call_key(args)
+    r = _JOINT_RECIPES.checked(key, lambda: _joint_reason(*args), lambda: _joint_recipe(*args))
+    return _joint_out(r, q, k, q_weight, k_weight, cos, sin, n_txt)
+
+
+qk_rmsnorm_diffusers_rope_joint.keyed = _keyed_joint
