@@ -255,7 +255,8 @@ SITES = (
         "hunyuanvideo.attention", attention_forward,
         (QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT), _attn_applies,
         "attention (HunyuanVideoAttnProcessor2_0): dual blocks QK RMSNorm + the video stream's RoPE + the "
-        "video-first concat in one pass; single blocks the joint QK RMSNorm in one pass (RoPE eager)",
+        "video-first concat in one pass; single blocks the joint QK RMSNorm + the video rows' RoPE + the re-concat "
+        "in one pass",
     ),
     norm_out_site("hunyuanvideo", high=False),
 )
