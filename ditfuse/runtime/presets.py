@@ -125,59 +125,40 @@ def _tiny_image_preset(name: str, family: str, pipeline: str, label: str) -> Pre
     )
 
 
-PRESET_TABLE["tiny-hunyuanvideo15"] = Preset(
-    name="tiny-hunyuanvideo15",
-    builder="ditfuse.models.hunyuanvideo15_configs:build_tiny_pipeline",
-    version=1,
-    default_size=(256, 144),
-    size_multiple=16,
-    call_kwargs=None,
-    note=("tiny-hunyuanvideo15 has random weights: its videos are noise (it exercises the HunyuanVideo 1.5 "
-          "pipeline, not video quality)"),
-    kind="video",
-    fps=24,
-    frame_multiple=4,
-    default_frames=17,
-    default_steps=8,
-    pipeline="HunyuanVideo15Pipeline",
-    prepare="ditfuse.models.hunyuanvideo15_configs:set_text_lengths",
-)
-PRESET_TABLE["tiny-ltx"] = Preset(
-    name="tiny-ltx",
-    builder="ditfuse.models.ltx_configs:build_tiny_pipeline",
-    version=1,
-    # half LTXPipeline's 704x512 in each side; sides step by 32 (its check_inputs)
-    default_size=(352, 256),
-    size_multiple=32,
-    call_kwargs=None,
-    note="tiny-ltx has random weights: its videos are noise (it exercises the LTX-Video pipeline, not video quality)",
-    kind="video",
-    fps=25,
-    frame_multiple=8,
-    default_frames=17,
-    default_steps=8,
-    pipeline="LTXPipeline",
-)
-PRESET_TABLE["tiny-hunyuanvideo"] = Preset(
-    name="tiny-hunyuanvideo",
-    builder="ditfuse.models.hunyuanvideo_configs:build_tiny_pipeline",
-    version=1,
-    # a fifth of HunyuanVideoPipeline's 1280x720 in each side; sides step by 16 (its check_inputs)
-    default_size=(256, 144),
-    size_multiple=16,
-    # None: hunyuanvideo_configs.TINY_CALL_KWARGS (a short text length, the template crop of the
-    # tiny tokenizer)
-    call_kwargs=None,
-    note=("tiny-hunyuanvideo has random weights: its videos are noise (it exercises the HunyuanVideo "
-          "pipeline, not video quality)"),
-    kind="video",
-    fps=24,
-    frame_multiple=4,
-    default_frames=17,
-    default_steps=8,
-    pipeline="HunyuanVideoPipeline",
-)
+def _tiny_video_preset(name: str, family: str, pipeline: str, label: str, default_size: tuple[int, int],
+                       size_multiple: int, fps: int, frame_multiple: int, prepare: str | None = None) -> Preset:
+    """A tiny video pipeline of one family (``ditfuse.models.<family>_configs.build_tiny_pipeline``,
+    whose module's ``TINY_CALL_KWARGS`` every call gets, if it has them): 17 frames and 8 steps by
+    default, the pipeline's own guidance; geometry, frame rate and frame rule as the real
+    pipeline's (``default_size`` a fraction of its own)."""
+    return Preset(
+        name=name,
+        builder=f"ditfuse.models.{family}_configs:build_tiny_pipeline",
+        version=1,
+        default_size=default_size,
+        size_multiple=size_multiple,
+        call_kwargs=None,
+        note=f"{name} has random weights: its videos are noise (it exercises the {label} pipeline, not video quality)",
+        kind="video",
+        fps=fps,
+        frame_multiple=frame_multiple,
+        default_frames=17,
+        default_steps=8,
+        pipeline=pipeline,
+        prepare=prepare,
+    )
+
+
 PRESET_TABLE.update({p.name: p for p in (
+    _tiny_video_preset("tiny-hunyuanvideo15", "hunyuanvideo15", "HunyuanVideo15Pipeline", "HunyuanVideo 1.5",
+                       (256, 144), 16, fps=24, frame_multiple=4,
+                       prepare="ditfuse.models.hunyuanvideo15_configs:set_text_lengths"),
+    # half LTXPipeline's 704x512 in each side; sides step by 32 (its check_inputs), 8k + 1 frames
+    _tiny_video_preset("tiny-ltx", "ltx", "LTXPipeline", "LTX-Video", (352, 256), 32, fps=25, frame_multiple=8),
+    # a fifth of HunyuanVideoPipeline's 1280x720 in each side; its call kwargs
+    # (hunyuanvideo_configs.TINY_CALL_KWARGS): a short text length, the tiny tokenizer's template crop
+    _tiny_video_preset("tiny-hunyuanvideo", "hunyuanvideo", "HunyuanVideoPipeline", "HunyuanVideo", (256, 144), 16,
+                       fps=24, frame_multiple=4),
     _tiny_image_preset("tiny-sd3", "sd3", "StableDiffusion3Pipeline", "SD3.5"),
     _tiny_image_preset("tiny-chroma", "chroma", "ChromaPipeline", "Chroma"),
     _tiny_image_preset("tiny-flux2-klein", "flux2", "Flux2KleinPipeline", "FLUX.2 Klein"),

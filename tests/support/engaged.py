@@ -64,3 +64,23 @@ def handoff_counts_after(model: torch.nn.Module, inputs: dict[str, Any]) -> dict
             return ditfuse.models.handoff_counts(model)
         finally:
             h.unmount()
+
+
+def compare_cuda_graph(model: torch.nn.Module, inputs: dict[str, Any], inputs2: dict[str, Any], label: str = "") -> None:
+    """``accelerate(model, cuda_graph=True)``: the first call warms up (eager, first-sight
+    verification), the second captures, the third replays; then new inputs of the same shapes
+    replay. Every output bitwise equal to the plain model's; exactly one capture, at least two
+    replays."""
+    with torch.no_grad():
+        base, base2 = model(**inputs)[0], model(**inputs2)[0]
+        h = ditfuse.accelerate(model, cuda_graph=True)
+        try:
+            runner = h._graphs[type(model).__name__]
+            outs = [model(**inputs)[0] for _ in range(3)]  # warm-up, capture, replay
+            out2 = model(**inputs2)[0]
+            assert runner.captures == 1 and runner.replays >= 2, (label, runner.captures, runner.replays)
+        finally:
+            h.unmount()
+    for i, o in enumerate(outs):
+        assert_bitwise_equal(o, base, f"{label} graph call {i}")
+    assert_bitwise_equal(out2, base2, f"{label} graph, new inputs")
