@@ -13,7 +13,7 @@ Importing this module imports neither torch nor diffusers: they are imported ins
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from .families import Family, parse_size
 
@@ -105,8 +105,46 @@ WAN_FPS = 16
 
 def build_tiny_wan() -> Any:
     """Build the tiny WanPipeline in memory (random weights, seed ``TINY_WAN_SEED``)."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    # Wan 2.1 layout in miniature: 16 latent channels, 1x2x2 patches, head dim 12 (RoPE axes
+    # t/h/w = 4/4/4), QK RMSNorm across heads, cross-attention norm; 1 block.
+    def transformer() -> Any:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=1,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            eps=1e-6,
+            # RoPE table length: covers 2048 px / 8 / 2 = 128 patches per side and 241 frames
+            # (61 latent frames).
+            rope_max_seq_len=256,
+        )
+
+    return build_tiny_wan_like(WanPipeline, transformer)
+
+
+def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any], flow_shift: float = 3.0) -> Any:
+    """A ``pipeline_class`` built from the tiny Wan parts around ``make_transformer()``: the
+    character-level T5 tokenizer (:data:`TINY_WAN_TEXT_LEN` positions), a 1-layer UMT5 encoder of
+    width 32, the transformer, the tiny ``AutoencoderKLWan`` (16 latent channels, 8x spatial and
+    4x temporal compression) and UniPC with flow-matching sigmas at ``flow_shift``. For the
+    pipelines diffusers builds on Wan's components (``WanPipeline``, ``SkyReelsV2Pipeline``):
+    their ``__init__`` takes exactly these five. The transformer must read 32-wide text states and
+    16 latent channels.
+
+    Random weights from ``torch.manual_seed(TINY_WAN_SEED)``, drawn in a fixed order (text
+    encoder, transformer, VAE): the same ``make_transformer`` gives the same pipeline, and
+    ``tiny-wan``'s weights are what they were before this helper existed."""
     import torch
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from transformers import UMT5Config, UMT5EncoderModel
 
     from .tiny_parts import t5_tokenizer
@@ -130,25 +168,7 @@ def build_tiny_wan() -> Any:
             decoder_start_token_id=tokenizer.pad_token_id,
         )
     ).eval()
-    # Wan 2.1 layout in miniature: 16 latent channels, 1x2x2 patches, head dim 12 (RoPE axes
-    # t/h/w = 4/4/4), QK RMSNorm across heads, cross-attention norm; 1 block.
-    transformer = WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=1,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        # RoPE table length: covers 2048 px / 8 / 2 = 128 patches per side and 241 frames
-        # (61 latent frames).
-        rope_max_seq_len=256,
-    ).eval()
+    transformer = make_transformer().eval()
     # The Wan 2.1 VAE's structure (causal 3D convs, 8x spatial and 4x temporal compression, so
     # num_frames = 4k + 1 and sizes are multiples of 16 with the 2x2 patches) at 2 base channels
     # and one residual block per stage.
@@ -160,14 +180,14 @@ def build_tiny_wan() -> Any:
         attn_scales=[],
         temperal_downsample=[False, True, True],
     ).eval()
-    # Wan 2.1 T2V's scheduler: UniPC with flow-matching sigmas, flow_shift 3.0 (the 480p setting).
+    # Wan 2.1 T2V's scheduler: UniPC with flow-matching sigmas (flow_shift 3.0 is Wan's 480p setting).
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction",
         use_flow_sigmas=True,
         num_train_timesteps=1000,
-        flow_shift=3.0,
+        flow_shift=flow_shift,
     )
-    return WanPipeline(
+    return pipeline_class(
         tokenizer=tokenizer,
         text_encoder=text_encoder,
         vae=vae,

@@ -1,5 +1,7 @@
 """Fixtures for Wan's "Copied from" transformers (models/wan_variants.py): ChronoEdit, SkyReels-V2,
-Wan-Animate. Configs and one denoising step's inputs, as wan_configs.py does for Wan.
+Wan-Animate. Configs and one denoising step's inputs, as wan_configs.py does for Wan; and the
+tiny random-weight ``SkyReelsV2Pipeline`` behind the runtime's ``tiny-skyreels-v2`` preset
+(:func:`build_tiny_pipeline`).
 
 Where the numbers come from:
 
@@ -156,3 +158,39 @@ WAN_ANIMATE = Family(
     notes={"dev": "Wan2.2-Animate-14B size (diffusers' defaults: 40 blocks, width 5120, face adapter every 5), "
                   "random bf16 weights"},
 )
+
+
+# -- the tiny SkyReels-V2 text-to-video pipeline (the runtime's ``tiny-skyreels-v2`` preset) ------
+
+# What every call of the tiny pipeline gets (runtime/presets.py reads this module's
+# TINY_CALL_KWARGS; SkyReels-V2's is the only tiny pipeline built here): tiny-wan's short text
+# length instead of the pipeline's 512 (the tokenizer is character-level, 128 is plenty).
+TINY_CALL_KWARGS: dict[str, Any] = {"max_sequence_length": wan_configs.TINY_WAN_TEXT_LEN}
+# The flow shift diffusers' SkyReelsV2Pipeline docstring example sets for the T2V models (5.0 is
+# its I2V value); the published scheduler config is not reachable from here.
+SKYREELS_T2V_FLOW_SHIFT = 8.0
+# SKYREELS_TINY at the tiny Wan VAE's 16 latent channels, with tiny-wan's RoPE table length
+# (256 positions: sides up to 4096 px, up to 1021 frames) so every size the runtime accepts runs;
+# the family's tiny config (64 positions) is sized for one step's inputs only.
+SKYREELS_TINY_PIPELINE = dict(SKYREELS_TINY, in_channels=16, out_channels=16, rope_max_seq_len=256)
+
+
+def build_tiny_pipeline() -> Any:
+    """A complete diffusers ``SkyReelsV2Pipeline`` (text-to-video) with **random weights**: its
+    videos are noise; it exercises the pipeline's code path (UMT5 prompt embeddings, CFG batches,
+    the UniPC flow-matching steps, the causal 3D VAE decode), not video quality. Built offline,
+    no download.
+
+    Parts: tiny-wan's (``wan_configs.build_tiny_wan_like``: the character-level T5 tokenizer,
+    a 1-layer UMT5 encoder of width 32, the tiny ``AutoencoderKLWan`` with Wan 2.1's 8x spatial
+    and 4x temporal compression, UniPC with flow sigmas) around a ``SkyReelsV2Transformer3DModel``
+    of :data:`SKYREELS_TINY_PIPELINE` (the ``skyreels_v2`` family's tiny config: 2 blocks, 2 heads
+    x 16, no diffusion forcing, no fps embedding), scheduler shift :data:`SKYREELS_T2V_FLOW_SHIFT`.
+
+    Calls take sides in multiples of 16 and ``num_frames = 4k + 1``, as the real model's.
+    """
+    from diffusers import SkyReelsV2Pipeline
+
+    cls = SKYREELS_V2.load_class()
+    return wan_configs.build_tiny_wan_like(SkyReelsV2Pipeline, lambda: cls(**SKYREELS_TINY_PIPELINE),
+                                           flow_shift=SKYREELS_T2V_FLOW_SHIFT)

@@ -14,8 +14,9 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 MODEL_HELP = ("a built-in preset with random weights, whose images and videos are noise: images tiny-flux, "
               "tiny-sd3, tiny-chroma, tiny-flux2-klein, tiny-qwenimage, tiny-zimage; videos tiny-wan, "
-              "tiny-hunyuanvideo15, tiny-ltx, tiny-hunyuanvideo. Or a diffusers directory (docs/serving.md lists the "
-              "pipeline classes; WanPipeline, HunyuanVideo15Pipeline, LTXPipeline and HunyuanVideoPipeline make videos)")
+              "tiny-hunyuanvideo15, tiny-ltx, tiny-hunyuanvideo, tiny-skyreels-v2. Or a diffusers directory "
+              "(docs/serving.md lists the pipeline classes; WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, "
+              "HunyuanVideoPipeline and SkyReelsV2Pipeline make videos)")
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:
@@ -38,18 +39,19 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the pipeline's (1.0; Qwen-Image 4.0)")
     p.add_argument("--size", default=None, help="WIDTHxHEIGHT, multiples of 16 (default: the model's default)")
     p.add_argument("--steps", type=int, default=None, dest="steps", help="denoising steps (default: the pipeline's: FLUX.1 / SD3 28, Chroma 35, Qwen-Image 2.1 40, "
-                        "FLUX.2 / Qwen-Image / Z-Image / Wan / HunyuanVideo / HunyuanVideo 1.5 50; tiny-wan 8)")
+                        "FLUX.2 / Qwen-Image / Z-Image / Wan / HunyuanVideo / HunyuanVideo 1.5 / SkyReels-V2 50; tiny-wan 8)")
     p.add_argument("--guidance", type=float, default=None, dest="guidance", help="guidance scale (default: the pipeline's: FLUX.1 3.5, SD3 7.0, Wan / Z-Image / Chroma 5.0, "
-                        "HunyuanVideo 6.0 (its distilled guidance embedding), HunyuanVideo 1.5 its guider's; Qwen-Image takes none)")
+                        "HunyuanVideo 6.0 (its distilled guidance embedding), SkyReels-V2 6.0, HunyuanVideo 1.5 its guider's; "
+                        "Qwen-Image takes none)")
     p.add_argument("--seed", type=int, default=0, help="seed of output 0; output i uses seed + i")
     p.add_argument("--n", type=int, default=1, help="outputs to generate (out.png -> out-0.png, out-1.png, ...)")
     p.add_argument("--quality", default="lossless", help="lossless (bit-exact kernels only, default) or high")
     p.add_argument("--out", type=Path, default=None,
                    help="output file (default out.png; video models: out.mp4). Videos: .mp4 (H.264), .webp or .gif")
     p.add_argument("--frames", type=int, default=None, dest="frames",
-                   help="video models: number of frames, 4k+1 (Wan, HunyuanVideo, HunyuanVideo 1.5) or 8k+1 (LTX-Video) "
-                        "(default: the tiny video presets 17, Wan 81, HunyuanVideo 129, HunyuanVideo 1.5 121, "
-                        "LTX-Video 161)")
+                   help="video models: number of frames, 4k+1 (Wan, HunyuanVideo, HunyuanVideo 1.5, SkyReels-V2) or "
+                        "8k+1 (LTX-Video) (default: the tiny video presets 17, Wan 81, HunyuanVideo 129, "
+                        "HunyuanVideo 1.5 121, LTX-Video 161, SkyReels-V2 97)")
     p.add_argument("--seconds", type=float, default=None,
                    help="video models: clip length instead of --frames (the 4k+1 or 8k+1 frame count nearest to seconds*fps+1)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")

@@ -5,8 +5,9 @@ mounts ditfuse with ``ditfuse.models.accelerate``, runs the pipeline with a prog
 denoising steps and writes PNGs carrying the sampling parameters as PNG text metadata. With
 ``--n 2 --out out.png`` the files are ``out-0.png`` and ``out-1.png``.
 
-A video model (``tiny-wan``, ``tiny-hunyuanvideo15``, ``tiny-ltx``, ``tiny-hunyuanvideo``, or a
-WanPipeline, HunyuanVideo15Pipeline, LTXPipeline or HunyuanVideoPipeline directory) writes one clip instead: ``--frames`` (4k+1;
+A video model (``tiny-wan``, ``tiny-hunyuanvideo15``, ``tiny-ltx``, ``tiny-hunyuanvideo``,
+``tiny-skyreels-v2``, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline or
+SkyReelsV2Pipeline directory) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode.
 
@@ -109,7 +110,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         video = info.kind == "video"
         frames, seconds = getattr(args, "frames", None), getattr(args, "seconds", None)
         if not video and (frames is not None or seconds is not None):
-            raise ParamError("frames", f"--frames/--seconds need a video model (tiny-wan, tiny-hunyuanvideo15, tiny-ltx, tiny-hunyuanvideo, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline or HunyuanVideoPipeline directory); {args.model} makes images")
+            raise ParamError("frames", f"--frames/--seconds need a video model (tiny-wan, tiny-hunyuanvideo15, tiny-ltx, tiny-hunyuanvideo, tiny-skyreels-v2, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline or SkyReelsV2Pipeline directory); {args.model} makes images")
         out = out_path(info)
         if video:
             video_format(out)  # ValueError for anything but .mp4/.webp/.gif

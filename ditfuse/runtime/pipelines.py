@@ -85,6 +85,13 @@ def _hunyuanvideo_multiple(pipe: Any) -> int:
     return math.lcm(16, grid)
 
 
+def _skyreels_v2_multiple(pipe: Any) -> int:
+    # SkyReelsV2Pipeline.check_inputs refuses sides that are not multiples of 16 whatever its VAE;
+    # the latent grid needs whole patches: the VAE's 8x times the transformer's 2x2 (16 for every
+    # released checkpoint)
+    return math.lcm(16, _wan_multiple(pipe))
+
+
 def _hunyuanvideo15_prepare(pipe: Any) -> None:
     # diffusers 0.42.1's AutoencoderKLHunyuanVideo15 decode fails for more than one video (its
     # mid-block attention mask is [B, S, S] against [B, 1, S, S] queries); slicing decodes the
@@ -214,6 +221,21 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         PipelineSpec("HunyuanVideoPipeline", "HunyuanVideo", kind="video", negative=NEGATIVE_TRUE_CFG,
                      default_steps=50, default_guidance=6.0, default_true_cfg=1.0, default_size=(1280, 720),
                      size_multiple=_hunyuanvideo_multiple, fps=24, default_frames=129),
+        # SkyReels-V2 text-to-video (SkyReelsV2Pipeline: Wan's T2V pipeline on Wan's components
+        # around SkyReelsV2Transformer3DModel). Every default from diffusers 0.42.1's
+        # SkyReelsV2Pipeline.__call__ signature: 50 steps, guidance_scale 6.0 (CFG whenever above 1,
+        # against negative_prompt, "" by default: encode_prompt), 960x544 (540p), 97 frames.
+        # Sides in 16s (check_inputs; also the latent grid's VAE 8x times the 1x2x2 patch).
+        # Frames 4k + 1 from the VAE's temporal ratio (2 ** sum(temperal_downsample) = 4); the
+        # pipeline itself rounds any other count down with a warning, the runtime refuses it.
+        # The call takes no frame rate (the transformer's fps embedding, inject_sample_info, is
+        # driven by the diffusion-forcing pipelines only); clips are written at 24 fps: the
+        # SkyReels-V2 model cards' rate, the fps of diffusers' docstring example
+        # (export_to_video(..., fps=24)) and SkyReelsV2DiffusionForcingPipeline's fps default.
+        # A batch of two decodes as is (AutoencoderKLWan, as Wan's): no prepare hook
+        # (tests/cpu/test_videos_skyreels_v2.py).
+        PipelineSpec("SkyReelsV2Pipeline", "SkyReels-V2", kind="video", default_steps=50, default_guidance=6.0,
+                     default_size=(960, 544), size_multiple=_skyreels_v2_multiple, fps=24, default_frames=97),
     )
 }
 

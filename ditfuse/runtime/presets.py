@@ -159,6 +159,11 @@ PRESET_TABLE.update({p.name: p for p in (
     # (hunyuanvideo_configs.TINY_CALL_KWARGS): a short text length, the tiny tokenizer's template crop
     _tiny_video_preset("tiny-hunyuanvideo", "hunyuanvideo", "HunyuanVideoPipeline", "HunyuanVideo", (256, 144), 16,
                        fps=24, frame_multiple=4),
+    # half SkyReelsV2Pipeline's 960x544 in each side (a third or a fifth is not a multiple of 16);
+    # the builder is wan_variants_configs.build_tiny_pipeline (tiny-wan's parts around a tiny
+    # SkyReelsV2Transformer3DModel); its call kwargs: tiny-wan's short text length
+    _tiny_video_preset("tiny-skyreels-v2", "wan_variants", "SkyReelsV2Pipeline", "SkyReels-V2", (480, 272), 16,
+                       fps=24, frame_multiple=4),
     _tiny_image_preset("tiny-sd3", "sd3", "StableDiffusion3Pipeline", "SD3.5"),
     _tiny_image_preset("tiny-chroma", "chroma", "ChromaPipeline", "Chroma"),
     _tiny_image_preset("tiny-flux2-klein", "flux2", "Flux2KleinPipeline", "FLUX.2 Klein"),

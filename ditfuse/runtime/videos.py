@@ -81,7 +81,8 @@ ALLOWED_FIELDS = (
 )
 # OpenAI fields ditfuse does not implement: a 400 that says so, not "unknown field".
 UNSUPPORTED_FIELDS = {"input_reference": "input_reference (image-to-video) is not supported: the video pipelines ditfuse serves "
-                                         "(WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline) are text-to-video"}
+                                         "(WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline, "
+                                         "SkyReelsV2Pipeline) are text-to-video"}
 POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
@@ -607,8 +608,8 @@ def unsupported_router(model: str) -> APIRouter:
     r = APIRouter()
     message = (
         f"this server runs {model!r}, an image model; the videos API needs a video model "
-        "(`ditfuse serve --model tiny-wan`, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline or "
-        "HunyuanVideoPipeline directory)"
+        "(`ditfuse serve --model tiny-wan`, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, "
+        "HunyuanVideoPipeline or SkyReelsV2Pipeline directory)"
     )
 
     async def refuse(request: Request) -> JSONResponse:

@@ -259,7 +259,7 @@ def test_videos_api_refuses_true_cfg_scale_where_the_pipeline_has_none():
     from ditfuse.contracts.quality import Quality
     from ditfuse.runtime.videos import parse_video_request
 
-    for name, fps in (("WanPipeline", 16), ("LTXPipeline", 25)):
+    for name, fps in (("WanPipeline", 16), ("LTXPipeline", 25), ("SkyReelsV2Pipeline", 24)):
         ld = _loaded(name, None, kind="video")
         ld.fps, ld.frame_multiple, ld.default_frames, ld.default_guidance = fps, 4, 17, 5.0
         engine = SimpleNamespace(loaded=ld, model_name="m", default_quality=Quality.LOSSLESS)
@@ -268,3 +268,31 @@ def test_videos_api_refuses_true_cfg_scale_where_the_pipeline_has_none():
         assert e.value.param == "true_cfg_scale" and name in str(e.value), str(e.value)
         params, _ = parse_video_request({"prompt": "a fox", "negative_prompt": "blur"}, engine)
         assert params.true_cfg_scale == 1.0 and params.negative_prompt == "blur"
+
+
+def test_skyreels_v2_called_the_wan_way():
+    """SkyReelsV2Pipeline (text-to-video) is called as Wan's: guidance_scale always, the negative
+    prompt per video for its CFG (none given: diffusers' own ""), no true_cfg_scale, no frame rate;
+    its row states diffusers 0.42.1's defaults and SkyReels-V2's 24 fps."""
+    spec = pl.PIPELINE_SPECS["SkyReelsV2Pipeline"]
+    assert (spec.kind, spec.guidance, spec.negative, spec.fps, spec.fps_kwarg) == ("video", pl.GUIDANCE_KWARG,
+                                                                                 pl.NEGATIVE_CFG, 24, None)
+    assert (spec.default_steps, spec.default_guidance, spec.default_size, spec.default_frames) == (
+        50, 6.0, (960, 544), 97)
+    pipe, calls = _fake("SkyReelsV2Pipeline", video=True)
+    ld = _loaded("SkyReelsV2Pipeline", pipe, kind="video")
+    ld.fps = 24
+    p = P(guidance_scale=6.0, negative_prompt="blur").with_(num_frames=9)
+    run_batch(ld, [(p, 0), (p, 1)])
+    assert calls[-1]["guidance_scale"] == 6.0 and calls[-1]["num_frames"] == 9
+    assert calls[-1]["negative_prompt"] == ["blur", "blur"]
+    assert "true_cfg_scale" not in calls[-1] and "frame_rate" not in calls[-1] and "fps" not in calls[-1]
+    run_batch(ld, [(P(guidance_scale=6.0).with_(num_frames=5), 0)])
+    assert "negative_prompt" not in calls[-1]
+    assert spec.check_request({"true_cfg_scale"})[0] == "true_cfg_scale"
+    # sides: multiples of 16 for the released geometry (VAE 8x, 1x2x2 patches), and never below
+    # check_inputs' 16 whatever the patch
+    vae8 = SimpleNamespace(vae_scale_factor_spatial=8)
+    for patch, multiple in (((1, 2, 2), 16), ((1, 1, 1), 16), ((1, 4, 4), 32)):
+        fake = SimpleNamespace(**vars(vae8), transformer=SimpleNamespace(config=SimpleNamespace(patch_size=patch)))
+        assert spec.size_multiple(fake) == multiple, patch

@@ -7,49 +7,33 @@ CFG only with a negative prompt and ``true_cfg_scale`` > 1; sides in 16s, ``4k +
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
-
 import numpy as np
-import openai
 import pytest
 import torch
 
-import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.models import hunyuanvideo as hy_adapter
 from ditfuse.models import hunyuanvideo_configs as hc
-from ditfuse.runtime import video_io
-from ditfuse.runtime.params import ParamError
 from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import PRESET_TABLE
+from tests.support import video_runtime as vr
 
-from .test_generate import run_cli
-from .test_videos_server import one_thread, serving  # noqa: F401 - fixture
+from .test_videos_server import one_thread  # noqa: F401 - fixture
 
-KEY = "k"
 # 5 frames -> 2 latent frames; 64x48 px -> 8x6 latents -> a 2 x 4 x 3 patch grid: 24 video tokens
 SIZE = dict(width=64, height=48, num_frames=5)
 PROMPT = "a red fox"
 NEGATIVE = "blurry"
 
 
-def _quiet(pipe):
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def _call(pipe, seed: int = 3, **over) -> torch.Tensor:
-    kw = dict(prompt=PROMPT, num_inference_steps=2, output_type="np", generator=torch.Generator().manual_seed(seed),
-              **SIZE, **hc.TINY_CALL_KWARGS)
-    frames = pipe(**{**kw, **over}).frames
-    assert isinstance(frames, np.ndarray), type(frames)
-    return torch.from_numpy(np.ascontiguousarray(frames))
+    kw = dict(prompt=PROMPT, **SIZE, **hc.TINY_CALL_KWARGS)
+    return vr.frames(pipe, seed, **{**kw, **over})
 
 
 @pytest.fixture(scope="module")
 def hyv():
-    return _quiet(hc.build_tiny_pipeline())
+    return vr.quiet(hc.build_tiny_pipeline())
 
 
 def test_builds_offline_deterministic_with_the_real_compression(hyv):
@@ -104,24 +88,10 @@ def test_two_step_call_makes_frames_of_the_size(hyv):
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16 (the dtype the kernels are made for), a 2-step true-CFG
     call is bitwise the plain pipeline's, and every op of the adapter reached the gate."""
-    pipe = _quiet(hc.build_tiny_pipeline()).to(torch.bfloat16)
-    cfg = dict(negative_prompt=NEGATIVE, true_cfg_scale=4.0)
-    base = _call(pipe, **cfg)
-    ditfuse.gate.reset()
-    h = ditfuse.accelerate(pipe)
-    try:
-        tr = {c.component: c for c in h.report().components}["transformer"]
-        assert tr.adapter == "hunyuanvideo" and tr.status == "mounted", h.report().summary()
-        assert {s for _, s in tr.sites} == {s.name for s in hy_adapter.SITES}, tr.sites
-        out = _call(pipe, **cfg)
-        gate = ditfuse.gate.report()
-    finally:
-        h.unmount()
-    assert_bitwise_equal(out, base, "hunyuanvideo: accelerated pipeline output")
-    assert not gate.fallbacks and not gate.disabled, (gate.fallbacks, gate.disabled)
-    for op in hy_adapter.ADAPTER.ops():
-        assert gate.calls.get(op, {}).get("verify", 0) > 0, f"hunyuanvideo: {op} never reached the gate: {gate.calls}"
-    assert_bitwise_equal(_call(pipe, **cfg), base, "hunyuanvideo: output after unmount")
+    pipe = vr.quiet(hc.build_tiny_pipeline()).to(torch.bfloat16)
+    # the token refiner's attention (AttnProcessor2_0) keeps diffusers' forward: a skipped site
+    vr.assert_accelerated_bitwise(pipe, lambda p: _call(p, negative_prompt=NEGATIVE, true_cfg_scale=4.0),
+                                  hy_adapter.ADAPTER, no_skipped_sites=False)
 
 
 # -- the runtime: preset, pipeline table, run_batch --------------------------------------------------
@@ -188,9 +158,7 @@ def test_a_batch_of_two_decodes_without_a_prepare_hook(loaded):
 
 
 def _video_engine(loaded):
-    from ditfuse.contracts.quality import Quality
-
-    return SimpleNamespace(loaded=loaded, model_name="tiny-hunyuanvideo", default_quality=Quality.LOSSLESS)
+    return vr.video_engine(loaded, "tiny-hunyuanvideo")
 
 
 @pytest.mark.parametrize("fields,param,needle", [
@@ -199,11 +167,7 @@ def _video_engine(loaded):
     ({"true_cfg_scale": "x"}, "true_cfg_scale", "number"),
 ])
 def test_video_requests_refused_by_the_hunyuanvideo_rules(loaded, fields, param, needle):
-    from ditfuse.runtime.videos import parse_video_request
-
-    with pytest.raises(ParamError) as e:
-        parse_video_request({"prompt": "a fox", **fields}, _video_engine(loaded))
-    assert e.value.param == param and needle in str(e.value), str(e.value)
+    vr.assert_request_refused(loaded, "tiny-hunyuanvideo", fields, param, needle)
 
 
 def test_video_request_defaults_seconds_and_true_cfg(loaded):
@@ -223,16 +187,12 @@ def test_video_request_defaults_seconds_and_true_cfg(loaded):
 
 @pytest.mark.slow  # a `ditfuse` subprocess: a fresh interpreter importing torch
 def test_generate_a_hunyuanvideo_clip(tiny_cache, tmp_path):
-    out = tmp_path / "clip.mp4"
-    r = run_cli(["generate", "--model", "tiny-hunyuanvideo", "--prompt", PROMPT, "--frames", "5", "--size", "64x48",
-                 "--steps", "2", "--guidance", "4", "--negative-prompt", NEGATIVE, "--true-cfg-scale", "3",
-                 "--seed", "3", "--out", str(out)], tiny_cache)
-    assert r.returncode == 0, r.stdout + r.stderr
-    info = video_io.probe_video(out)
+    r, info = vr.generate_clip("tiny-hunyuanvideo", tiny_cache, tmp_path / "clip.mp4",
+                               ["--prompt", PROMPT, "--frames", "5", "--size", "64x48", "--steps", "2",
+                                "--guidance", "4", "--negative-prompt", NEGATIVE, "--true-cfg-scale", "3",
+                                "--seed", "3"])
     assert (info.frames, info.width, info.height, info.fps) == (5, 64, 48, 24.0)
-    assert "(HunyuanVideoPipeline)" in r.stdout and "guidance 4" in r.stdout and "noise" in r.stdout
-    assert "accelerated:" in r.stdout and "24 fps" in r.stdout
-    assert "2/3" in r.stderr  # two denoising steps counted (the third tick is the VAE decode)
+    vr.assert_generate_report(r, "HunyuanVideoPipeline", guidance="4", fps=24)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -240,44 +200,18 @@ def test_generate_a_hunyuanvideo_clip(tiny_cache, tmp_path):
     (["--size", "72x48"], "16"),
 ])
 def test_generate_refuses_what_hunyuanvideo_cannot_make(tiny_cache, tmp_path, args, needle):
-    r = run_cli(["generate", "--model", "tiny-hunyuanvideo", "--prompt", "x", *args,
-                 "--out", str(tmp_path / "x.mp4")], tiny_cache)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
-    assert not list(tmp_path.iterdir())
+    vr.assert_generate_refuses("tiny-hunyuanvideo", tiny_cache, tmp_path, args, needle)
 
 
 @pytest.fixture(scope="module")
 def served(tiny_cache, one_thread, tmp_path_factory):  # noqa: F811
-    from ditfuse.runtime.server import build_engine, create_app
-    from ditfuse.runtime.videos import VideoJobs
-
-    engine, _ = build_engine("tiny-hunyuanvideo", accelerate=True, max_batch_size=1, max_video_batch_size=2,
-                             batch_wait_ms=300, max_queue=16)
-    jobs = VideoJobs(engine, tmp_path_factory.mktemp("hyv-data"), sweep_interval_s=0)
-    app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024, videos=jobs)
-    with serving(app) as url:
-        yield SimpleNamespace(url=url, engine=engine)
+    with vr.serve_preset("tiny-hunyuanvideo", tmp_path_factory.mktemp("hyv-data")) as served:
+        yield served
 
 
 @pytest.mark.slow  # a live server, two jobs
 def test_videos_api_two_jobs_share_a_batch(served):
-    c = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
     body = {"num_frames": 5, "steps": 2, "guidance_scale": 4.0, "negative_prompt": NEGATIVE, "true_cfg_scale": 3.0}
-    jobs = [c.videos.create(prompt=f"a fox {i}", size="64x48", extra_body={**body, "seed": i}) for i in range(2)]
-    done = []
-    for j in jobs:
-        deadline = time.monotonic() + 240
-        while (v := c.videos.retrieve(j.id)).status not in ("completed", "failed"):
-            assert time.monotonic() < deadline, v
-            time.sleep(0.2)
-        assert v.status == "completed", v.error
-        assert v.seconds == "0.166667"  # (5 - 1) / 24
-        done.append(c.videos.download_content(j.id).read())
-    infos = [video_io.probe_video(mp4) for mp4 in done]
-    assert all((i.frames, i.width, i.height, i.fps) == (5, 64, 48, 24.0) for i in infos), infos
-    assert done[0] != done[1]  # different seeds
-    log = list(served.engine.batch_log)
-    assert served.engine.pad_batches and sum(b["size"] for b in log) == 2, log
-    with pytest.raises(openai.BadRequestError) as e:
-        c.videos.create(prompt="x", size="64x48", extra_body={"num_frames": 6})
-    assert "4k+1" in str(e.value)
+    # seconds: (5 - 1) / 24
+    vr.assert_two_jobs_share_a_batch(served, "64x48", body, frames=5, fps=24, seconds="0.166667", bad_frames=6,
+                                     needle="4k+1")

@@ -6,49 +6,33 @@ pipeline table's row (sides in multiples of 32, ``8k + 1`` frames, 25 fps passed
 
 from __future__ import annotations
 
-import time
-from types import SimpleNamespace
-
 import numpy as np
-import openai
 import pytest
 import torch
 
-import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.models import ltx as ltx_adapter
 from ditfuse.models import ltx_configs as lc
-from ditfuse.runtime import video_io
-from ditfuse.runtime.params import ParamError
 from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import PRESET_TABLE
+from tests.support import video_runtime as vr
 
-from .test_generate import run_cli
-from .test_videos_server import one_thread, serving  # noqa: F401 - fixture
+from .test_videos_server import one_thread  # noqa: F401 - fixture
 
-KEY = "k"
 # 9 frames -> 2 latent frames; 64x96 px -> a 2x3 latent grid: 12 video tokens
 SIZE = dict(width=96, height=64, num_frames=9)
 PROMPT = "a red fox"
 NEGATIVE = "blurry"
 
 
-def _quiet(pipe):
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def _call(pipe, seed: int = 3, **over) -> torch.Tensor:
-    kw = dict(prompt=PROMPT, negative_prompt=NEGATIVE, num_inference_steps=2, output_type="np",
-              generator=torch.Generator().manual_seed(seed), **SIZE, **lc.TINY_CALL_KWARGS)
-    frames = pipe(**{**kw, **over}).frames
-    assert isinstance(frames, np.ndarray), type(frames)
-    return torch.from_numpy(np.ascontiguousarray(frames))
+    kw = dict(prompt=PROMPT, negative_prompt=NEGATIVE, **SIZE, **lc.TINY_CALL_KWARGS)
+    return vr.frames(pipe, seed, **{**kw, **over})
 
 
 @pytest.fixture(scope="module")
 def ltx():
-    return _quiet(lc.build_tiny_pipeline())
+    return vr.quiet(lc.build_tiny_pipeline())
 
 
 def test_builds_offline_deterministic_with_the_real_compression(ltx):
@@ -83,23 +67,8 @@ def test_two_step_call_makes_frames_of_the_size(ltx):
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16 (the dtype the kernels are made for), a 2-step CFG call
     is bitwise the plain pipeline's, and every op of the adapter reached the gate."""
-    pipe = _quiet(lc.build_tiny_pipeline()).to(torch.bfloat16)
-    base = _call(pipe)
-    ditfuse.gate.reset()
-    h = ditfuse.accelerate(pipe)
-    try:
-        tr = {c.component: c for c in h.report().components}["transformer"]
-        assert tr.adapter == "ltx" and tr.status == "mounted", h.report().summary()
-        assert {s for _, s in tr.sites} == {s.name for s in ltx_adapter.SITES} and not tr.skipped_sites, tr.sites
-        out = _call(pipe)
-        gate = ditfuse.gate.report()
-    finally:
-        h.unmount()
-    assert_bitwise_equal(out, base, "ltx: accelerated pipeline output")
-    assert not gate.fallbacks and not gate.disabled, (gate.fallbacks, gate.disabled)
-    for op in ltx_adapter.ADAPTER.ops():
-        assert gate.calls.get(op, {}).get("verify", 0) > 0, f"ltx: {op} never reached the gate: {gate.calls}"
-    assert_bitwise_equal(_call(pipe), base, "ltx: output after unmount")
+    pipe = vr.quiet(lc.build_tiny_pipeline()).to(torch.bfloat16)
+    vr.assert_accelerated_bitwise(pipe, _call, ltx_adapter.ADAPTER)
 
 
 # -- the runtime: preset, pipeline table, run_batch --------------------------------------------------
@@ -149,9 +118,7 @@ def test_run_batch_matches_plain_diffusers_and_passes_the_frame_rate(loaded, mon
 
 
 def _video_engine(loaded):
-    from ditfuse.contracts.quality import Quality
-
-    return SimpleNamespace(loaded=loaded, model_name="tiny-ltx", default_quality=Quality.LOSSLESS)
+    return vr.video_engine(loaded, "tiny-ltx")
 
 
 @pytest.mark.parametrize("fields,param,needle", [
@@ -161,11 +128,7 @@ def _video_engine(loaded):
     ({"seconds": "0.2"}, "seconds", "between 0.32"),
 ])
 def test_video_requests_refused_by_the_ltx_rules(loaded, fields, param, needle):
-    from ditfuse.runtime.videos import parse_video_request
-
-    with pytest.raises(ParamError) as e:
-        parse_video_request({"prompt": "a fox", **fields}, _video_engine(loaded))
-    assert e.value.param == param and needle in str(e.value), str(e.value)
+    vr.assert_request_refused(loaded, "tiny-ltx", fields, param, needle)
 
 
 def test_video_request_defaults_and_seconds(loaded):
@@ -185,16 +148,11 @@ def test_video_request_defaults_and_seconds(loaded):
 
 @pytest.mark.slow  # a `ditfuse` subprocess: a fresh interpreter importing torch
 def test_generate_an_ltx_clip(tiny_cache, tmp_path):
-    out = tmp_path / "clip.mp4"
-    r = run_cli(["generate", "--model", "tiny-ltx", "--prompt", PROMPT, "--frames", "9", "--size", "96x64",
-                 "--steps", "2", "--guidance", "4", "--negative-prompt", NEGATIVE, "--seed", "3",
-                 "--out", str(out)], tiny_cache)
-    assert r.returncode == 0, r.stdout + r.stderr
-    info = video_io.probe_video(out)
+    r, info = vr.generate_clip("tiny-ltx", tiny_cache, tmp_path / "clip.mp4",
+                               ["--prompt", PROMPT, "--frames", "9", "--size", "96x64", "--steps", "2",
+                                "--guidance", "4", "--negative-prompt", NEGATIVE, "--seed", "3"])
     assert (info.frames, info.width, info.height, info.fps) == (9, 96, 64, 25.0)
-    assert "(LTXPipeline)" in r.stdout and "guidance 4" in r.stdout and "noise" in r.stdout
-    assert "accelerated:" in r.stdout and "25 fps" in r.stdout
-    assert "2/3" in r.stderr  # two denoising steps counted (the third tick is the VAE decode)
+    vr.assert_generate_report(r, "LTXPipeline", guidance="4", fps=25)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -202,44 +160,18 @@ def test_generate_an_ltx_clip(tiny_cache, tmp_path):
     (["--size", "80x64"], "32"),
 ])
 def test_generate_refuses_what_ltx_cannot_make(tiny_cache, tmp_path, args, needle):
-    r = run_cli(["generate", "--model", "tiny-ltx", "--prompt", "x", *args, "--out", str(tmp_path / "x.mp4")],
-                tiny_cache)
-    assert r.returncode == 2 and needle in r.stderr, r.stderr
-    assert not list(tmp_path.iterdir())
+    vr.assert_generate_refuses("tiny-ltx", tiny_cache, tmp_path, args, needle)
 
 
 @pytest.fixture(scope="module")
 def served(tiny_cache, one_thread, tmp_path_factory):  # noqa: F811
-    from ditfuse.runtime.server import build_engine, create_app
-    from ditfuse.runtime.videos import VideoJobs
-
-    engine, _ = build_engine("tiny-ltx", accelerate=True, max_batch_size=1, max_video_batch_size=2,
-                             batch_wait_ms=300, max_queue=16)
-    jobs = VideoJobs(engine, tmp_path_factory.mktemp("ltx-data"), sweep_interval_s=0)
-    app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024, videos=jobs)
-    with serving(app) as url:
-        yield SimpleNamespace(url=url, engine=engine)
+    with vr.serve_preset("tiny-ltx", tmp_path_factory.mktemp("ltx-data")) as served:
+        yield served
 
 
 @pytest.mark.slow  # a live server, two jobs
 def test_videos_api_two_jobs_share_a_batch(served):
-    c = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
     body = {"num_frames": 9, "steps": 2, "guidance_scale": 4.0, "negative_prompt": NEGATIVE}
-    jobs = [c.videos.create(prompt=f"a fox {i}", size="96x64", extra_body={**body, "seed": i}) for i in range(2)]
-    done = []
-    for j in jobs:
-        deadline = time.monotonic() + 240
-        while (v := c.videos.retrieve(j.id)).status not in ("completed", "failed"):
-            assert time.monotonic() < deadline, v
-            time.sleep(0.2)
-        assert v.status == "completed", v.error
-        assert v.seconds == "0.32"  # (9 - 1) / 25
-        done.append(c.videos.download_content(j.id).read())
-    infos = [video_io.probe_video(mp4) for mp4 in done]
-    assert all((i.frames, i.width, i.height, i.fps) == (9, 96, 64, 25.0) for i in infos), infos
-    assert done[0] != done[1]  # different seeds
-    log = list(served.engine.batch_log)
-    assert served.engine.pad_batches and sum(b["size"] for b in log) == 2, log
-    with pytest.raises(openai.BadRequestError) as e:
-        c.videos.create(prompt="x", size="96x64", extra_body={"num_frames": 10})
-    assert "8k+1" in str(e.value)
+    # seconds: (9 - 1) / 25
+    vr.assert_two_jobs_share_a_batch(served, "96x64", body, frames=9, fps=25, seconds="0.32", bad_frames=10,
+                                     needle="8k+1")
