@@ -46,6 +46,19 @@ def dual_block_applies(block: torch.nn.Module) -> str | None:
     return None
 
 
+def single_block_applies(block: torch.nn.Module) -> str | None:
+    """None for a FLUX.1-style single-stream block (an affine-free LayerNorm inside its adaLN
+    ``norm``, ``act_mlp`` the tanh GELU the GELU-into-cat op computes), else why not: FLUX.1,
+    Chroma and HunyuanVideo."""
+    r = plain_layernorm(block.norm.norm)
+    if r is not None:
+        return f"norm: {r}"
+    act = block.act_mlp
+    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
+        return "act_mlp is not nn.GELU(approximate='tanh')"
+    return None
+
+
 def ada_zero_opening(norm, emb: torch.Tensor) -> Opening:
     """AdaLayerNormZero's modulation: ``emb = linear(silu(emb))``, ``chunk(6)`` = shift, scale,
     gate (msa), shift, scale, gate (mlp); the norm is ``r(r(r(LN(x)) * r(1 + scale_msa)) +

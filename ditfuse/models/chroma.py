@@ -40,7 +40,7 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import GELU_TANH_CAT
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
-from .adaln import dual_block_applies, plain_layernorm
+from .adaln import dual_block_applies, plain_layernorm, single_block_applies
 from .base import Adapter, Site
 from .flux import flux_attention_site, ids_scope_site, single_attn_mlp_cat
 from .handoff import Opening
@@ -143,16 +143,6 @@ def single_block_forward(block, original, hidden_states: torch.Tensor, temb: tor
     return hidden_states
 
 
-def _single_applies(block) -> str | None:
-    r = plain_layernorm(block.norm.norm)
-    if r is not None:
-        return f"norm: {r}"
-    act = block.act_mlp
-    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
-        return "act_mlp is not nn.GELU(approximate='tanh')"
-    return None
-
-
 def norm_out_forward(norm, original, x: torch.Tensor, emb: torch.Tensor, *, _ops: OpSet = LOSSLESS) -> torch.Tensor:
     """ChromaAdaLayerNormContinuousPruned: ``chunk(emb.flatten(1, 2).to(x.dtype), 2)`` = shift,
     scale (shift first); ``out = r(r(r(LN(x)) * r(1 + scale)) + shift)``."""
@@ -234,7 +224,7 @@ SITES = (
         params=("self", "hidden_states", "temb", "image_rotary_emb", "attention_mask", "joint_attention_kwargs"),
         forward=single_block_forward,
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL),
-        applies=_single_applies,
+        applies=single_block_applies,
         high=False,
         description="single block: pruned adaLN-Zero-Single, attention copy + GELU into proj_out's input in one "
                     "kernel, gate residual",

@@ -24,7 +24,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import (ada_zero, ada_zero_opening, dual_block_applies, norm_out_forward,  # noqa: F401 (re-exported)
-                    norm_out_site, plain_layernorm)
+                    norm_out_site, single_block_applies)
 from .base import Adapter, Site, linear_cat_applies, plain_linear
 from .handoff import NO_LINK, Link, Opening, close_block
 from .pos_cache import embedder_site, transformer_scope
@@ -247,16 +247,6 @@ def single_block_forward(
     return encoder_hidden_states, hidden_states
 
 
-def _single_applies(block) -> str | None:
-    r = plain_layernorm(block.norm.norm)
-    if r is not None:
-        return f"norm: {r}"
-    act = block.act_mlp
-    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
-        return "act_mlp is not nn.GELU(approximate='tanh')"
-    return None
-
-
 # -- the transformer: names the position ids' sources for the embedder's cache -----------------
 
 _TRANSFORMER_PARAMS = (
@@ -337,7 +327,7 @@ SITES = (
         params=_BLOCK_PARAMS,
         forward=single_block_forward,
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
-        applies=_single_applies,
+        applies=single_block_applies,
         description="single block: adaLN-Zero-Single, attention copy + GELU into proj_out's input in one kernel, "
                     "gate residual (+ the next block's adaLN-Zero-Single across the boundary)",
         chained=True,

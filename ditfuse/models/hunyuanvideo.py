@@ -66,7 +66,7 @@ from ..kernels.layout.joint_buffers_torch import cat_or_view
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT
-from .adaln import dual_block_applies, norm_out_site, plain_layernorm
+from .adaln import dual_block_applies, norm_out_site, single_block_applies
 from .base import Adapter, Site, attention_site, diffusers_rmsnorms
 from .flux import single_attn_mlp_cat
 from .handoff import NO_LINK, Link, Opening, close_block
@@ -130,16 +130,6 @@ def single_block_forward(
     )
     _link.give((hidden_states, encoder_hidden_states, temb), opened_next, _ops)
     return hidden_states, encoder_hidden_states
-
-
-def _single_applies(block) -> str | None:
-    r = plain_layernorm(block.norm.norm)
-    if r is not None:
-        return f"norm: {r}"
-    act = block.act_mlp
-    if type(act) is not torch.nn.GELU or act.approximate != "tanh":
-        return "act_mlp is not nn.GELU(approximate='tanh')"
-    return None
 
 
 # -- attention ------------------------------------------------------------------------------------
@@ -245,7 +235,7 @@ SITES = (
                 "args", "kwargs"),
         forward=single_block_forward,
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
-        applies=_single_applies,
+        applies=single_block_applies,
         high=False,
         description="single-stream block (video first): adaLN-Zero-Single, attention copy + GELU into proj_out's "
                     "input in one kernel, gate residual (+ the next block's adaLN-Zero-Single)",

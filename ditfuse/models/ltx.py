@@ -67,22 +67,10 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import LAYERNORM_MODULATE, RMS_NORM_DIFFUSERS_SCALE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
-from .base import Adapter, Site
+from .base import Adapter, Site, diffusers_rmsnorms
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TL = "diffusers.models.transformers.transformer_ltx"
-
-
-def _rmsnorm_reason(norm: torch.nn.Module) -> str | None:
-    from diffusers.models.normalization import RMSNorm
-
-    if type(norm) is not RMSNorm:
-        return f"norm is {type(norm).__name__}, not diffusers' RMSNorm"
-    if len(norm.dim) != 1:
-        return "RMSNorm over more than the last dim"
-    if norm.bias is not None:
-        return "RMSNorm with a bias (not in the op's chain)"
-    return None
 
 
 def _gate_residual(_ops: OpSet, h: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
@@ -140,11 +128,8 @@ def block_forward(
 
 
 def _block_applies(block) -> str | None:
-    for name in ("norm1", "norm2"):
-        r = _rmsnorm_reason(getattr(block, name))
-        if r is not None:
-            return f"{name}: {r}"
-    return None
+    # diffusers' RMSNorm (its mean is over the last dim whatever ``dim`` says), no bias
+    return diffusers_rmsnorms(block, ("norm1", "norm2"))
 
 
 # -- attention --------------------------------------------------------------------------------

@@ -1193,11 +1193,15 @@ def can_use_qk_rmsnorm_diffusers_rope_complex(
                              k_txt_weight, txt_freqs) is None
 
 
-def _diffusers_params(q, q_txt, cmul: int, layout: int = 0) -> dict:
-    """The NORM=1 constexprs and mean factors: per-stream reduce widths and factors from the shapes."""
+def _diffusers_params(q, q_txt, cmul: int, layout: int = 0, joint: bool = False) -> dict:
+    """The NORM=1 constexprs and mean factors: per-stream reduce widths and factors from the shapes
+    (``joint``: q and q_txt are two row ranges of one tensor torch normalises in one call, so both
+    take that call's width and factor, from all the rows)."""
     B, S_img, H, D = q.shape
     S_txt = q_txt.shape[1] if q_txt is not None else 0
     rows_img, rows_txt = B * S_img * H, B * S_txt * H
+    if joint:
+        rows_img = rows_txt = rows_img + rows_txt
     w_img, vec, _ = _reduce_launch(D, max(rows_img, 1))
     w_txt = _reduce_launch(D, max(rows_txt, 1))[0] if q_txt is not None else w_img
     return dict(NORM=1, W_IMG=w_img, W_TXT=w_txt, VEC=vec, CMUL=cmul, **({"LAYOUT": layout} if layout else {}),
@@ -1654,16 +1658,11 @@ def can_use_qk_rmsnorm_diffusers_rope_joint(
 
 
 def _joint_recipe(q, k, q_weight, k_weight, cos, sin, eps, n_txt, **kw):
-    B, S, H, D = q.shape
-    rows = B * S * H
-    w, vec, _ = _reduce_launch(D, max(rows, 1))
-    fac = _mean_factor(rows, D)
+    qi, ki, qt, kt = _joint_split(q, k, n_txt)
     # one reduction launch and one factor for all rows, the joint tensor's, as torch's single
     # RMSNorm call over it computes them (the img-first op derives each stream's own)
-    params = dict(NORM=1, W_IMG=w, W_TXT=w, VEC=vec, CMUL=CMUL_MODE, LAYOUT=2, fac_img=fac, fac_txt=fac)
-    qi, ki, qt, kt = _joint_split(q, k, n_txt)
     return _recipe(qi, ki, q_weight, k_weight, cos, sin, eps, qt, kt, q_weight, k_weight,
-                   rope=3, diffusers=params, **kw)
+                   rope=3, diffusers=_diffusers_params(qi, qt, CMUL_MODE, 2, joint=True), **kw)
 
 
 def _joint_out(r, q, k, q_weight, k_weight, cos, sin, n_txt):
