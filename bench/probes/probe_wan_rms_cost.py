@@ -3,7 +3,9 @@
 (``norm.wan_rms_norm_silu_pad``) against the same kernel with parts of its arithmetic switched off
 (close math instead of exact: no division by the norm, no intermediate roundings; no SiLU; no
 pre-bias), the contiguous (NCDHW) kernel, and a plain copy of the same bytes. If the variants with
-less arithmetic are much faster, the kernel is instruction-bound, not bandwidth-bound.
+less arithmetic are much faster, the kernel is instruction-bound, not bandwidth-bound. Then the
+position-major channels-last kernel (``variant="pos"``) over its launch parameters, each checked
+bitwise against the production kernel's output.
 
     PYTHONPATH=. python bench/probes/probe_wan_rms_cost.py [--out DIR]
 """
@@ -53,10 +55,24 @@ def main() -> int:
             "ncdhw exact": lambda: wk._launch(x, gam, 0.0, True),
             "ncdhw close math": lambda: wk._launch(x, gam, 0.0, True, exact=False),
         }
+        chain = wk._launch(xc, gam, 0.0, True, ncdhw=True, pad=PAD, pre_bias=pb, variant="chain")
+        for bp in (64, 128, 256):
+            for ck in (16, 32, 64):
+                for nw in (4, 8):
+                    variants[f"cl pad pos bp={bp} ck={ck} w={nw}"] = (
+                        lambda bp=bp, ck=ck, nw=nw: wk._launch(xc, gam, 0.0, True, ncdhw=True, pad=PAD, pre_bias=pb,
+                                                               variant="pos", pos_launch=(bp, ck, nw)))
         copy_ms = None
         for name, fn in variants.items():
-            fn()
-            ms = bench(fn)
+            try:
+                out = fn()
+                if " pos " in name:  # bitwise against the production kernel
+                    same = torch.equal(out.contiguous().view(torch.int16), chain.contiguous().view(torch.int16))
+                    name += "" if same else " NOT BITWISE"
+                ms = bench(fn)
+            except Exception as e:  # noqa: BLE001 (a launch that does not compile is a data point)
+                print(f"{name}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
             copy_ms = copy_ms or ms
             rows.append(dict(shape="x".join(map(str, shape)), variant=name, ms=round(ms, 4),
                              gbps=round(mb / ms, 1), pct_copy=round(100 * copy_ms / ms, 1)))

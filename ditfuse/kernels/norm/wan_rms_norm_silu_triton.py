@@ -54,6 +54,11 @@ NORM_EPS = 1e-12  # F.normalize's default
 # (chain blocks per step, positions per program, warps) for channels-last inputs: the launch
 # bench/probes/probe_wan_rms_cl_tiling.py picked on the H200 (notes/wan_vae.md)
 CL_LAUNCH = (2, 32, 8)
+# which exact kernel takes channels-last inputs: "chain" (_wan_rms_kernel, chains as tile rows) or
+# "pos" (_wan_rms_cl_kernel, positions as tile rows); and the latter's (positions per program,
+# channels per output step, warps)
+CL_VARIANT = "chain"
+CL_POS_LAUNCH = (128, 32, 4)
 
 
 @functools.lru_cache(maxsize=64)
@@ -268,11 +273,137 @@ def _wan_rms_kernel(
         blk += 1
 
 
+@triton.jit
+def _fold_half_cols(p, h: tl.constexpr, BP: tl.constexpr):
+    """[BP, h] -> [BP, h/2]: column y adds column y + h/2 (one block_y_reduce step)."""
+    lo, hi = tl.split(tl.permute(tl.reshape(p, [BP, 2, h // 2]), (0, 2, 1)))
+    return lo + hi
+
+
+@triton.jit
+def _fold_chains_pos_major(acc, H: tl.constexpr, BP: tl.constexpr):
+    """[BP, 4H] chains -> [BP] sums of squares. Column r = i * H + y is thread y's accumulator i:
+    ``((a0 + a1) + a2) + a3`` per thread, then block_y_reduce at offsets H/2, ..., 1."""
+    a = tl.reshape(tl.permute(tl.reshape(acc, [BP, 4, H]), (0, 2, 1)), [BP, H, 2, 2])  # i = 2 * hi + lo
+    even, odd = tl.split(a)  # lo = 0 (i = 0, 2), lo = 1 (i = 1, 3)
+    a0, a2 = tl.split(even)
+    a1, a3 = tl.split(odd)
+    p = ((a0 + a1) + a2) + a3
+    if H >= 16:
+        p = _fold_half_cols(p, 16, BP)
+    if H >= 8:
+        p = _fold_half_cols(p, 8, BP)
+    if H >= 4:
+        p = _fold_half_cols(p, 4, BP)
+    if H >= 2:
+        p = _fold_half_cols(p, 2, BP)
+    return tl.reshape(p, [BP])
+
+
+@triton.jit(do_not_specialize=["scale", "eps"])
+def _wan_rms_cl_kernel(
+    x_ptr, g_ptr, b_ptr, pb_ptr, out_ptr, k_ptr, C, S, sB, scale, eps,
+    oB, oT, oH, W, FHW, PT, PH, PW, KT0, kB, kT,
+    DTYPE: tl.constexpr, H: tl.constexpr, BP: tl.constexpr, CK: tl.constexpr,
+    HAS_B: tl.constexpr, SILU: tl.constexpr, OUTPAD: tl.constexpr, HAS_PB: tl.constexpr,
+    KEEP: tl.constexpr, EVEN_C: tl.constexpr, EVEN_P: tl.constexpr,
+):
+    """The channels-last (``sC = 1``, positions ``C`` apart) exact kernel, position-major: program
+    (b, j) holds positions ``j*BP ..`` as the rows of ``[BP, 4H]`` chain tiles (each row 4H
+    contiguous channels) and ``[BP, CK]`` output tiles, so every load and store is a run of
+    contiguous channels and no tile is smaller than the program's threads. Same chains, folds,
+    roundings and outputs as :func:`_wan_rms_kernel` (OUTPAD / KEEP / HAS_PB as there).
+
+    C is specialised (not ``do_not_specialize``): the channel masks then have a known constancy
+    and the loads vectorise; EVEN_C / EVEN_P drop the masks where the tiles divide the shape."""
+    R: tl.constexpr = 4 * H
+    bi = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1) * BP + tl.arange(0, BP)
+    pmask = p < S
+    poff = p.to(tl.int64) * C
+    base = x_ptr + bi * sB
+    if OUTPAD:
+        t = p // FHW
+        hw = p - t * FHW
+        hh = hw // W
+        ooff = (t + PT).to(tl.int64) * oT + (hh + PH).to(tl.int64) * oH + (hw - hh * W + PW).to(tl.int64) * C
+        obase = out_ptr + bi * oB
+        if KEEP:
+            kept = pmask & (t >= KT0)
+            koff = (t - KT0).to(tl.int64) * kT + hw.to(tl.int64) * C
+            kbase = k_ptr + bi * kB
+    else:
+        ooff = poff
+        obase = out_ptr + bi * sB
+    cr = tl.arange(0, R)
+    acc = tl.zeros([BP, R], dtype=tl.float32)
+    c0 = 0
+    while c0 < C:  # chain block after chain block: column r gets channel c0 + r
+        c = c0 + cr
+        if EVEN_C and EVEN_P:
+            v = load_f32(base + poff[:, None] + c[None, :], None)
+        else:
+            m = pmask[:, None] & (c < C)[None, :]
+            v = load_f32(base + poff[:, None] + c[None, :], m)  # missing channels: +0
+        if HAS_PB:
+            if EVEN_C:
+                pbv = load_f32(pb_ptr + c, None)
+            else:
+                pbv = load_f32(pb_ptr + c, c < C)
+            v = rround(v + pbv[None, :], DTYPE)
+            if not (EVEN_C and EVEN_P):
+                v = tl.where(m, v, 0.0)
+        acc = fma_exact(v, v, acc)
+        c0 += R
+    ssq = _fold_chains_pos_major(acc, H, BP)
+    norm = tl.math.sqrt_rn(ssq)
+    eps32 = tl.cast(eps, tl.float32)
+    scale32 = tl.cast(scale, tl.float32)
+    d = tl.where(norm != norm, norm, tl.where(norm < eps32, eps32, norm))[:, None]  # clamp_min keeps NaN
+    ck = tl.arange(0, CK)
+    c0 = 0
+    while c0 < C:
+        c = c0 + ck
+        if EVEN_C:
+            cm = None
+            x = load_f32(base + poff[:, None] + c[None, :], None if EVEN_P else pmask[:, None])
+            gam = load_f32(g_ptr + c, None)[None, :]
+        else:
+            cm = c < C
+            x = load_f32(base + poff[:, None] + c[None, :], pmask[:, None] & cm[None, :])
+            gam = load_f32(g_ptr + c, cm)[None, :]
+        if HAS_PB:
+            x = rround(x + load_f32(pb_ptr + c, cm)[None, :], DTYPE)
+        n = rround(tl.math.div_rn(x, d), DTYPE)
+        y = rround(n * scale32, DTYPE)
+        y = rround(y * gam, DTYPE)
+        if HAS_B:
+            y = rround(y + load_f32(b_ptr + c, cm)[None, :], DTYPE)
+        else:
+            y = rround(y + 0.0, DTYPE)
+        if SILU:
+            y = _silu(y, 0, 0)
+        yr = round_to(y, DTYPE)
+        if EVEN_C and EVEN_P:
+            sm = None
+        elif EVEN_C:
+            sm = pmask[:, None]
+        else:
+            sm = pmask[:, None] & cm[None, :]
+        tl.store(obase + ooff[:, None] + c[None, :], yr, mask=sm)
+        if OUTPAD:
+            if KEEP:
+                km = kept[:, None] if sm is None else (sm & kept[:, None])
+                tl.store(kbase + koff[:, None] + c[None, :], yr, mask=km)
+        c0 += CK
+
+
 def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool = True,
             block_positions: int | None = None, ncdhw: bool = False,
             pad: tuple[int, ...] | None = None, pre_bias: torch.Tensor | None = None,
             ksub: int | None = None, num_warps: int | None = None,
-            cache: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+            cache: torch.Tensor | None = None, kept: torch.Tensor | None = None,
+            variant: str | None = None, pos_launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Run the kernel (checks are the predicate's). The output has x's strides, as eager's chain
     (x.float(), the division and every later op keep a dense input's layout); with ``pad``
     (channels-last 5-D x), it is the zero-padded channels-last buffer ``F.pad(cat([cache, out], 2),
@@ -312,6 +443,16 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     scale = _sqrt_c_f32(C)
     pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
     kT = FHW * C
+    if cl and exact and (variant or CL_VARIANT) == "pos":
+        bp, ck, nw = pos_launch or CL_POS_LAUNCH
+        launch(_wan_rms_cl_kernel, (B, cdiv(S, bp)),
+            x, g, b, pb, out, kept if keep else out, C, S, sB, scale,
+            NORM_EPS, oB, oT, oH, Wd, FHW, PT, PH, PW, x.shape[2] - keep if keep else 0, keep * kT, kT,
+            DTYPE=_DTYPES[x.dtype], H=H, BP=bp, CK=ck, HAS_B=has_b, SILU=bool(silu), OUTPAD=pad is not None,
+            HAS_PB=pre_bias is not None, KEEP=keep > 0, EVEN_C=C % R == 0 and C % ck == 0, EVEN_P=S % bp == 0,
+            num_warps=nw, enable_fp_fusion=False, enable_reflect_ftz=False,
+        )
+        return out
     launch(_wan_rms_kernel, (B, cdiv(S, BP)),
         x, g, b, pb, out, kept if keep else out, C, T, HW, sB, sC, sT, sP, cdiv(C, ksub * R), scale,
         NORM_EPS, oB, oT, oH, Wd, FHW, PT, PH, PW, x.shape[2] - keep if keep else 0, keep * kT, kT,
