@@ -17,6 +17,14 @@ from tests.support import wan_rms_sim as ws
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU only")
 
 
+@pytest.fixture(params=["chain", "pos"])
+def cl_variant(request, monkeypatch):
+    """Both exact kernels that take channels-last inputs (``CL_VARIANT``): chains as tile rows, and
+    positions as tile rows."""
+    monkeypatch.setattr(wk, "CL_VARIANT", request.param)
+    return request.param
+
+
 def _rand(shape, dtype, seed, scale=2.0, offset=0.3):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * scale + offset).to(dtype)
@@ -68,7 +76,7 @@ def test_t_major_layout_from_wan_resample():
 @pytest.mark.parametrize("shape", [(1, 64, 2, 4, 6), (2, 40, 3, 8), (1, 384, 1, 4, 8), (2, 24, 3, 2, 6)],
                          ids=["5d-T2", "4d-b2", "384-split4", "5d-b2"])
 @pytest.mark.parametrize("silu", [True, False])
-def test_channels_last_reduces_in_the_ncdhw_order(shape, silu):
+def test_channels_last_reduces_in_the_ncdhw_order(shape, silu, cl_variant):
     """The channels-last Wan decode hands the norm channels-last tensors; the NCDHW decode it
     stands in for had them contiguous: the kernel (and the reference) give the contiguous bits,
     in the input's channels-last layout."""
@@ -89,7 +97,7 @@ def test_channels_last_reduces_in_the_ncdhw_order(shape, silu):
 
 @pytest.mark.parametrize("shape,pad", [((1, 64, 2, 4, 6), (1, 1, 1, 1, 2, 0)), ((2, 24, 3, 2, 6), (1, 1, 1, 1, 1, 0)),
                                        ((1, 40, 1, 3, 4), (0, 0, 0, 0, 0, 0))], ids=["causal", "b2-front1", "nopad"])
-def test_padded_output_is_the_causal_conv_input(shape, pad):
+def test_padded_output_is_the_causal_conv_input(shape, pad, cl_variant):
     """wan_rms_norm_silu_pad: the norm's output written into the interior of the causal conv's
     zero-padded channels-last buffer equals F.pad of the norm's output, border zeros included."""
     x = _rand(shape, torch.bfloat16, 18).contiguous(memory_format=torch.channels_last_3d)
@@ -123,7 +131,7 @@ def test_padded_output_is_the_causal_conv_input(shape, pad):
     ],
     ids=["full-res", "b2-odd", "t1", "tc1", "no-cache"],
 )
-def test_cache_frames_in_front_and_kept_frames_out(shape, pad, tc, keep):
+def test_cache_frames_in_front_and_kept_frames_out(shape, pad, tc, keep, cl_variant):
     """The cache plumbing of a causal convolution, in the op: ``cache`` copied into the buffer's
     front frames by the border launch, the norm's last ``keep`` frames stored a second time.
     Equal to eager's ``F.pad(cat([cache, y], 2), ...)`` and ``y[:, :, -keep:].clone()``, with a
@@ -182,6 +190,37 @@ def test_channels_last_rejected_where_ncdhw_layouts_disagree():
             elif max(orders) <= wk.MAX_H:
                 assert reason is None, (C, T, Hh, Ww, reason)
     assert found, "no shape with disagreeing orders was tried"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter
+@pytest.mark.parametrize("shape,bp", [((1, 96, 2, 16, 16), (64, 32, 4)), ((2, 80, 3, 8, 12), (64, 32, 4)),
+                                      ((1, 128, 1, 8, 8), (32, 64, 4)), ((1, 24, 3, 3, 5), (16, 16, 4))],
+                         ids=["96-split4-even", "80-b2-ragged", "128-split8", "24-nosplit"])
+def test_position_major_kernel_special_values(shape, bp):
+    """The position-major channels-last kernel at launches whose tiles divide the shape (no masks)
+    and do not: bitwise the simulation of the NCDHW chain, with a zero position, NaN, Inf, -0, a
+    conv bias folded into the loads, and its padded output's kept frames."""
+    B, C, T, Hh, Ww = shape
+    x = _rand(shape, torch.bfloat16, 31)
+    x[0, :, 0, 0, 0] = 0.0
+    x[0, 5, 0, 1, 1] = float("nan")
+    x[-1, 6, -1, 2, 2] = float("inf")
+    x[0, :, -1, 1, 0] = -0.0
+    x = x.contiguous(memory_format=torch.channels_last_3d)
+    gam = _gamma(C, 3, torch.bfloat16, 32)
+    pb = _rand((C,), torch.bfloat16, 33, 0.5, 0.1)
+    pb[2] = -0.0
+    pad, keep = (1, 1, 1, 1, 2, 0), min(2, T)
+    kept = wk._kept_buffer(x, keep)
+    got = wk._launch(x, gam, 0.0, True, ncdhw=True, pad=pad, pre_bias=pb, kept=kept, variant="pos", pos_launch=bp)
+    y = ws.rms_norm_silu(x.contiguous() + pb.reshape(1, -1, 1, 1, 1), gam)
+    for name, a, e in (("padded", got, torch.nn.functional.pad(y, list(pad))), ("kept", kept, y[:, :, T - keep:])):
+        mm = compare_outputs(a, e, f"pos {name} {shape} {bp}")
+        assert mm is None, str(mm)
+    plain = wk._launch(x, gam, 0.0, False, ncdhw=True, variant="pos", pos_launch=bp)
+    assert plain.stride() == x.stride()
+    mm = compare_outputs(plain, ws.rms_norm_silu(x.contiguous(), gam, 0.0, False), f"pos no-pad {shape}")
+    assert mm is None, str(mm)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: inf - inf under the interpreter

@@ -41,6 +41,7 @@ from ditfuse.kernels.common.elementwise import load_f32
 from ditfuse.kernels.common.host import cdiv, interpreter_on, next_pow2, use_custom_op
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.common.welford_ops import fma_exact
+from ditfuse.kernels.env import env
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.layout.pad_channels_last_triton import padded_channels_last
 from ditfuse.kernels.norm.group_norm_silu_triton import _silu
@@ -443,7 +444,7 @@ def _launch(x: torch.Tensor, gamma: torch.Tensor, bias, silu: bool, exact: bool 
     scale = _sqrt_c_f32(C)
     pb = pre_bias.reshape(C).contiguous() if pre_bias is not None else g
     kT = FHW * C
-    if cl and exact and (variant or CL_VARIANT) == "pos":
+    if cl and exact and (variant or env("DITFUSE_WAN_RMS_CL", CL_VARIANT)) == "pos":
         bp, ck, nw = pos_launch or CL_POS_LAUNCH
         launch(_wan_rms_cl_kernel, (B, cdiv(S, bp)),
             x, g, b, pb, out, kept if keep else out, C, S, sB, scale,
