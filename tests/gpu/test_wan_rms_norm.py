@@ -119,12 +119,16 @@ def test_close_variant_accuracy():
     assert abs(float(e_c.mean())) <= 0.25 * float(e_e.pow(2).mean().sqrt())
 
 
+@pytest.mark.parametrize("variant", ["pos", "chain"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_padded_output_with_cache_frames_at_decoder_shapes(dtype):
+def test_padded_output_with_cache_frames_at_decoder_shapes(dtype, variant, monkeypatch):
     """norm.wan_rms_norm_silu_pad as the channels-last decode calls it in a later chunk: channels-last
     x, a conv bias first, the 2 cached frames copied into the padded buffer's front by the border
     launch, the last frames kept; both outputs bitwise equal to eager's cat + F.pad and clone (on the
-    contiguous tensor the NCDHW decode holds), at the 480x832 decoder's 5-D shapes."""
+    contiguous tensor the NCDHW decode holds), at the 480x832 decoder's 5-D shapes; both exact
+    kernels that take channels-last inputs (``CL_VARIANT``)."""
+    monkeypatch.setattr(wk, "CL_VARIANT", variant)
+    monkeypatch.delenv("DITFUSE_WAN_RMS_CL", raising=False)
     gen = torch.Generator(device="cuda").manual_seed(5)
     failures = []
     pad = (1, 1, 1, 1, 2, 0)
@@ -145,4 +149,44 @@ def test_padded_output_with_cache_frames_at_decoder_shapes(dtype):
             if mm:
                 failures.append(str(mm))
         del x, got, kept, y, exp
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("variant", ["pos", "chain"])
+@pytest.mark.parametrize("shape", [(1, 96, 4, 480, 832), (2, 192, 3, 37, 52), (1, 384, 1, 7, 9)],
+                         ids=["480x832", "b2-odd", "few-positions"])
+def test_channels_last_special_values(shape, variant, monkeypatch):
+    """The channels-last kernels (both variants) on inputs with a zero position (norm 0 -> the
+    1e-12 clamp), NaN, +-Inf, -0 and bf16 subnormals, with a conv bias folded into the loads and
+    without: bitwise the eager chain on the contiguous tensor, padded output and kept frames."""
+    monkeypatch.setattr(wk, "CL_VARIANT", variant)
+    monkeypatch.delenv("DITFUSE_WAN_RMS_CL", raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    B, C, T, Hh, Ww = shape
+    x = _rand(shape, torch.bfloat16, gen)
+    x[0, :, 0, 0, 0] = 0.0
+    x[0, 3, 0, 1, 1] = float("nan")
+    x[-1, 4, -1, 2, 2] = float("inf")
+    x[-1, 5, -1, 3, 3] = float("-inf")
+    x[0, :, -1, 1, 2] = -0.0
+    x[0, :, 0, 2, 1] = 1e-39  # bf16 subnormal: its square underflows to 0 in fp32
+    gam = _rand((C, 1, 1, 1), torch.bfloat16, gen, 0.3, 1.0)
+    pb = _rand((C,), torch.bfloat16, gen, 0.1, 0.0)
+    xc = x.contiguous(memory_format=torch.channels_last_3d)
+    pad, keep = (1, 1, 1, 1, 2, 0), min(2, T)
+    failures = []
+    for pre in (None, pb):
+        if not wk.can_use_wan_rms_norm_silu_pad(xc, gam, 0.0, True, True, pad, pre, None, keep):
+            pytest.skip(f"{shape}: torch's reduce config is not reproduced at this shape")
+        got, kept = wk.wan_rms_norm_silu_pad(xc, gam, 0.0, True, True, pad, pre, None, keep)
+        xin = x if pre is None else x + pre.reshape(1, -1, 1, 1, 1)
+        y = ref.wan_rms_norm_silu(xin, gam, 0.0, True)
+        for name, a, e in (("padded", got, torch.nn.functional.pad(y, list(pad))), ("kept", kept, y[:, :, T - keep:])):
+            mm = compare_outputs(a, e, f"{variant} {name} {list(shape)} pre-bias={pre is not None}")
+            if mm:
+                failures.append(str(mm))
+        plain = wk.wan_rms_norm_silu(xin.contiguous(memory_format=torch.channels_last_3d), gam, 0.0, False, True)
+        mm = compare_outputs(plain, ref.wan_rms_norm_silu(xin, gam, 0.0, False), f"{variant} no-pad {list(shape)}")
+        if mm:
+            failures.append(str(mm))
     assert not failures, "\n".join(failures)

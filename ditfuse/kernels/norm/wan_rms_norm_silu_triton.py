@@ -55,11 +55,14 @@ NORM_EPS = 1e-12  # F.normalize's default
 # (chain blocks per step, positions per program, warps) for channels-last inputs: the launch
 # bench/probes/probe_wan_rms_cl_tiling.py picked on the H200 (notes/wan_vae.md)
 CL_LAUNCH = (2, 32, 8)
-# which exact kernel takes channels-last inputs: "chain" (_wan_rms_kernel, chains as tile rows) or
-# "pos" (_wan_rms_cl_kernel, positions as tile rows); and the latter's (positions per program,
-# channels per output step, warps)
-CL_VARIANT = "chain"
-CL_POS_LAUNCH = (128, 32, 4)
+# which exact kernel takes channels-last inputs (DITFUSE_WAN_RMS_CL overrides): "pos"
+# (_wan_rms_cl_kernel, positions as tile rows) or "chain" (_wan_rms_kernel, chains as tile rows);
+# and "pos"'s (positions per program, channels per output step, warps). H100, round 21
+# (bench/probes/probe_wan_rms_cost.py, probe_wan_rms_cost_round21_h100.csv): at the Wan 2.1
+# decoder's 480x832 / 240x416 / 120x208 shapes 0.368 / 0.188 / 0.080 ms against the chain
+# kernel's 0.525 / 0.248 / 0.079 (a copy of the same bytes: 0.204 / 0.103 / 0.027)
+CL_VARIANT = "pos"
+CL_POS_LAUNCH = (64, 32, 8)
 
 
 @functools.lru_cache(maxsize=64)
@@ -261,7 +264,10 @@ def _wan_rms_kernel(
             n = rround(tl.math.div_rn(x, d[None, :]), DTYPE)
             y = rround(n * scale32, DTYPE)
             y = rround(y * gam, DTYPE)
-            y = rround(y + bet, DTYPE)
+            if HAS_B:
+                y = rround(y + bet, DTYPE)
+            else:
+                y = y + 0.0  # the float bias: -0 -> +0; y is already of DTYPE, so is y + 0 (no rounding)
         else:
             y = x * f[None, :] * gam + bet
         if SILU:
@@ -381,7 +387,7 @@ def _wan_rms_cl_kernel(
         if HAS_B:
             y = rround(y + load_f32(b_ptr + c, cm)[None, :], DTYPE)
         else:
-            y = rround(y + 0.0, DTYPE)
+            y = y + 0.0  # the float bias: -0 -> +0; y is already of DTYPE, so is y + 0 (no rounding)
         if SILU:
             y = _silu(y, 0, 0)
         yr = round_to(y, DTYPE)
