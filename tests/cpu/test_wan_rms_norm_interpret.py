@@ -303,11 +303,13 @@ def test_rejections():
 
 
 @pytest.mark.parametrize("pad", [(1, 1, 1, 1, 2, 0), (0, 2, 1, 0, 0, 0), (1, 1, 1, 1, 0, 0)])
-def test_zero_border_zeroes_exactly_the_border(pad):
+@pytest.mark.parametrize("C,W", [(5, 4), (40, 9)], ids=["narrow", "border-wider-than-block"])
+def test_zero_border_zeroes_exactly_the_border(pad, C, W):
     """The padded buffer's border launch: zeros outside x's place, nothing written inside (a
-    buffer of NaNs shows both)."""
+    buffer of NaNs shows both); with border columns narrower and wider than the launch's block
+    (interior rows only visit their border columns)."""
     wl, wr, ht, hb, front, back = pad
-    B, C, T, H, W = 2, 5, 2, 3, 4
+    B, T, H = 2, 2, 3
     out = torch.full((B, C, front + T, ht + H + hb, wl + W + wr), float("nan"), dtype=torch.bfloat16)
     out = out.contiguous(memory_format=torch.channels_last_3d)
     Tp, Hp, Wp = out.shape[2:]

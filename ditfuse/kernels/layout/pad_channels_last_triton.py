@@ -30,7 +30,9 @@ def _border_kernel(out_ptr, cache_ptr, Hp, ROW, front, tc, ht, hb, wl_c, wr_c, s
     ``front - tc <= t < front`` (HAS_CACHE): the cached frame ``t - (front - tc)``'s row between
     zero border columns (the cache is dense channels-last: ``cB``, ``cT``, ``cH`` its sample,
     frame and row strides in elements). Other rows: only their first ``wl_c`` and last ``wr_c``
-    elements (the left/right border columns); their interior is the producer's."""
+    elements (the left/right border columns); their interior is the producer's, and the program
+    visits nothing else of them (most rows are such rows: walking the whole row under a mask cost
+    as many instructions as a copy of the buffer)."""
     row = tl.program_id(0)
     t = row // Hp
     h = row - t * Hp
@@ -40,17 +42,33 @@ def _border_kernel(out_ptr, cache_ptr, Hp, ROW, front, tc, ht, hb, wl_c, wr_c, s
     if HAS_CACHE:
         crow = (t >= front - tc) & (t < front) & (h >= ht) & (h < Hp - hb)
         cbase = cache_ptr + b * cB + (t - (front - tc)).to(tl.int64) * cT + (h - ht).to(tl.int64) * cH - wl_c
-    start = 0
-    while start < ROW:
-        i = start + tl.arange(0, BLOCK)
-        inb = i < ROW
-        border = (i < wl_c) | (i >= ROW - wr_c)
-        if HAS_CACHE:
-            v = tl.load(cbase + i, mask=inb & crow & ~border, other=0.0)
-        else:
-            v = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
-        tl.store(base + i, v, mask=inb & (full | border))
-        start += BLOCK
+        whole = full | crow
+    else:
+        whole = full
+    if whole:
+        start = 0
+        while start < ROW:
+            i = start + tl.arange(0, BLOCK)
+            inb = i < ROW
+            border = (i < wl_c) | (i >= ROW - wr_c)
+            if HAS_CACHE:
+                v = tl.load(cbase + i, mask=inb & crow & ~border, other=0.0)
+            else:
+                v = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
+            tl.store(base + i, v, mask=inb & (full | border))
+            start += BLOCK
+    else:
+        zero = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
+        start = 0
+        while start < wl_c:  # the left border columns
+            i = start + tl.arange(0, BLOCK)
+            tl.store(base + i, zero, mask=i < wl_c)
+            start += BLOCK
+        start = ROW - wr_c
+        while start < ROW:  # the right border columns
+            i = start + tl.arange(0, BLOCK)
+            tl.store(base + i, zero, mask=i < ROW)
+            start += BLOCK
 
 
 def padded_channels_last(shape: tuple[int, ...] | torch.Size, pad: tuple[int, ...], dtype: torch.dtype,
