@@ -315,21 +315,24 @@ def test_zero_border_zeroes_exactly_the_border(pad, C, W):
     Tp, Hp, Wp = out.shape[2:]
     from ditfuse.kernels.layout import pad_channels_last_triton as pc
 
-    pc._border_kernel[(Tp * Hp, B)](out, out, Hp, Wp * C, front, 0, ht, hb, wl * C, wr * C, out.stride(0), 0, 0, 0,
-                                    HAS_CACHE=False, BLOCK=16)
+    pc.launch_border(out, None, pad, (16, 1))
     inner = torch.zeros_like(out, dtype=torch.bool)
     inner[:, :, front:front + T, ht:ht + H, wl:wl + W] = True
     assert out[inner].isnan().all()
     assert (out[~inner] == 0).all() and not out[~inner].signbit().any()
 
 
+@pytest.mark.parametrize("block", [None, (16, 1)], ids=["launch", "rows-over-blocks"])
 @pytest.mark.parametrize("B,tc,front", [(1, 2, 2), (2, 1, 2), (2, 2, 3)])
-def test_padded_buffer_takes_the_cache_frames(B, tc, front):
+def test_padded_buffer_takes_the_cache_frames(B, tc, front, block, monkeypatch):
     """padded_channels_last with a cache: the cached frames (bit copies, NaN payload and -0 kept) in
     the last ``tc`` front frames, zero around them and in the other front frames, the interior
     untouched (NaN); the refusals name the problem."""
+    from ditfuse.kernels.layout import pad_channels_last_triton as pc
     from ditfuse.kernels.layout.pad_channels_last_triton import padded_channels_last
 
+    if block is not None:  # rows of 24 elements over blocks of 16: border columns on both sides of a block edge
+        monkeypatch.setattr(pc, "BORDER_LAUNCH", block)
     C, T, H, W = 3, 2, 3, 5
     cache = _rand((B, C, tc, H, W), torch.bfloat16, 25)
     cache.view(torch.int16).view(-1)[:2] = torch.tensor([0x7FA3, -32768], dtype=torch.int16)  # NaN payload, -0

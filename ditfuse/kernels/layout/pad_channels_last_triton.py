@@ -25,50 +25,57 @@ from ditfuse.kernels.common.launch import launch
 @triton.jit
 def _border_kernel(out_ptr, cache_ptr, Hp, ROW, front, tc, ht, hb, wl_c, wr_c, sB, cB, cT, cH,
                    HAS_CACHE: tl.constexpr, BLOCK: tl.constexpr):
-    """Program (row, b): one row (``ROW = Wp*C`` elements) of a padded channels-last-3d buffer.
-    Front frames ``t < front - tc`` and the top/bottom border rows: all zero. Frames
-    ``front - tc <= t < front`` (HAS_CACHE): the cached frame ``t - (front - tc)``'s row between
-    zero border columns (the cache is dense channels-last: ``cB``, ``cT``, ``cH`` its sample,
-    frame and row strides in elements). Other rows: only their first ``wl_c`` and last ``wr_c``
-    elements (the left/right border columns); their interior is the producer's, and the program
-    visits nothing else of them (most rows are such rows: walking the whole row under a mask cost
-    as many instructions as a copy of the buffer)."""
+    """Program (row, j, b): elements ``j*BLOCK ..`` of one row (``ROW = Wp*C`` elements) of a
+    padded channels-last-3d buffer. Front frames ``t < front - tc`` and the top/bottom border
+    rows: all zero. Frames ``front - tc <= t < front`` (HAS_CACHE): the cached frame
+    ``t - (front - tc)``'s row between zero border columns (the cache is dense channels-last:
+    ``cB``, ``cT``, ``cH`` its sample, frame and row strides in elements). Other rows: only their
+    first ``wl_c`` and last ``wr_c`` elements (the left/right border columns); their interior is
+    the producer's, and the programs of a block that holds no border column return at once."""
     row = tl.program_id(0)
+    start = tl.program_id(1) * BLOCK
+    b = tl.program_id(2).to(tl.int64)
     t = row // Hp
     h = row - t * Hp
     full = (t < front) | (h < ht) | (h >= Hp - hb)
-    b = tl.program_id(1).to(tl.int64)
     base = out_ptr + b * sB + row.to(tl.int64) * ROW
+    i = start + tl.arange(0, BLOCK)
+    inb = i < ROW
+    border = (i < wl_c) | (i >= ROW - wr_c)
     if HAS_CACHE:
         crow = (t >= front - tc) & (t < front) & (h >= ht) & (h < Hp - hb)
-        cbase = cache_ptr + b * cB + (t - (front - tc)).to(tl.int64) * cT + (h - ht).to(tl.int64) * cH - wl_c
         whole = full | crow
     else:
         whole = full
     if whole:
-        start = 0
-        while start < ROW:
-            i = start + tl.arange(0, BLOCK)
-            inb = i < ROW
-            border = (i < wl_c) | (i >= ROW - wr_c)
-            if HAS_CACHE:
-                v = tl.load(cbase + i, mask=inb & crow & ~border, other=0.0)
-            else:
-                v = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
-            tl.store(base + i, v, mask=inb & (full | border))
-            start += BLOCK
-    else:
-        zero = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
-        start = 0
-        while start < wl_c:  # the left border columns
-            i = start + tl.arange(0, BLOCK)
-            tl.store(base + i, zero, mask=i < wl_c)
-            start += BLOCK
-        start = ROW - wr_c
-        while start < ROW:  # the right border columns
-            i = start + tl.arange(0, BLOCK)
-            tl.store(base + i, zero, mask=i < ROW)
-            start += BLOCK
+        if HAS_CACHE:
+            cbase = cache_ptr + b * cB + (t - (front - tc)).to(tl.int64) * cT + (h - ht).to(tl.int64) * cH - wl_c
+            v = tl.load(cbase + i, mask=inb & crow & ~border, other=0.0)
+        else:
+            v = tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty)
+        tl.store(base + i, v, mask=inb & (full | border))
+    elif (start < wl_c) | (start + BLOCK > ROW - wr_c):
+        tl.store(base + i, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=inb & border)
+
+
+BORDER_LAUNCH = (4096, 4)  # (elements of a row per program, warps)
+
+
+def launch_border(out: torch.Tensor, cache: torch.Tensor | None, pad: tuple[int, ...],
+                  launch_params: tuple[int, int] | None = None) -> None:
+    """Zero ``out``'s border and copy ``cache`` (None: no cached frames) into its front frames:
+    :func:`padded_channels_last`'s launch on an allocated buffer (``out`` channels-last-3d of the
+    padded shape, ``pad`` F.pad's six ints)."""
+    wl, wr, ht, hb, front, _ = pad
+    B, C, Tp, Hp, Wp = out.shape
+    Hh, Ww = Hp - ht - hb, Wp - wl - wr
+    tc = 0 if cache is None else cache.shape[2]
+    block, warps = launch_params or BORDER_LAUNCH
+    ROW = Wp * C
+    launch(_border_kernel, (Tp * Hp, -(-ROW // block), B),
+           out, out if tc == 0 else cache, Hp, ROW, front, tc, ht, hb,
+           wl * C, wr * C, out.stride(0), tc * Hh * Ww * C, Hh * Ww * C, Ww * C,
+           HAS_CACHE=tc > 0, BLOCK=block, num_warps=warps)
 
 
 def padded_channels_last(shape: tuple[int, ...] | torch.Size, pad: tuple[int, ...], dtype: torch.dtype,
@@ -93,11 +100,8 @@ def padded_channels_last(shape: tuple[int, ...] | torch.Size, pad: tuple[int, ..
             raise ValueError(f"cache {tuple(cache.shape)} {cache.dtype} strides {cache.stride()} does not fit "
                              f"the front of {tuple(out.shape)} {dtype} (dense channels-last, <= {front} frames)")
     if out.numel() and (front or ht or hb or wl or wr):
-        launch(_border_kernel, (Tp * Hp, B),
-               out, out if cache is None or tc == 0 else cache, Hp, Wp * C, front, tc, ht, hb,
-               wl * C, wr * C, out.stride(0), tc * Hh * Ww * C, Hh * Ww * C, Ww * C,
-               HAS_CACHE=tc > 0, BLOCK=1024, num_warps=4)
+        launch_border(out, cache if tc else None, tuple(pad))
     return out
 
 
-__all__ = ["padded_channels_last"]
+__all__ = ["padded_channels_last", "launch_border"]
