@@ -227,3 +227,26 @@ def test_channels_last_conv_ops_are_their_composition(dtype):
     assert not br.can_use_conv_bias_cl(x[..., :-1], w, b, *geo)
     wg = _rand((6, 3, 3, 3), dtype, 37)
     assert not br.can_use_conv_bias_cl(x, wg, _rand((6,), dtype, 38), (1, 1), (1, 1), (1, 1), 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(2, 24, 3, 5, 7), (1, 96, 2, 4, 6), (1, 3, 1, 2, 2), (2, 40, 9, 11)],
+                         ids=["5d-b2", "5d-96", "3-channels", "4d"])
+def test_bias_add_inplace_channels_last_matches_aten_add(shape, dtype):
+    """The bias pass layout.conv_channels_last now runs after its unbiased cuDNN call: on a
+    channels-last(-3d) convolution output, bitwise aten's ``add_(bias.reshape(1, C, 1, ...))``
+    (the add aten's ``_convolution`` makes), with NaN, +-Inf, -0 and a -0 bias; in place."""
+    g = torch.Generator().manual_seed(11)
+    fmt = torch.channels_last_3d if len(shape) == 5 else torch.channels_last
+    y = (torch.randn(shape, generator=g) * 3).to(dtype).contiguous(memory_format=fmt)
+    y[0, 0, 0, 0] = float("nan")
+    y[-1, 1, -1, -1] = float("inf")
+    y[0, -1, 0, -1] = -0.0
+    b = (torch.randn(shape[1], generator=g) * 0.5).to(dtype)
+    b[-1] = -0.0
+    exp = y.clone().add_(b.reshape(1, -1, *([1] * (len(shape) - 2))))
+    ptr = y.data_ptr()
+    got = br.bias_add_inplace(y, b)
+    assert got.data_ptr() == ptr and got.stride() == exp.stride()
+    mm = compare_outputs(got, exp, f"bias_add_inplace {shape} {dtype}")
+    assert mm is None, str(mm)

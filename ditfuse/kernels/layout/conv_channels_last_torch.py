@@ -3,7 +3,9 @@ on contiguous NCHW / NCDHW tensors (torch 2.11 CUDA eager, cuDNN 9, ``cudnn.benc
 
 ``conv_channels_last(x, weight, bias, stride, padding)`` = ``F.conv{2,3}d(x, weight, bias, stride,
 padding)`` with x in channels-last(-3d) memory and the weight converted to it; the output is
-channels-last. bf16/fp16 only.
+channels-last. bf16/fp16 only. The bias goes in as aten's ``_convolution`` adds it (the unbiased
+cuDNN call, then ``r(y + bias[c])``), in one vectorized pass (modulate/bias_residual_triton.py)
+instead of aten's broadcast ``add_``.
 
 Why it is exact, and why it is faster: on the H200, cuDNN runs a bf16 NCDHW convolution as
 ``nchwToNhwcKernel`` (input) -> an ``..._nhwckrsc_nhwc`` implicit-GEMM kernel -> ``nhwcToNchwKernel``
@@ -26,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ditfuse.kernels.errors import UnsupportedInput
+from ditfuse.kernels.modulate.bias_residual_triton import bias_add_inplace, channels_innermost
 
 _DTYPES = (torch.bfloat16, torch.float16)
 
@@ -84,7 +87,14 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if reason is not None:
         raise UnsupportedInput(reason)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
-    return conv(x, weight.contiguous(memory_format=_format(x)), bias, tuple(stride), tuple(padding))
+    y = conv(x, weight.contiguous(memory_format=_format(x)), None, tuple(stride), tuple(padding))
+    if bias is None:
+        return y
+    # aten's _convolution makes this very cuDNN call and then adds the bias with a broadcast add_
+    # it does not vectorize; the same r(y + b[c]) in one vectorized pass
+    if y.dtype == bias.dtype and bias.dim() == 1 and channels_innermost(y):
+        return bias_add_inplace(y, bias)
+    return y.add_(bias.reshape(1, -1, *([1] * (y.dim() - 2))))
 
 
 __all__ = ["conv_channels_last", "can_use_conv_channels_last"]

@@ -282,6 +282,18 @@ def conv_bias(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, stride:
     return _bias_in_place(y, bias)
 
 
+def channels_innermost(t: torch.Tensor) -> bool:
+    """t's memory is ``[N, *spatial, C]`` contiguous (dense channels-last of any rank)."""
+    return _channels_innermost(t)
+
+
+def bias_add_inplace(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``r(y + bias[c])`` into a convolution's fresh output y (contiguous or channels innermost, y's
+    dtype = bias's), in one vectorized pass: what aten's ``_convolution`` does after its cuDNN call
+    with ``output.add_(bias.reshape(1, C, 1, ...))``, a broadcast add it does not vectorize."""
+    return _bias_in_place(y, bias)
+
+
 def _bias_in_place(y: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``r(y + bias[c])`` written into y (NCHW or channels-last); under torch.compile tracing one
     opaque functional node instead."""
@@ -366,4 +378,4 @@ def conv_bias_residual_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 __all__ = ["conv_bias_cl", "can_use_conv_bias_cl", "conv_bias_residual_cl", "can_use_conv_bias_residual_cl",
            "bias_residual", "can_use_bias_residual", "conv_bias_residual", "can_use_conv_bias_residual",
-           "conv_bias", "can_use_conv_bias"]
+           "conv_bias", "can_use_conv_bias", "bias_add_inplace", "channels_innermost"]
