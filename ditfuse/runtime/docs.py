@@ -138,6 +138,8 @@ def render() -> str:
         "DITFUSE_FAST_LAUNCH=1|0                           # repeat launches skip Triton's JITFunction.run (default 1; kernels/common/launch.py)",
         "DITFUSE_VAE_CL=1|0                                # AutoencoderKL's lossless channels-last chain (default 1)",
         "DITFUSE_WAN_VAE_CL=1|0                            # the Wan / Qwen-Image VAEs' channels-last decode (default 1)",
+        "DITFUSE_WAN_RMS_CL=pos|chain                      # the channels-last Wan RMS_norm kernel: positions or chains as tile rows (default pos)",
+        "DITFUSE_CONV_BIAS_PASS=0|1                        # layout.conv_channels_last adds its bias in our vectorized pass (default 0 until measured)",
         "```",
         "",
         "```python",

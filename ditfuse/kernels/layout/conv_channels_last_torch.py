@@ -3,9 +3,12 @@ on contiguous NCHW / NCDHW tensors (torch 2.11 CUDA eager, cuDNN 9, ``cudnn.benc
 
 ``conv_channels_last(x, weight, bias, stride, padding)`` = ``F.conv{2,3}d(x, weight, bias, stride,
 padding)`` with x in channels-last(-3d) memory and the weight converted to it; the output is
-channels-last. bf16/fp16 only. The bias goes in as aten's ``_convolution`` adds it (the unbiased
-cuDNN call, then ``r(y + bias[c])``), in one vectorized pass (modulate/bias_residual_triton.py)
-instead of aten's broadcast ``add_``.
+channels-last. bf16/fp16 only. ``DITFUSE_CONV_BIAS_PASS=1`` (off by default): the bias goes in as
+aten's ``_convolution`` adds it (the unbiased cuDNN call, then ``r(y + bias[c])``), but in one
+vectorized pass (modulate/bias_residual_triton.py) instead of aten's broadcast ``add_``. Round 21
+(H100, 480x832x17 Wan decode): 1.9 ms less GPU time, but a decode 5 ms slower than on other
+machines, with host-bound idle 6 -> 18 ms on a machine whose eager idle was also higher; off
+until an A/B on one machine says which (notes/wan_vae.md §9).
 
 Why it is exact, and why it is faster: on the H200, cuDNN runs a bf16 NCDHW convolution as
 ``nchwToNhwcKernel`` (input) -> an ``..._nhwckrsc_nhwc`` implicit-GEMM kernel -> ``nhwcToNchwKernel``
@@ -27,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ditfuse.kernels.env import env
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.modulate.bias_residual_triton import bias_add_inplace, channels_innermost
 
@@ -87,11 +91,12 @@ def conv_channels_last(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if reason is not None:
         raise UnsupportedInput(reason)
     conv = F.conv3d if x.dim() == 5 else F.conv2d
-    y = conv(x, weight.contiguous(memory_format=_format(x)), None, tuple(stride), tuple(padding))
-    if bias is None:
-        return y
+    w = weight.contiguous(memory_format=_format(x))
+    if bias is None or env("DITFUSE_CONV_BIAS_PASS", "0") in ("", "0"):
+        return conv(x, w, bias, tuple(stride), tuple(padding))
     # aten's _convolution makes this very cuDNN call and then adds the bias with a broadcast add_
     # it does not vectorize; the same r(y + b[c]) in one vectorized pass
+    y = conv(x, w, None, tuple(stride), tuple(padding))
     if y.dtype == bias.dtype and bias.dim() == 1 and channels_innermost(y):
         return bias_add_inplace(y, bias)
     return y.add_(bias.reshape(1, -1, *([1] * (y.dim() - 2))))
