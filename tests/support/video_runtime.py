@@ -120,13 +120,14 @@ def assert_generate_refuses(preset: str, cache: Path, tmp_path: Path, args: list
 
 
 @contextmanager
-def serve_preset(preset: str, data_dir: Path) -> Iterator[SimpleNamespace]:
-    """``preset`` served accelerated with the videos API (one image per batch, up to two videos
-    per batch, 300 ms to gather a batch) under uvicorn: yields ``url`` and ``engine``."""
+def serve_preset(preset: str, data_dir: Path, accelerate: bool = True) -> Iterator[SimpleNamespace]:
+    """``preset`` served (accelerated unless ``accelerate=False``) with the videos API (one image
+    per batch, up to two videos per batch, 300 ms to gather a batch) under uvicorn: yields ``url``
+    and ``engine``."""
     from ditfuse.runtime.server import build_engine, create_app
     from ditfuse.runtime.videos import VideoJobs
 
-    engine, _ = build_engine(preset, accelerate=True, max_batch_size=1, max_video_batch_size=2,
+    engine, _ = build_engine(preset, accelerate=accelerate, max_batch_size=1, max_video_batch_size=2,
                              batch_wait_ms=300, max_queue=16)
     jobs = VideoJobs(engine, data_dir, sweep_interval_s=0)
     app = create_app(engine, api_key=KEY, max_body_bytes=64 * 1024, videos=jobs)
