@@ -21,7 +21,9 @@ interleaved accumulators (channel c -> accumulator ``(c // H) % 4``, ``fma(v, v,
 them ``((a0 + a1) + a2) + a3``, the bh partials fold at offsets bh/2..1, then ``sqrt.rn``. Here a
 ``[4H, BP]`` tile holds exactly those 4H chains for BP positions, channel block after channel block,
 and the two folds are spelled out. ``clamp_min`` keeps NaN, division is ``div.rn``, every later op
-rounds like eager; launched with ``enable_fp_fusion=False``.
+rounds like eager; launched with ``enable_fp_fusion=False``. Channels-last inputs take
+``_wan_rms_cl_kernel`` by default: the same chains with positions as the tile rows (each row 4H
+contiguous channels), so its loads and stores are runs of contiguous channels (``CL_VARIANT``).
 
 ``EXACT`` False (``wan_rms_norm_silu_fp32``, quality="high"): fp32 sum of squares in any order,
 ``y = x * (sqrt(C) / max(norm, 1e-12)) * gamma + bias`` and SiLU in fp32, one rounding.
