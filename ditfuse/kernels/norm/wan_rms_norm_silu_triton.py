@@ -170,6 +170,19 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
     return tl.reshape(p, [BP])
 
 
+@triton.jit
+def _padded_offsets(p, pmask, sP, FHW, W, PT, PH, PW, oT, oH, KT0, kT):
+    """Position p (``t * FHW + hw`` of a channels-last x, positions ``sP`` elements apart) in the
+    padded output (offset from its sample's base: frame t + PT, row h + PH, column w + PW) and in
+    the kept frames (offset, and whether p is kept: ``t >= KT0``)."""
+    t = p // FHW  # FHW = H*W of one frame (the channels-last geometry folds T into HW)
+    hw = p - t * FHW
+    hh = hw // W
+    ooff = (t + PT).to(tl.int64) * oT + (hh + PH).to(tl.int64) * oH + (hw - hh * W + PW).to(tl.int64) * sP
+    koff = (t - KT0).to(tl.int64) * kT + hw.to(tl.int64) * sP
+    return ooff, pmask & (t >= KT0), koff
+
+
 @triton.jit(do_not_specialize=["C", "T", "NBLK", "scale", "eps"])
 def _wan_rms_kernel(
     x_ptr, g_ptr, b_ptr, pb_ptr, out_ptr, k_ptr, C, T, HW, sB, sC, sT, sP, NBLK, scale, eps,
@@ -207,15 +220,9 @@ def _wan_rms_kernel(
         poff = p.to(tl.int64) * sP  # positions evenly spaced: 1 (contiguous) or C (channels-last)
     base = x_ptr + bi * sB
     if OUTPAD:
-        t = p // FHW  # FHW = H*W of one frame (the channels-last geometry folds T into HW)
-        hw = p - t * FHW
-        hh = hw // W
-        ooff = (t + PT).to(tl.int64) * oT + (hh + PH).to(tl.int64) * oH + (hw - hh * W + PW).to(tl.int64) * sP
+        ooff, kept, koff = _padded_offsets(p, pmask, sP, FHW, W, PT, PH, PW, oT, oH, KT0, kT)
         obase = out_ptr + bi * oB
-        if KEEP:
-            kept = pmask & (t >= KT0)
-            koff = (t - KT0).to(tl.int64) * kT + hw.to(tl.int64) * sP
-            kbase = k_ptr + bi * kB
+        kbase = k_ptr + bi * kB
     else:
         ooff = poff
         obase = out_ptr + bi * sB
@@ -332,15 +339,9 @@ def _wan_rms_cl_kernel(
     poff = p.to(tl.int64) * C
     base = x_ptr + bi * sB
     if OUTPAD:
-        t = p // FHW
-        hw = p - t * FHW
-        hh = hw // W
-        ooff = (t + PT).to(tl.int64) * oT + (hh + PH).to(tl.int64) * oH + (hw - hh * W + PW).to(tl.int64) * C
+        ooff, kept, koff = _padded_offsets(p, pmask, C, FHW, W, PT, PH, PW, oT, oH, KT0, kT)
         obase = out_ptr + bi * oB
-        if KEEP:
-            kept = pmask & (t >= KT0)
-            koff = (t - KT0).to(tl.int64) * kT + hw.to(tl.int64) * C
-            kbase = k_ptr + bi * kB
+        kbase = k_ptr + bi * kB
     else:
         ooff = poff
         obase = out_ptr + bi * sB
