@@ -124,19 +124,29 @@ def main(argv: list[str] | None = None) -> int:
                 ok = first_mismatch(out, ref) is None
                 rows.append(dict(size=label, batch=batch, provider="lossless", median_ms=round(ms, 2), bitwise_equal=ok, **meta))
                 print(f"[vae] {label} B={batch} lossless {ms:.2f} ms bitwise={ok} disabled={list(rep.disabled)}", flush=True)
-                if args.model in ("wan", "wan22", "qwenimage"):
-                    # A/B: the same kernels on the NCDHW decode (DITFUSE_WAN_VAE_CL=0)
-                    os.environ["DITFUSE_WAN_VAE_CL"] = "0"
+                def env_row(provider: str, var: str, value: str, profile: bool = False) -> None:
+                    """The lossless decode again with ``var=value`` (an A/B on this machine), gate reset."""
+                    os.environ[var] = value
+                    ditfuse.gate.reset()
                     h = ditfuse.accelerate(vae)
                     try:
                         ms, out = timed(dec)
+                        if profile:
+                            profiled(dec, f"{label} B={batch} {provider}", size=label, batch=batch, provider=provider)
                     finally:
                         h.unmount()
-                        os.environ.pop("DITFUSE_WAN_VAE_CL")
+                        os.environ.pop(var)
                     ok = first_mismatch(out, ref) is None
-                    rows.append(dict(size=label, batch=batch, provider="lossless_ncdhw", median_ms=round(ms, 2),
+                    rows.append(dict(size=label, batch=batch, provider=provider, median_ms=round(ms, 2),
                                      bitwise_equal=ok, **meta))
-                    print(f"[vae] {label} B={batch} lossless_ncdhw {ms:.2f} ms bitwise={ok}", flush=True)
+                    print(f"[vae] {label} B={batch} {provider} {ms:.2f} ms bitwise={ok}", flush=True)
+
+                if args.model in ("wan", "wan22", "qwenimage"):
+                    # the same kernels on the NCDHW decode
+                    env_row("lossless_ncdhw", "DITFUSE_WAN_VAE_CL", "0")
+                    # the convolutions' bias in ditfuse's vectorized pass (off by default: round 21
+                    # measured less GPU time and more host-bound idle on different machines)
+                    env_row("lossless_bias_pass", "DITFUSE_CONV_BIAS_PASS", "1", profile=True)
                 if not args.no_high:
                     h = ditfuse.accelerate(vae, quality="high")
                     hi = h.report().components[0].high
