@@ -171,6 +171,31 @@ def _fold_threads(p, H: tl.constexpr, BP: tl.constexpr):
 
 
 @triton.jit
+def _clamped_norm(ssq, eps):
+    """``clamp_min(sqrt(ssq), eps)`` as eager: ``sqrt.rn``, and a clamp that keeps NaN."""
+    norm = tl.math.sqrt_rn(ssq)
+    eps32 = tl.cast(eps, tl.float32)  # the interpreter keeps Python floats in fp64
+    return tl.where(norm != norm, norm, tl.where(norm < eps32, eps32, norm))
+
+
+@triton.jit
+def _exact_tail(x, d, scale32, gam, bet, DTYPE: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr):
+    """Eager's chain after the norm, each stored op rounded to DTYPE: ``n = r(x / d)``,
+    ``r(r(n * sqrt(C)) * gamma)``, ``+ bias`` (the float 0.0: ``-0 -> +0`` and no rounding, the
+    operand already being of DTYPE), the SiLU; returns the value stored."""
+    n = rround(tl.math.div_rn(x, d), DTYPE)
+    y = rround(n * scale32, DTYPE)
+    y = rround(y * gam, DTYPE)
+    if HAS_B:
+        y = rround(y + bet, DTYPE)
+    else:
+        y = y + 0.0
+    if SILU:
+        y = _silu(y, 0, 0)
+    return round_to(y, DTYPE)
+
+
+@triton.jit
 def _padded_offsets(p, pmask, sP, FHW, W, PT, PH, PW, oT, oH, KT0, kT):
     """Position p (``t * FHW + hw`` of a channels-last x, positions ``sP`` elements apart) in the
     padded output (offset from its sample's base: frame t + PT, row h + PH, column w + PW) and in
@@ -249,10 +274,8 @@ def _wan_rms_kernel(
         ssq = _fold_threads(((a0 + a1) + a2) + a3, H, BP)
     else:
         ssq = tl.sum(acc, axis=0)
-    norm = tl.math.sqrt_rn(ssq)
-    eps32 = tl.cast(eps, tl.float32)  # the interpreter keeps Python floats in fp64
+    d = _clamped_norm(ssq, eps)
     scale32 = tl.cast(scale, tl.float32)
-    d = tl.where(norm != norm, norm, tl.where(norm < eps32, eps32, norm))  # clamp_min keeps NaN
     if not EXACT:
         f = scale32 / d
     blk = 0
@@ -270,18 +293,12 @@ def _wan_rms_kernel(
         else:
             bet = tl.zeros([RK, 1], dtype=tl.float32)
         if EXACT:
-            n = rround(tl.math.div_rn(x, d[None, :]), DTYPE)
-            y = rround(n * scale32, DTYPE)
-            y = rround(y * gam, DTYPE)
-            if HAS_B:
-                y = rround(y + bet, DTYPE)
-            else:
-                y = y + 0.0  # the float bias: -0 -> +0; y is already of DTYPE, so is y + 0 (no rounding)
+            yr = _exact_tail(x, d[None, :], scale32, gam, bet, DTYPE, HAS_B, SILU)
         else:
             y = x * f[None, :] * gam + bet
-        if SILU:
-            y = _silu(y, 0, 0)
-        yr = round_to(y, DTYPE)
+            if SILU:
+                y = _silu(y, 0, 0)
+            yr = round_to(y, DTYPE)
         tl.store(obase + c.to(tl.int64)[:, None] * sC + ooff[None, :], yr, mask=m)
         if OUTPAD:
             if KEEP:
@@ -366,10 +383,8 @@ def _wan_rms_cl_kernel(
         acc = fma_exact(v, v, acc)
         c0 += R
     ssq = _fold_chains_pos_major(acc, H, BP)
-    norm = tl.math.sqrt_rn(ssq)
-    eps32 = tl.cast(eps, tl.float32)
+    d = _clamped_norm(ssq, eps)[:, None]
     scale32 = tl.cast(scale, tl.float32)
-    d = tl.where(norm != norm, norm, tl.where(norm < eps32, eps32, norm))[:, None]  # clamp_min keeps NaN
     ck = tl.arange(0, CK)
     c0 = 0
     while c0 < C:
@@ -384,16 +399,11 @@ def _wan_rms_cl_kernel(
             gam = load_f32(g_ptr + c, cm)[None, :]
         if HAS_PB:
             x = rround(x + load_f32(pb_ptr + c, cm)[None, :], DTYPE)
-        n = rround(tl.math.div_rn(x, d), DTYPE)
-        y = rround(n * scale32, DTYPE)
-        y = rround(y * gam, DTYPE)
         if HAS_B:
-            y = rround(y + load_f32(b_ptr + c, cm)[None, :], DTYPE)
+            bet = load_f32(b_ptr + c, cm)[None, :]
         else:
-            y = y + 0.0  # the float bias: -0 -> +0; y is already of DTYPE, so is y + 0 (no rounding)
-        if SILU:
-            y = _silu(y, 0, 0)
-        yr = round_to(y, DTYPE)
+            bet = gam  # not read
+        yr = _exact_tail(x, d, scale32, gam, bet, DTYPE, HAS_B, SILU)
         if EVEN_C and EVEN_P:
             sm = None
         elif EVEN_C:
