@@ -296,3 +296,41 @@ def test_int32_and_int64_addressing_agree(monkeypatch):
     assert ew.fits_int32(res, upd)
     assert not ew.fits_int32(torch.empty((2, 1 << 30), device="meta"))  # metadata only
     assert ew.fits_int32(torch.empty(1, device="meta").expand(2, 1 << 30))  # stride 0: small offsets
+
+
+@pytest.mark.parametrize("tile_", [None, (1, 32, 4), (4, 64, 4), (2, 16, 4)], ids=["default", "1x32", "4x64", "2x16"])
+def test_program_order_gives_the_same_bits(monkeypatch, tile_):
+    """DITFUSE_TILE_ORDER=cols (one grid axis, column block fastest) and the default row-block
+    order launch the same programs in another order: every element's arithmetic is the same, so
+    the bits are, for GELU (into a strided slice), SwiGLU and the GELU/SwiGLU-into-cat kernels,
+    with tail rows, tail columns and column blocks that straddle the cat boundary."""
+    from ditfuse.kernels.activation import gelu_tanh_triton as gt
+    from ditfuse.kernels.activation import swiglu_triton as sw
+    from ditfuse.kernels.common import elementwise as ew
+    from ditfuse.kernels.common.host import tl_dtype
+
+    g = torch.Generator().manual_seed(5)
+    x = _rand((2, 7, 200), torch.bfloat16, 3.0)[..., ::2]  # strided, D = 100: a tail column block
+    u = torch.randn(2, 7, 100, generator=g).to(torch.bfloat16)
+    attn = torch.randn(2, 7, 40, generator=g).to(torch.bfloat16)  # 40 + 100: blocks straddle
+
+    def run(order):
+        monkeypatch.setenv("DITFUSE_TILE_ORDER", order)
+        buf = torch.zeros(2, 7, 164, dtype=torch.bfloat16)
+        gt._launch(x, buf[..., 64:])
+        sw_out = torch.zeros(2, 7, 100, dtype=torch.bfloat16)
+        sw._launch(x, u, sw_out)
+        cols = order == "cols"
+        cats = []
+        for act, p, uu in ((gt._gelu_cat_act, gt.TANH_PTX, None), (sw._swiglu_tile, 0, u)):
+            rec = ew.act_cat_recipe(attn, x, uu, tile_=tile_, cols_first=cols)
+            assert rec[-1] is cols and len(rec[0]) == (1 if cols else 2)
+            cats.append(ew.act_cat_fire(rec, act, p, attn, x, uu, tl_dtype(x.dtype)))
+        return buf, sw_out, *cats
+
+    rows, cols = run("rows"), run("cols")
+    for a, b in zip(rows, cols):
+        assert_bitwise_equal(b, a)
+    assert_bitwise_equal(rows[2], torch.cat([attn, rows[0][..., 64:]], dim=2))
+    assert_bitwise_equal(rows[3], torch.cat([attn, rows[1]], dim=2))
+    assert ew.tile_grid(10, 100, 4, 32, True) == (3 * 4,) and ew.tile_grid(10, 100, 4, 32, False) == (3, 4)

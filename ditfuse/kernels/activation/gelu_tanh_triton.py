@@ -34,8 +34,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ..common.elementwise import (as_3d, act_cat_fire, act_cat_recipe, fits_int32, launch_act_cat, load_f32,
-                                  overlap_reason, tile, tile_rows_cols)
-from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+                                  overlap_reason, tile, tile_cols_first, tile_grid, tile_rows_cols)
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.plans import Recipes, call_key
 from ..common.rounding import INTERPRET, round_to
 from ..errors import UnsupportedInput
@@ -123,8 +123,9 @@ def _gelu_tanh_kernel(
     FMA_INNER: tl.constexpr,
     TANH_IMPL: tl.constexpr,
     I64: tl.constexpr = True,
+    COLS_FIRST: tl.constexpr = False,
 ):
-    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
+    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64, COLS_FIRST)
     x = load_f32(x_ptr + (b * sxb + s * sxs) + c * sxd, mask)
     tl.store(out_ptr + (b * sob + s * sos) + c * sod, round_to(_gelu_f32(x, FMA_INNER, TANH_IMPL), DTYPE), mask=mask)
 
@@ -168,14 +169,15 @@ def _launch(
     # 8 % at the single block's [1, 4608, 12288] (H200 sweep, bench/results/probe_held_rows_h200.csv)
     block_r, block_d, warps = tile(D, per_program=4096)
     R = B * S
-    grid = (cdiv(R, block_r), cdiv(D, block_d))
+    cols_first = tile_cols_first()
+    grid = tile_grid(R, D, block_r, block_d, cols_first)
     launch(_gelu_tanh_kernel, grid,
         x, out,
         R, S, D,
         sx[0], sx[1], sx[2],
         so[0], so[1], so[2],
         DTYPE=tl_dtype(x.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
-        FMA_INNER=fma_inner, TANH_IMPL=tanh_impl, I64=not fits_int32(x, out),
+        FMA_INNER=fma_inner, TANH_IMPL=tanh_impl, I64=not fits_int32(x, out), COLS_FIRST=cols_first,
         num_warps=warps, enable_fp_fusion=fp_fusion, enable_reflect_ftz=reflect_ftz,
     )
 

@@ -27,9 +27,9 @@ import triton.language as tl
 
 from ..common.elementwise import (
     act_cat_fire, act_cat_recipe, as_3d, fits_int32, launch_act_cat, load_f32, overlap_reason, silu_f32, tile,
-    tile_rows_cols,
+    tile_cols_first, tile_grid, tile_rows_cols,
 )
-from ..common.host import cdiv, SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
+from ..common.host import SUPPORTED_DTYPES, device_reason, grad_reason, tl_dtype, use_custom_op
 from ..common.plans import Recipes, call_key
 from ..common.rounding import round_to, rround
 from ..errors import UnsupportedInput
@@ -57,8 +57,9 @@ def _swiglu_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     I64: tl.constexpr = True,
+    COLS_FIRST: tl.constexpr = False,
 ):
-    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
+    b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64, COLS_FIRST)
     y = _swiglu_tile(a_ptr + (b * sab + s * sas) + c * sad, b_ptr + (b * sbb + s * sbs) + c * sbd, mask, DTYPE, 0)
     tl.store(out_ptr + (b * sob + s * sos) + c * sod, y, mask=mask)
 
@@ -71,7 +72,8 @@ def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
     (B, S, D), (sa, sb, so) = view
     block_r, block_d, warps = tile(D, per_program=4096)
     R = B * S
-    grid = (cdiv(R, block_r), cdiv(D, block_d))
+    cols_first = tile_cols_first()
+    grid = tile_grid(R, D, block_r, block_d, cols_first)
     launch(_swiglu_kernel, grid,
         gate_in, up, out,
         R, S, D,
@@ -79,7 +81,7 @@ def _launch(gate_in: torch.Tensor, up: torch.Tensor, out: torch.Tensor) -> None:
         sb[0], sb[1], sb[2],
         so[0], so[1], so[2],
         DTYPE=tl_dtype(gate_in.dtype), BLOCK_R=block_r, BLOCK_D=block_d,
-        I64=not fits_int32(gate_in, up, out), num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+        I64=not fits_int32(gate_in, up, out), COLS_FIRST=cols_first, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from ..env import env
 from .host import cdiv, next_pow2
 from .rounding import INTERPRET
 from .launch import launch
@@ -130,15 +131,47 @@ def overlap_reason(out: torch.Tensor, *inputs: torch.Tensor) -> str | None:
     return None
 
 
+def tile_cols_first() -> bool:
+    """``DITFUSE_TILE_ORDER``: the program order of the 2-D-tiled elementwise kernels (GELU,
+    SwiGLU and their cat variants): ``rows`` (default) or ``cols`` (:func:`tile_pids`)."""
+    return env("DITFUSE_TILE_ORDER", "rows") == "cols"
+
+
+def tile_grid(R: int, D: int, block_r: int, block_d: int, cols_first: bool) -> tuple[int, ...]:
+    """The launch grid of a :func:`tile_rows_cols` kernel: ``(row blocks, column blocks)``, or with
+    ``cols_first`` one axis of ``row blocks * column blocks`` programs, column block fastest."""
+    if cols_first:
+        return (cdiv(R, block_r) * cdiv(D, block_d),)
+    return (cdiv(R, block_r), cdiv(D, block_d))
+
+
 @triton.jit
-def tile_rows_cols(R, S, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, I64: tl.constexpr):
+def tile_pids(D, BLOCK_D: tl.constexpr, COLS_FIRST: tl.constexpr):
+    """(row block, column block) of this program. ``COLS_FIRST``: a 1-D grid whose consecutive
+    programs walk one row block's column blocks in order, so that the programs in flight at any
+    moment read and write a few long contiguous runs of memory (the order a flat elementwise
+    kernel such as torch.compile's has); otherwise a 2-D grid whose axis 0 (launched fastest)
+    is the row block: consecutive programs then touch the same columns of rows BLOCK_R apart.
+    The order changes which program runs when, never an element's arithmetic."""
+    if COLS_FIRST:
+        n_d = tl.cdiv(D, BLOCK_D)
+        pid = tl.program_id(0)
+        pid_r = pid // n_d
+        return pid_r, pid - pid_r * n_d
+    else:
+        return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
+def tile_rows_cols(R, S, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, I64: tl.constexpr,
+                   COLS_FIRST: tl.constexpr = False):
     """This program's [BLOCK_R, BLOCK_D] tile of an [R = B * S, D] elementwise problem: per row its
     sample ``b`` and token ``s`` ([BLOCK_R, 1] each), the column index ``c`` ([1, BLOCK_D]) and the
     mask. ``I64=False`` when every element offset of every operand fits in int32
     (:func:`fits_int32`, checked on the host): the row division and the address arithmetic then
-    run in 32 bits (the same addresses, about a third of the integer instructions)."""
-    pid_r = tl.program_id(0)
-    pid_d = tl.program_id(1)
+    run in 32 bits (the same addresses, about a third of the integer instructions).
+    ``COLS_FIRST``: the program order of :func:`tile_pids` (grid from :func:`tile_grid`)."""
+    pid_r, pid_d = tile_pids(D, BLOCK_D, COLS_FIRST)
     if I64:
         rows = pid_r.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R).to(tl.int64)
     else:
@@ -220,10 +253,11 @@ def act_cat_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     I64: tl.constexpr,
+    COLS_FIRST: tl.constexpr = False,
 ):
-    b, s, c, mask = tile_rows_cols(R, S, DA + DM, BLOCK_R, BLOCK_D, I64)
+    b, s, c, mask = tile_rows_cols(R, S, DA + DM, BLOCK_R, BLOCK_D, I64, COLS_FIRST)
     dst = out_ptr + (b * sob + s * sos) + c
-    col0 = tl.program_id(1) * BLOCK_D
+    col0 = tile_pids(DA + DM, BLOCK_D, COLS_FIRST)[1] * BLOCK_D
     if col0 + BLOCK_D <= DA:
         tl.store(dst, tl.load(a_ptr + (b * sab + s * sas) + c * sad, mask=mask), mask=mask)
     elif col0 >= DA:
@@ -239,21 +273,25 @@ def act_cat_kernel(
         tl.store(dst, ACT(xs, us, in_m, DTYPE, P), mask=in_m)
 
 
-def act_cat_recipe(attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None) -> tuple | None:
+def act_cat_recipe(attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None,
+                   tile_: tuple[int, int, int] | None = None, cols_first: bool | None = None) -> tuple | None:
     """The geometry part of :func:`launch_act_cat`'s launch: (grid, scalar arguments, block sizes
-    and warps, rows of slack for the int32 check); None for an empty output."""
+    and warps, rows of slack for the int32 check, program order); None for an empty output.
+    ``tile_`` (BLOCK_R, BLOCK_D, warps) and ``cols_first`` override the defaults (probes)."""
     B, S, DA = attn.shape
     DM = x.shape[2]
     if B * S * (DA + DM) == 0:
         return None
-    block_r, block_d, warps = tile(math.gcd(DA, DM), per_program=4096)
+    block_r, block_d, warps = tile_ or tile(math.gcd(DA, DM), per_program=4096)
+    if cols_first is None:
+        cols_first = tile_cols_first()
     uu = x if u is None else u
     sa, sx, su = attn.stride(), x.stride(), uu.stride()
     R = B * S
-    grid = (cdiv(R, block_r), cdiv(DA + DM, block_d))
+    grid = tile_grid(R, DA + DM, block_r, block_d, cols_first)
     # out: a new contiguous [B, S, DA + DM] tensor
     scalars = (R, S, DA, DM, sa[0], sa[1], sa[2], sx[0], sx[1], sx[2], su[0], su[1], su[2], S * (DA + DM), DA + DM)
-    return grid, scalars, (block_r, block_d, warps), block_r * (DA + DM)
+    return grid, scalars, (block_r, block_d, warps), block_r * (DA + DM), cols_first
 
 
 def act_cat_fire(recipe: tuple | None, act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None,
@@ -263,12 +301,12 @@ def act_cat_fire(recipe: tuple | None, act, p, attn: torch.Tensor, x: torch.Tens
     out = torch.empty((B, S, DA + x.shape[2]), dtype=x.dtype, device=x.device)
     if recipe is None:
         return out
-    grid, scalars, (block_r, block_d, warps), pad = recipe
+    grid, scalars, (block_r, block_d, warps), pad, cols_first = recipe
     uu = x if u is None else u
     launch(act_cat_kernel, grid,
         attn, x, uu, out, *scalars,
         ACT=act, P=p, DTYPE=dtype_tl, BLOCK_R=block_r, BLOCK_D=block_d,
-        I64=not fits_int32(attn, x, uu, out, rows_pad=pad),
+        I64=not fits_int32(attn, x, uu, out, rows_pad=pad), COLS_FIRST=cols_first,
         num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return out
