@@ -26,6 +26,56 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def interleaved_ab(vae, dec, var: str, pairs: int, row: dict) -> list[dict]:
+    """Eager once (the reference), then the lossless decode with ``var`` = 0 and 1 alternately on
+    one accelerated VAE (the order flips every pair); rows with each setting's median and the
+    median of the paired differences (B - A)."""
+    import statistics
+
+    import torch
+
+    import ditfuse
+    from ditfuse.kernels.compare import first_mismatch
+
+    def one(value: str):
+        os.environ[var] = value
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = dec()
+        b.record()
+        b.synchronize()
+        return a.elapsed_time(b), out
+
+    ref = dec()
+    old = os.environ.get(var)
+    ditfuse.gate.reset()
+    h = ditfuse.accelerate(vae)
+    times: dict[str, list[float]] = {"0": [], "1": []}
+    ok = {}
+    try:
+        for value in ("0", "1", "0", "1"):  # warm-ups: the gate verifies each new signature once
+            ok[value] = first_mismatch(one(value)[1], ref) is None
+        for i in range(pairs):
+            for value in (("0", "1") if i % 2 == 0 else ("1", "0")):
+                times[value].append(one(value)[0])
+    finally:
+        h.unmount()
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+    diffs = [b - a for a, b in zip(times["0"], times["1"])]
+    out = []
+    for value in ("0", "1"):
+        med = statistics.median(times[value])
+        out.append(dict(row, provider=f"lossless {var}={value}", median_ms=round(med, 2), bitwise_equal=ok[value]))
+        print(f"[vae ab] {row['size']} B={row['batch']} {var}={value}: median {med:.2f} ms "
+              f"(min {min(times[value]):.2f}, max {max(times[value]):.2f}) bitwise={ok[value]}", flush=True)
+    print(f"[vae ab] {var}=1 minus {var}=0, median of {pairs} pairs: {statistics.median(diffs):+.2f} ms "
+          f"(range {min(diffs):+.2f} .. {max(diffs):+.2f})", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=("flux", "flux2", "qwenimage", "wan", "wan22"), default="flux")
@@ -36,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-high", action="store_true", help="skip the quality=\"high\" provider")
     p.add_argument("--out", default="bench/results/vae_decode_h200.csv")
+    p.add_argument("--ab", metavar="VAR", default=None,
+                   help="only an interleaved A/B of the lossless decode with VAR=0 and VAR=1 on one accelerated "
+                        "VAE: the two settings alternate decode by decode (so clock and power drift hit both "
+                        "alike), --steps pairs; medians, the median paired difference, bitwise for both")
     p.add_argument("--breakdown", default=None,
                    help="also profile one decode per provider (eager, lossless, high) and write the kernel-time "
                         "categories (ms) here")
@@ -108,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             z = torch.randn(batch, channels, *lat, device="cuda").to(torch.bfloat16)
 
             dec = lambda: vae.decode(z, return_dict=False)[0]  # noqa: E731
+            if args.ab:
+                with torch.no_grad():
+                    rows += interleaved_ab(vae, dec, args.ab, args.steps, dict(size=label, batch=batch, **meta))
+                del z
+                continue
             with torch.no_grad():
                 ms, ref = timed(dec)
                 rows.append(dict(size=label, batch=batch, provider="eager", median_ms=round(ms, 2), bitwise_equal=True, **meta))

@@ -66,7 +66,8 @@ def test_flux_chain_matches_cuda_order_sim(D, dtype, per_token):
     torch.testing.assert_close(got.float(), exp.float(), rtol=_tol(dtype), atol=_tol(dtype))
 
 
-PATHS = {"warp": dict(warp=True), "held": dict(warp=False), "loop": dict(unroll=False)}
+PATHS = {"warp": dict(warp=True), "held": dict(warp=False), "loop": dict(unroll=False, prefetch=False),
+         "loop_prefetch": dict(unroll=False, prefetch=True)}
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -216,7 +217,7 @@ def test_gated_paths_agree(D, exact, path):
         eh = (res.float() + upd * gate).type_as(res)
         eout = sim.layernorm_modulate(eh, None, None, EPS, w, bias, torch.float32)
     else:
-        other = PATHS["held" if path == "loop" else "loop"]
+        other = PATHS["held" if path.startswith("loop") else "loop"]
         eh, eout = lnm._launch(res, gate, upd, None, None, EPS, w, bias, torch.float32, exact, rows_per_program=2,
                                **other)
     _eq(h, eh)

@@ -304,12 +304,13 @@ def test_affine_contraction_probe():
     assert res["fma"], f"the FMA contraction does not match torch: {res}"
 
 
-@pytest.mark.parametrize("D", [1536, 2240, 3072, 5120])
+@pytest.mark.parametrize("D", [1536, 2240, 3072, 4100, 5120, 6144])
 def test_warp_held_rows_and_runtime_loop_agree_with_eager(D):
     """Every way over a row at every tiling, plain and gated, 2051 tokens (tail rows): bitwise equal
     to eager. The warp-per-row kernel (default for whole steps up to D = 3072, forced at 5120 with
     10 held steps), the 128-thread kernel with held tiles (default for partial steps such as 2240,
-    whose last step has predicated loads) and its runtime loop (default beyond 3072)."""
+    whose last step has predicated loads) and its runtime loop (default beyond 3072), with and
+    without the next step's prefetch (4100: a partial last step in the loop)."""
     from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 
     gen = torch.Generator(device="cuda").manual_seed(D)
@@ -318,7 +319,8 @@ def test_warp_held_rows_and_runtime_loop_agree_with_eager(D):
     sc, sh, g = (_rand((B, 1, D), F32, gen, 0.5) for _ in range(3))
     exp_plain = ref.layernorm_modulate(x, sc, sh, EPS, norm_dtype=F32)
     exp_gated = ref.gate_residual_layernorm_modulate(x, g, u, sc, sh, EPS, norm_dtype=F32)
-    paths = {"held": dict(warp=False), "loop": dict(unroll=False)}
+    paths = {"held": dict(warp=False), "loop": dict(unroll=False, prefetch=False),
+             "loop_prefetch": dict(unroll=False, prefetch=True)}
     if D % 512 == 0:
         paths["warp"] = dict(warp=True)
     failures = []

@@ -74,6 +74,7 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
     """kind ``ln``: the LayerNorm kernel in FLUX's all-bf16 configuration (gated: the residual
     variant, per-sample gate/scale/shift); ``lnwarp``: the warp-per-row LayerNorm kernel in the same
     configuration, R warps = R rows per program (the GPU launches R = 1), ``js`` steps;
+    ``lnpf``: ``ln`` with the runtime loop's prefetch (``PREFETCH``);
     ``wanropewarp``: the warp-per-row RMSNorm + RoPE kernel likewise; ``wanrope``: Wan's RMSNorm + RoPE kernel with fp32
     freqs (fp32 operands in the ``ln`` case too for ``js`` = 3 would change nothing the checks
     look at). ``js`` > 0: the held-row kernel for rows of ``js`` vectors per thread (FLUX's width
@@ -94,14 +95,14 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
               "shss": 0, "gss": 0, "wsd": 0, "bsd": 0}
         k = _compile(lnm._ln_warp_kernel, ["M", "S", "N"], ce, _LN_PTRS, _LN_STRIDES, num_warps=R,
                      fp32_ptrs=("sc_ptr", "sh_ptr") if kind == "lnwarpwan" else ())
-    elif kind == "ln":
+    elif kind in ("ln", "lnpf"):
         from ditfuse.kernels.norm import layernorm_modulate_triton as lnm
 
         bf = tl.bfloat16
         ce = {"RES": 2 if gated else 0, "HAS_W": False, "HAS_B": False, "MODULATE": True, "EXACT": True,
               "P_DT": bf, "H_DT": bf, "LN_DT": bf, "SC_DT": bf, "M_DT": bf, "S_DT": bf, "OUT_DT": bf, "R": R,
               "AFFINE_FMA": True, "JS": js, "FULL": js > 0, "xsd": 1, "gsd": 1, "usd": 1, "scsd": 1, "shsd": 1, "scss": 0, "shss": 0,
-              "gss": 0, "wsd": 0, "bsd": 0}
+              "gss": 0, "wsd": 0, "bsd": 0, "PREFETCH": kind == "lnpf"}
         k = _compile(lnm._ln_kernel, scalars, ce, _LN_PTRS, _LN_STRIDES)
     elif kind in ("wanropewarp", "wanropepair"):
         from ditfuse.kernels.rope import qk_rmsnorm_across_heads_rope_triton as wr
@@ -156,7 +157,7 @@ def facts(kind: str, R: int, gated: bool, js: int = 0) -> dict:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         sys.exit("unset TRITON_INTERPRET: the GPU code paths are chosen at import")
-    variants = ([("ln", R, g, 0) for R in (1, 2, 4) for g in (False, True)]
+    variants = ([(kind, R, g, 0) for kind in ("ln", "lnpf") for R in (1, 2, 4) for g in (False, True)]
                 + [("ln", R, g, js) for js in (3, 6) for R in (1, 2) for g in (False, True)]
                 + [("wanrope", R, False, js) for R in (1, 2, 4) for js in (0, 3)]
                 + [("lnwarp", R, g, js) for js in (3, 6) for R in (1, 4) for g in (False, True)]

@@ -78,6 +78,7 @@ from ditfuse.kernels.common.welford import (
     welford_update,
 )
 from ditfuse.kernels.common.plans import Recipes, call_key
+from ditfuse.kernels.env import env
 from ditfuse.kernels.errors import UnsupportedInput
 
 _MAX_N = 1 << 24  # torch: N <= 2**24 so that a float count is exact, else RowwiseMoments
@@ -110,6 +111,20 @@ def _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
         if EXACT:
             x = rround(x, H_DT)
     return x
+
+
+@triton.jit
+def _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                 vec, k4, valid, RES: tl.constexpr, EXACT: tl.constexpr, P_DT: tl.constexpr, H_DT: tl.constexpr):
+    """The loop kernel's pass-2 tile. With a residual, the bit-exact kernel reads back the h it
+    stored (the same threads wrote those elements in pass 1: same tile layout) instead of
+    recomputing it from 2-3 inputs; the close kernel needs the unrounded sum and recomputes it."""
+    if RES != 0 and EXACT:
+        src = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
+        return load_f32(h_ptr + src, valid)
+    else:
+        return _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                         vec, k4, valid, RES, EXACT, P_DT, H_DT)
 
 
 @triton.jit
@@ -204,6 +219,7 @@ def _ln_kernel(
     P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
     R: tl.constexpr, AFFINE_FMA: tl.constexpr = True, JS: tl.constexpr = 0, FULL: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -242,14 +258,25 @@ def _ln_kernel(
                 tl.store(h_ptr + dst, hj, mask=valid_t[:, None, None] & row_ok[None, :, None])
             mean, m2 = _welford4(mean, m2, held[j].to(tl.float32), j, valid_t[:, None], LN_THREADS, R)
     else:
-        # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order.
+        # Pass 1: per-thread Welford, vectors t, t + 128, ... in element order. PREFETCH: step
+        # j + 1's tile is loaded before step j's updates (two tiles live), so each row keeps a
+        # load in flight while it computes; past the last step its mask is all false (no access).
         j = 0
+        if PREFETCH:
+            nxt = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                            t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT)
         while j < J:
             vec = j * LN_THREADS + t
             valid_t = vec < NVEC
             valid = valid_t[:, None, None] & row_ok[None, :, None]
-            x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                          vec, k4, valid, RES, EXACT, P_DT, H_DT)
+            if PREFETCH:
+                x = nxt
+                nxt = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                                vec + LN_THREADS, k4, (vec + LN_THREADS < NVEC)[:, None, None] & row_ok[None, :, None],
+                                RES, EXACT, P_DT, H_DT)
+            else:
+                x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                              vec, k4, valid, RES, EXACT, P_DT, H_DT)
             if RES != 0:
                 dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
                 tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
@@ -275,20 +302,24 @@ def _ln_kernel(
                    valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
                    HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
     else:
-        # With a residual, the bit-exact kernel reads back the h it stored (the same threads wrote
-        # those elements in pass 1: same tile layout) instead of recomputing it from 2-3 inputs;
-        # the close kernel needs the unrounded sum and recomputes it.
+        # Pass 2 over the row again (_pass2_input), prefetched like pass 1.
         j = 0
+        if PREFETCH:
+            nxt = _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
+                               t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT)
         while j < J:
             vec = j * LN_THREADS + t
             valid_t = vec < NVEC
             valid = valid_t[:, None, None] & row_ok[None, :, None]
-            if RES != 0 and EXACT:
-                src = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
-                x = load_f32(h_ptr + src, valid)
+            if PREFETCH:
+                x = nxt
+                nxt = _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
+                                   usd, vec + LN_THREADS, k4,
+                                   (vec + LN_THREADS < NVEC)[:, None, None] & row_ok[None, :, None],
+                                   RES, EXACT, P_DT, H_DT)
             else:
-                x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                              vec, k4, valid, RES, EXACT, P_DT, H_DT)
+                x = _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
+                                 usd, vec, k4, valid, RES, EXACT, P_DT, H_DT)
             _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4,
                    valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
                    HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
@@ -516,6 +547,14 @@ def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return t.stride(0), (0 if t.shape[1] == 1 else t.stride(1)), t.stride(2)
 
 
+def ln_prefetch() -> bool:
+    """``DITFUSE_LN_PREFETCH``: the runtime-loop LayerNorm kernel (rows wider than the held
+    ones: D > 3072 in the 128-thread kernel) loads step j + 1 before step j's arithmetic, in both
+    passes (``PREFETCH``; the same element order and arithmetic, so the same bits). Default 0
+    until measured (bench/probes/probe_ln_prefetch.py)."""
+    return env("DITFUSE_LN_PREFETCH", "0") not in ("", "0")
+
+
 def _rows_per_program(M: int, js: int = 0, residual: bool = False) -> int:
     """Rows per program (common/host.py ``rows_per_program``). Held rows get at most 6 held
     vectors per thread with a residual (its h stores keep more bytes in flight per row), 3
@@ -560,7 +599,7 @@ class _Recipe(NamedTuple):
 
 def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
             rows_per_program: int | None = None, affine_fma: bool = True,
-            unroll: bool = True, warp: bool | None = None) -> _Recipe:
+            unroll: bool = True, warp: bool | None = None, prefetch: bool | None = None) -> _Recipe:
     B, S, D = x.shape
     res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
     consts, out_dt, h_dt = _rounding_plan(
@@ -586,7 +625,7 @@ def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     JS = held_steps(J, unroll)
     R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
     block = ((cdiv(M, R),), (M, S, D, nvec, J, float(eps), *strides),
-             dict(flags, R=R, JS=JS, FULL=nvec % 128 == 0, num_warps=4))
+             dict(flags, R=R, JS=JS, FULL=nvec % 128 == 0, PREFETCH=JS == 0 and (ln_prefetch() if prefetch is None else prefetch), num_warps=4))
     return _Recipe(res, out_dt, h_dt, False, warp_launch, block)
 
 
@@ -621,18 +660,20 @@ def _eager_h(r: _Recipe, h: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
 
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
             rows_per_program: int | None = None, affine_fma: bool = True,
-            unroll: bool = True, warp: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            unroll: bool = True, warp: bool | None = None,
+            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
     only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). ``unroll=False`` keeps
     the runtime loop over a row's steps even for narrow rows; ``warp`` forces (True) or refuses
     (False) the warp-per-row kernel, by default taken where it measured faster (common/host.py
     ``warp_rows_enabled``; ``DITFUSE_ROW_KERNEL`` overrides; tests and benchmarks compare the ways;
-    same bits). The launch never
+    same bits). ``prefetch`` forces (True) or refuses (False) the runtime loop's prefetch
+    (default :func:`ln_prefetch`; same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     return _fire(_recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact, rows_per_program,
-                         affine_fma, unroll, warp), x, gate, update, scale, shift, weight, bias)
+                         affine_fma, unroll, warp, prefetch), x, gate, update, scale, shift, weight, bias)
 
 
 # ----------------------------------------------------------------------------- custom ops
