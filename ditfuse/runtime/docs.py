@@ -136,6 +136,7 @@ def render() -> str:
         "DITFUSE_LINEAR_CAT=0|1                            # joint value projections written into one buffer (default 0 until measured; layout.linear_cat)",
         "DITFUSE_GATE_RESIDUAL_FLAT=1|0                    # gated residual's flat per-sample launch where it applies (default 1)",
         "DITFUSE_TILE_ORDER=cols|rows                      # GELU / SwiGLU (+ cat) kernels' program order, column block fastest (default cols)",
+        "DITFUSE_LN_PREFETCH=auto|1|0                      # LayerNorm runtime loop (D > 3072) prefetches the next step (default auto: with a residual)",
         "DITFUSE_FAST_LAUNCH=1|0                           # repeat launches skip Triton's JITFunction.run (default 1; kernels/common/launch.py)",
         "DITFUSE_VAE_CL=1|0                                # AutoencoderKL's lossless channels-last chain (default 1)",
         "DITFUSE_WAN_VAE_CL=1|0                            # the Wan / Qwen-Image VAEs' channels-last decode (default 1)",

@@ -226,7 +226,10 @@ def test_gated_paths_agree(D, exact, path):
 
 def test_rows_per_program_rule(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the GPU rule
-    assert [lnm._rows_per_program(m) for m in (1, 511, 512, 2047, 2048, 65520)] == [1, 1, 2, 2, 4, 4]
+    ms = (1, 511, 512, 2047, 2048, 65520)
+    assert [lnm._rows_per_program(m, 0, True) for m in ms] == [1] * 6  # the runtime loop: one row
+    assert [lnm._rows_per_program(m, 3, True) for m in ms] == [1, 1, 2, 2, 2, 2]  # held: 6 vectors
+    assert [lnm._rows_per_program(m, 3, False) for m in ms] == [1] * 6  # held without residual: 3
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter: few, wide programs
     assert [lnm._rows_per_program(m) for m in (1, 5, 33, 4096)] == [1, 8, 32, 32]
 
@@ -453,3 +456,23 @@ def test_registry_points_here():
         ("norm.gate_residual_layernorm_modulate_fp32", gate_residual_layernorm_modulate_fp32),
     ):
         assert registry.select(op, backend="triton", device="cpu").load() is fn
+
+
+def test_prefetch_switch(monkeypatch):
+    """DITFUSE_LN_PREFETCH: auto (default) prefetches the runtime loop with a residual only; 1 / 0
+    force it; the held and warp kernels never take it (their rows are loaded at once)."""
+    x = _x((1, 3, 1024), torch.bfloat16, 90)
+    sc = _x((1, 1024), torch.bfloat16, 91, 0.5, 0.0)
+    g, u = _x((1, 1024), torch.bfloat16, 92, 0.5, 0.0), _x((1, 3, 1024), torch.bfloat16, 93)
+
+    def pf(gated, **kw):
+        r = lnm._recipe(x, g if gated else None, u if gated else None, sc, sc, EPS, None, None, None, True, **kw)
+        return r.block[2]["PREFETCH"]
+    monkeypatch.delenv("DITFUSE_LN_PREFETCH", raising=False)
+    assert pf(True, unroll=False) and not pf(False, unroll=False)
+    assert not pf(True) and not pf(True, unroll=True, warp=False)  # held rows: nothing to prefetch
+    monkeypatch.setenv("DITFUSE_LN_PREFETCH", "1")
+    assert pf(False, unroll=False)
+    monkeypatch.setenv("DITFUSE_LN_PREFETCH", "0")
+    assert not pf(True, unroll=False)
+    assert pf(True, unroll=False, prefetch=True)

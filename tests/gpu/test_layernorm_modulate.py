@@ -319,13 +319,14 @@ def test_warp_held_rows_and_runtime_loop_agree_with_eager(D):
     sc, sh, g = (_rand((B, 1, D), F32, gen, 0.5) for _ in range(3))
     exp_plain = ref.layernorm_modulate(x, sc, sh, EPS, norm_dtype=F32)
     exp_gated = ref.gate_residual_layernorm_modulate(x, g, u, sc, sh, EPS, norm_dtype=F32)
-    paths = {"held": dict(warp=False), "loop": dict(unroll=False, prefetch=False),
-             "loop_prefetch": dict(unroll=False, prefetch=True)}
+    paths = {"loop": dict(unroll=False, prefetch=False), "loop_prefetch": dict(unroll=False, prefetch=True)}
+    if D <= 3072:  # wider rows are never held (warp=False gives the loop)
+        paths["held"] = dict(warp=False)
     if D % 512 == 0:
         paths["warp"] = dict(warp=True)
     failures = []
     for path, kw in paths.items():
-        for R in (1, 2, 4, 8) if path == "warp" else (1, 2, 4):
+        for R in (1, 2, 4, 8) if path == "warp" else (1, 4) if path.startswith("loop") else (1, 2, 4):
             label = f"D={D} {path} R={R}"
             got = lnm._launch(x, None, None, sc, sh, EPS, None, None, F32, True, rows_per_program=R, **kw)[1]
             mm = compare_outputs(got, exp_plain, label + " plain")

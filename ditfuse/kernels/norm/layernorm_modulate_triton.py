@@ -56,6 +56,7 @@ from ditfuse.kernels.common.host import (
     device_reason,
     grad_reason,
     in_eager_layout,
+    interpreter_on,
     held_steps,
     LN_WARP_MAX_STEPS,
     promote,
@@ -547,12 +548,19 @@ def _mod_strides(t: torch.Tensor | None) -> tuple[int, int, int]:
     return t.stride(0), (0 if t.shape[1] == 1 else t.stride(1)), t.stride(2)
 
 
-def ln_prefetch() -> bool:
-    """``DITFUSE_LN_PREFETCH``: the runtime-loop LayerNorm kernel (rows wider than the held
+def ln_prefetch(residual: bool) -> bool:
+    """``DITFUSE_LN_PREFETCH``: whether the runtime-loop LayerNorm kernel (rows wider than the held
     ones: D > 3072 in the 128-thread kernel) loads step j + 1 before step j's arithmetic, in both
-    passes (``PREFETCH``; the same element order and arithmetic, so the same bits). Default 0
-    until measured (bench/probes/probe_ln_prefetch.py)."""
-    return env("DITFUSE_LN_PREFETCH", "0") not in ("", "0")
+    passes (``PREFETCH``; the same element order and arithmetic, so the same bits). ``auto``
+    (default): with a residual add before the norm, ``1`` always, ``0`` never. Round 22 (H100,
+    bench/probes/probe_ln_prefetch.py, one row per program): with a residual the prefetch gained
+    2-4 % (FLUX gated LN at [2, 32760, 5120] 1.012 -> 0.972 ms, Wan-14B's norm2 / norm3 0.507 ->
+    0.497 / 0.492 ms, FLUX.2's 6144 0.097 -> 0.093 ms), without one it lost 1-12 % (6144: 0.057 ->
+    0.058 ms; 4096: 0.089 -> 0.100 ms)."""
+    mode = env("DITFUSE_LN_PREFETCH", "auto")
+    if mode == "auto":
+        return residual
+    return mode not in ("", "0")
 
 
 def _rows_per_program(M: int, js: int = 0, residual: bool = False) -> int:
@@ -560,7 +568,13 @@ def _rows_per_program(M: int, js: int = 0, residual: bool = False) -> int:
     vectors per thread with a residual (its h stores keep more bytes in flight per row), 3
     without. From the H200 sweep (bench/probes/probe_held_rows.py,
     bench/results/probe_held_rows_h200.csv): Wan's 1536 (3 vectors) is fastest at R = 2 gated and
-    R = 1 plain, FLUX's 3072 (6) at R = 1, and R = 4 at either costs 20-60 %."""
+    R = 1 plain, FLUX's 3072 (6) at R = 1, and R = 4 at either costs 20-60 %. The runtime loop
+    (wider rows) runs one row per program on the GPU: round 22 (H100, probe_ln_prefetch) measured
+    R = 1 fastest at every width and chain it runs (4096, 5120, 6144; plain, gated, Wan's fp32
+    chains), 6-13 % ahead of the R = 4 it had (FLUX gated at [2, 32760, 5120] 1.081 -> 1.012 ms
+    without the prefetch)."""
+    if js == 0 and not interpreter_on():
+        return 1
     return rows_per_program(M, js, 6 if residual else 3)
 
 
@@ -625,7 +639,7 @@ def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     JS = held_steps(J, unroll)
     R = rows_per_program or _rows_per_program(M, JS, res != _NO_RES)
     block = ((cdiv(M, R),), (M, S, D, nvec, J, float(eps), *strides),
-             dict(flags, R=R, JS=JS, FULL=nvec % 128 == 0, PREFETCH=JS == 0 and (ln_prefetch() if prefetch is None else prefetch), num_warps=4))
+             dict(flags, R=R, JS=JS, FULL=nvec % 128 == 0, PREFETCH=JS == 0 and (ln_prefetch(res != _NO_RES) if prefetch is None else prefetch), num_warps=4))
     return _Recipe(res, out_dt, h_dt, False, warp_launch, block)
 
 
@@ -669,7 +683,7 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     (False) the warp-per-row kernel, by default taken where it measured faster (common/host.py
     ``warp_rows_enabled``; ``DITFUSE_ROW_KERNEL`` overrides; tests and benchmarks compare the ways;
     same bits). ``prefetch`` forces (True) or refuses (False) the runtime loop's prefetch
-    (default :func:`ln_prefetch`; same bits). The launch never
+    (default :func:`ln_prefetch`: with a residual; same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
     then stay torch's, bit for bit, and only the epilogue's roundings go."""
     return _fire(_recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact, rows_per_program,
