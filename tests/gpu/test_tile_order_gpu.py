@@ -13,7 +13,7 @@ from ditfuse.kernels.compare import assert_bitwise_equal
 from tests.support.specials import with_specials
 
 DEV = "cuda"
-TILES = [None, (1, 1024, 4), (1, 1024, 8), (2, 2048, 8)]
+TILES = [None, (4, 1024, 8), (1, 1024, 4), (2, 2048, 8)]
 
 
 def _rand(shape, scale=1.0):

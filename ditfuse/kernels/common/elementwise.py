@@ -286,7 +286,10 @@ def act_cat_recipe(attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None,
     DM = x.shape[2]
     if B * S * (DA + DM) == 0:
         return None
-    block_r, block_d, warps = tile_ or tile(math.gcd(DA, DM), per_program=4096)
+    # 2048 elements on 4 warps, column block fastest: round 22's H100 sweep (probe_tile_order,
+    # every variant bitwise) had it 1.5 % ahead of 4096 on 8 warps at [2, 32760, 5120 + 20480]
+    # and within 0.5 % at FLUX.1's [1, 4608, 3072 + 12288].
+    block_r, block_d, warps = tile_ or (*tile(math.gcd(DA, DM), per_program=2048)[:2], 4)
     if cols_first is None:
         cols_first = tile_cols_first()
     uu = x if u is None else u
@@ -319,6 +322,6 @@ def act_cat_fire(recipe: tuple | None, act, p, attn: torch.Tensor, x: torch.Tens
 def launch_act_cat(act, p, attn: torch.Tensor, x: torch.Tensor, u: torch.Tensor | None, dtype_tl) -> torch.Tensor:
     """``cat([attn, act(x[, u])], -1)`` as a new contiguous ``[B, S, DA + DM]`` tensor (attn
     ``[B, S, DA]``, x and u ``[B, S, DM]``, any strides; u None: the activation reads x only).
-    Column blocks divide gcd(DA, DM) where possible (FLUX: 1024), 4096 elements per program as
-    for the activations alone (H200 sweeps: notes/elementwise.md)."""
+    Column blocks divide gcd(DA, DM) where possible (FLUX: 1024), 2048 elements per program on 4
+    warps (act_cat_recipe)."""
     return act_cat_fire(act_cat_recipe(attn, x, u), act, p, attn, x, u, dtype_tl)
