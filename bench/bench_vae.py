@@ -30,8 +30,6 @@ def interleaved_ab(vae, dec, var: str, pairs: int, row: dict) -> list[dict]:
     """Eager once (the reference), then the lossless decode with ``var`` = 0 and 1 alternately on
     one accelerated VAE (the order flips every pair); rows with each setting's median and the
     median of the paired differences (B - A)."""
-    import statistics
-
     import torch
 
     import ditfuse

@@ -15,7 +15,6 @@ the logical bytes (attn + mlp read, out written) over a 1 GiB device copy's rate
 
 from __future__ import annotations
 
-import csv
 import os
 
 import torch
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from bench.probes.common import copy_gbs, write_csv
 from ditfuse.kernels.activation import gelu_tanh_triton as g
 from ditfuse.kernels.common import elementwise as ew
 from ditfuse.kernels.common.host import tl_dtype
@@ -35,13 +35,6 @@ TILES = [(r, d, w) for d in (512, 1024, 2048) for r in (1, 2, 4, 8) for w in (4,
 
 def eager(attn, mlp):
     return torch.cat([attn, F.gelu(mlp, approximate="tanh")], dim=2)
-
-
-def copy_gbs() -> float:
-    src = torch.empty(1 << 29, dtype=BF, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
 
 
 def ours(attn, mlp, tile, tanh_impl):
@@ -84,11 +77,7 @@ def main() -> None:
         sweep(label, B, S, D, bw, rows)
         torch.cuda.empty_cache()
     out_dir = os.environ.get("OUT", "/tmp/probe_out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "probe_act_cat_tiles.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out_dir, "probe_act_cat_tiles.csv", rows)
     for label in SHAPES:
         mine = [r for r in rows if r["shape"] == label and r["bitwise"] and r["variant"][:3] in ("ptx", "lib")]
         best = max(mine, key=lambda r: r["pct_of_copy"])

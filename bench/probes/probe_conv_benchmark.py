@@ -14,12 +14,13 @@ share of differing elements against the heuristic's (how "close" the other algor
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from bench.probes.common import write_csv
 
 # (name, input shape [B, C, (T,) H, W] already padded for the 3-D ones, out channels, kernel, padding)
 SHAPES = [
@@ -71,11 +72,7 @@ def main() -> int:
               f"max|d| {row['max_abs_diff']:.3g}  differing {row['differing']:.4f}", flush=True)
         res = h_out = t_out = out = diff = x = w = None  # free the large tensors before the next shape
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_conv_benchmark.csv"), "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(args.out, "probe_conv_benchmark.csv", rows)
     return 0
 
 

@@ -15,12 +15,13 @@ Prints ms per block-worth and the fused result's max |difference| against the se
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from bench.probes.common import write_csv
 
 CASES = [
     ("single q,k,v,mlp", 4608, [3072, 3072, 3072, 12288]),
@@ -57,11 +58,7 @@ def main() -> int:
         print(f"{name:<24} separate {t_sep:7.4f} ms ({row['tflops_separate']} TF/s)  fused {t_fused:7.4f} ms "
               f"({row['tflops_fused']} TF/s)  x{row['speedup']:.3f}  max|d| {row['max_abs_diff']:.3g} "
               f"differing {row['differing']:.4f}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_fused_projections.csv"), "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(args.out, "probe_fused_projections.csv", rows)
     return 0
 
 

@@ -13,13 +13,13 @@ logical bytes (inputs read once, outputs written once) over the device copy band
 
 from __future__ import annotations
 
-import csv
 import os
 
 import torch
 import triton
 import triton.testing
 
+from bench.probes.common import write_csv
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.activation import gelu_tanh_triton as gt
 from ditfuse.kernels.common import elementwise as ew
@@ -56,12 +56,7 @@ def row(case, variant, fn, expected, nbytes, copy_gbs):
 
 def write_rows(name: str, rows: list[dict]) -> None:
     """A probe's rows as CSV ``name`` under $OUT (default /tmp/probe_out)."""
-    out_dir = os.environ.get("OUT", "/tmp/probe_out")
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, name), "w", newline="") as f:
-        wtr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wtr.writeheader()
-        wtr.writerows(rows)
+    write_csv(os.environ.get("OUT", "/tmp/probe_out"), name, rows)
 
 
 def ln_cases(B, S, D, wan):

@@ -10,7 +10,6 @@ copy of the cached frames as the bandwidth yardstick.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -19,6 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench.probes.common import write_csv  # noqa: E402
 from ditfuse.kernels.layout import pad_channels_last_triton as pc  # noqa: E402
 
 SHAPES = [(1, 96, 4, 480, 832), (1, 192, 4, 240, 416), (1, 384, 2, 120, 208)]
@@ -57,11 +57,7 @@ def main() -> int:
                 print(f"{rows[-1]['shape']:>18} {rows[-1]['launch']:<26} {ms:8.4f} ms {mb / ms:8.1f} GB/s "
                       f"{'' if ok else 'WRONG'}", flush=True)
         out = exp = cache = None
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_pad_border.csv"), "w", newline="") as f:
-        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
-        wr.writeheader()
-        wr.writerows(rows)
+    write_csv(args.out, "probe_pad_border.csv", rows)
     return 0
 
 

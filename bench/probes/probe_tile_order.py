@@ -17,7 +17,6 @@ bandwidth from the logical bytes over a 1 GiB device copy's rate.
 
 from __future__ import annotations
 
-import csv
 import os
 import statistics
 
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from bench.probes.common import copy_gbs, write_csv
 from ditfuse.kernels.activation import gelu_tanh_triton as g
 from ditfuse.kernels.common import elementwise as ew
 from ditfuse.kernels.common.host import tl_dtype
@@ -40,13 +40,6 @@ TILES = [(4, 1024, 8), (1, 1024, 4), (1, 1024, 8), (2, 1024, 4), (2, 1024, 8), (
 
 def bench(fn) -> float:
     return statistics.median(triton.testing.do_bench_cudagraph(fn) for _ in range(3))
-
-
-def copy_gbs() -> float:
-    src = torch.empty(1 << 29, dtype=BF, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench(lambda: dst.copy_(src))
-    return 2 * src.numel() * 2 / (ms * 1e-3) / 1e9
 
 
 def cat_variant(attn, mlp, tile_, cols_first):
@@ -97,7 +90,6 @@ def sweep_one(label, nbytes, bw, eager_fn, variants, rows):
 
 def main() -> int:
     out_dir = os.environ.get("OUT", "/tmp/probe_out")
-    os.makedirs(out_dir, exist_ok=True)
     bw = copy_gbs()
     print(f"copy bandwidth {bw:.1f} GB/s ({torch.cuda.get_device_name()})")
     rows: list[dict] = []
@@ -120,11 +112,7 @@ def main() -> int:
         sweep_one(label, 4 * x.numel(), bw, lambda t=x: F.gelu(t, approximate="tanh"), variants, rows)
         del x, out
         torch.cuda.empty_cache()
-    path = os.path.join(out_dir, "probe_tile_order.csv")
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["shape", "provider", "ms", "pct_of_copy", "bitwise_equal"])
-        w.writeheader()
-        w.writerows(rows)
+    path = write_csv(out_dir, "probe_tile_order.csv", rows)
     print(f"wrote {path}")
     for label in list(CAT_SHAPES) + list(GELU_SHAPES):
         mine = [r for r in rows if r["shape"] == label and r["ms"] != "" and r["provider"] not in ("eager", "compile")]

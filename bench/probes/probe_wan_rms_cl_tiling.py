@@ -12,7 +12,6 @@ Writes probe_wan_rms_cl_tiling.csv (OUT or --out) and prints the best launch per
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -20,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench.probes.common import write_csv  # noqa: E402
 from ditfuse.kernels import reference as ref  # noqa: E402
 from ditfuse.kernels.norm import wan_rms_norm_silu_triton as wk  # noqa: E402
 
@@ -73,11 +73,7 @@ def main() -> int:
               + f"; current {wk.CL_LAUNCH} {cur[0]['ms'] if cur else '?'} ms; best ksub={best['ksub']} bp={best['bp']} "
               f"warps={best['warps']} {best['ms']} ms ({best['gbps']} GB/s); all bitwise: "
               f"{all(r['bitwise'] for r in rows if r['shape'] == best['shape'])}", flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_wan_rms_cl_tiling.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, "probe_wan_rms_cl_tiling.csv", rows)
     return 0
 
 

@@ -13,7 +13,6 @@ bitwise against the production kernel's output.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from bench.probes.common import write_csv  # noqa: E402
 from ditfuse.kernels.norm import wan_rms_norm_silu_triton as wk  # noqa: E402
 
 SHAPES = [(1, 96, 4, 480, 832), (1, 192, 4, 240, 416), (1, 384, 2, 120, 208)]
@@ -78,11 +78,7 @@ def main() -> int:
                              gbps=round(mb / ms, 1), pct_copy=round(100 * copy_ms / ms, 1)))
             print(f"{rows[-1]['shape']:>18} {name:<30} {ms:8.4f} ms {mb / ms:8.1f} GB/s {100 * copy_ms / ms:6.1f} % of copy",
                   flush=True)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "probe_wan_rms_cost.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(args.out, "probe_wan_rms_cost.csv", rows)
     return 0
 
 
