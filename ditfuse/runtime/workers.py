@@ -831,8 +831,12 @@ class GroupLane:
         quiet = None if on_step is None else (lambda i, total: None)
         runs = [m.run(batch_id, quality, slots, pad_to, on_step if r == 0 else quiet) for r, m in enumerate(self.members)]
         results = await asyncio.gather(*runs, return_exceptions=True)
-        died = next((r for r in results if isinstance(r, WorkerDied)), None)
-        if died is not None:
+        dead = next((m for m, r in zip(self.members, results) if isinstance(r, WorkerDied)), None)
+        if dead is not None:
+            # The member's reader thread settles its job before it calls its exit listeners, so
+            # the gather can finish before _member_exited ran: record the death here (idempotent;
+            # a member we killed ourselves is never first, _first_dead was set before the kill).
+            self._member_exited(dead)
             raise WorkerDied(f"{self.exit_description()} while running batch {batch_id}")
         if isinstance(results[0], BaseException):
             raise results[0]

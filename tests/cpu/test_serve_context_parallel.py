@@ -163,3 +163,41 @@ def test_serve_parallel_context_needs_two_devices(capsys):
     assert "--parallel context spreads each request over several devices" in capsys.readouterr().err
     assert cli.main(["serve", "--parallel", "context", "--parallel-mode", "ring", "--devices", "cpu,cpu"]) == 2
     assert "ring attention needs a GPU" in capsys.readouterr().err
+
+
+class _FakeMember:
+    """A Worker stand-in whose batch fails with WorkerDied before its exit listeners ran: the
+    order a member's reader thread uses (settle the job, then tell the listeners) lets the
+    group's gather finish in between."""
+
+    def __init__(self, pid: int, dies: bool) -> None:
+        self.pid, self.device, self.dies = pid, "cpu", dies
+        self.alive = True
+        self._listeners: list = []
+        self.process = type("P", (), {"is_alive": staticmethod(lambda: False), "kill": staticmethod(lambda: None)})()
+
+    def exit_description(self) -> str:
+        return f"worker {self.pid} (cpu, pid {self.pid}) exited with exit code -9 (SIGKILL)"
+
+    async def run(self, batch_id, quality, slots, pad_to, on_step=None):
+        if self.dies:
+            self.alive = False
+            raise WorkerDied(f"{self.exit_description()} while running batch {batch_id}")
+        return [], {}
+
+
+@pytest.mark.parametrize("dead_rank", [0, 1])
+def test_group_names_the_dead_member_before_its_listener_ran(dead_rank):
+    from ditfuse.runtime.workers import GroupLane
+
+    members = [_FakeMember(100 + r, dies=r == dead_rank) for r in range(2)]
+    lane = GroupLane(members)
+    told = []
+    lane._listeners.append(told.append)
+    with pytest.raises(WorkerDied) as e:
+        asyncio.run(lane.run(7, None, [], None))
+    msg = str(e.value)
+    assert "is alive" not in msg and f"pid {100 + dead_rank}) exited with exit code -9" in msg, msg
+    assert told == [lane], "the engine's listener was not told the lane died"
+    members[dead_rank]._listeners[0](members[dead_rank])  # the reader thread's late call: no-op
+    assert told == [lane]
