@@ -131,14 +131,51 @@ def build_tiny_wan() -> Any:
     return build_tiny_wan_like(WanPipeline, transformer)
 
 
-def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any], flow_shift: float = 3.0) -> Any:
+def build_tiny_wan_i2v() -> Any:
+    """Build the tiny WanImageToVideoPipeline in memory (random weights, seed ``TINY_WAN_SEED``):
+    Wan 2.1 image-to-video in miniature. tiny-wan's parts plus a CLIP vision encoder (2 layers,
+    width :data:`TINY_CLIP_WIDTH`, 32-px crops in 8-px patches) whose second-to-last hidden states
+    are the image tokens, and a transformer that reads them through the I2V image embedder and the
+    added k/v of its cross-attention. Its input is Wan 2.1 I2V's: 16 noise channels, the 4-channel
+    first-frame mask and the image's 16 latent channels (36)."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    heads, head_dim = 2, 12
+
+    def transformer() -> Any:
+        return WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+            in_channels=16 + 4 + 16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1,
+            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=256,
+            image_dim=TINY_CLIP_WIDTH, added_kv_proj_dim=heads * head_dim,
+        )
+
+    def image_parts() -> dict[str, Any]:
+        encoder = CLIPVisionModel(CLIPVisionConfig(
+            hidden_size=TINY_CLIP_WIDTH, intermediate_size=2 * TINY_CLIP_WIDTH, num_hidden_layers=2,
+            num_attention_heads=2, image_size=32, patch_size=8,
+        )).eval()
+        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+        return {"image_encoder": encoder, "image_processor": processor}
+
+    return build_tiny_wan_like(WanImageToVideoPipeline, transformer, extra=image_parts)
+
+
+# The tiny I2V pipeline's CLIP width (its transformer's image_dim).
+TINY_CLIP_WIDTH = 16
+
+
+def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any], flow_shift: float = 3.0,
+                        extra: "Callable[[], dict[str, Any]] | None" = None) -> Any:
     """A ``pipeline_class`` built from the tiny Wan parts around ``make_transformer()``: the
     character-level T5 tokenizer (:data:`TINY_WAN_TEXT_LEN` positions), a 1-layer UMT5 encoder of
     width 32, the transformer, the tiny ``AutoencoderKLWan`` (16 latent channels, 8x spatial and
     4x temporal compression) and UniPC with flow-matching sigmas at ``flow_shift``. For the
     pipelines diffusers builds on Wan's components (``WanPipeline``, ``SkyReelsV2Pipeline``):
     their ``__init__`` takes exactly these five. The transformer must read 32-wide text states and
-    16 latent channels.
+    16 latent channels. ``extra()`` builds further components the class takes (drawn after the
+    VAE, so they leave the five parts' weights as they are).
 
     Random weights from ``torch.manual_seed(TINY_WAN_SEED)``, drawn in a fixed order (text
     encoder, transformer, VAE): the same ``make_transformer`` gives the same pipeline, and
@@ -193,4 +230,5 @@ def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any
         vae=vae,
         scheduler=scheduler,
         transformer=transformer,
+        **(extra() if extra is not None else {}),
     )

@@ -54,6 +54,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                         "HunyuanVideo 1.5 121, LTX-Video 161, SkyReels-V2 97)")
     p.add_argument("--seconds", type=float, default=None,
                    help="video models: clip length instead of --frames (the 4k+1 or 8k+1 frame count nearest to seconds*fps+1)")
+    p.add_argument("--image", type=Path, default=None,
+                   help="image-to-video models (tiny-wan-i2v, a WanImageToVideoPipeline directory): the image the clip "
+                        "starts from (required there); without --size the clip takes its aspect ratio at the "
+                        "model's default area")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")
@@ -81,7 +85,9 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request fails with 504")
     p.add_argument("--no-pad-batches", action="store_true", help="run partial batches unpadded (faster at low load; an image may then depend on its batch size)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (all routes but /health)")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="largest accepted request body")
+    p.add_argument("--max-body-bytes", type=int, default=None,
+                   help=f"largest accepted request body (default {DEFAULT_MAX_BODY_BYTES}; an image-to-video model "
+                        "adds room for one 32 MiB input image)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     par = p.add_argument_group("several GPUs (data parallel: one worker process and pipeline per device, one "
                                "queue; context parallel: every request spread over all devices; docs/serving.md)")

@@ -252,6 +252,15 @@ def run_batch(
         if spec.fps_kwarg is not None and getattr(loaded, "fps", None):
             # LTX-Video: the frame rate scales its RoPE in time; the clip is written at loaded.fps
             kwargs[spec.fps_kwarg] = loaded.fps
+    # -- image-to-video: the one image every slot of the call starts from (equal signatures:
+    # equal pixel fingerprints) ------------------------------------------------------------------
+    why = spec.check_image(p0.image is not None)
+    if why is not None:
+        raise ValueError(why)
+    if spec.image_kwarg is not None:
+        from .inputs import open_image
+
+        kwargs[spec.image_kwarg] = open_image(p0.image, p0.image_sha256)
     # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
     steps_counted = None

@@ -5,11 +5,13 @@ mounts ditfuse with ``ditfuse.models.accelerate``, runs the pipeline with a prog
 denoising steps and writes PNGs carrying the sampling parameters as PNG text metadata. With
 ``--n 2 --out out.png`` the files are ``out-0.png`` and ``out-1.png``.
 
-A video model (``tiny-wan``, ``tiny-hunyuanvideo15``, ``tiny-ltx``, ``tiny-hunyuanvideo``,
-``tiny-skyreels-v2``, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline or
-SkyReelsV2Pipeline directory) writes one clip instead: ``--frames`` (4k+1;
+A video model (``tiny-wan``, ``tiny-wan-i2v``, ``tiny-hunyuanvideo15``, ``tiny-ltx``,
+``tiny-hunyuanvideo``, ``tiny-skyreels-v2``, or a directory of a video pipeline class:
+runtime/pipelines.py) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
-``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode.
+``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode. An
+image-to-video model (``tiny-wan-i2v``, a WanImageToVideoPipeline directory) needs ``--image``,
+the picture the clip starts from; the clip's metadata carries its pixels' SHA-256.
 
 ``--gpus N`` (or ``--devices``) spreads the one generation over N devices with diffusers' context
 parallelism: the command re-runs itself under torchrun, one process per device, and rank 0 prints
@@ -98,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
     """One generation in this process; ``rank`` (distributed.Rank) when it is one of several."""
     from .params import ParamError, SamplingParams
-    from .presets import PRESET_TABLE, load_model, lora_specs
+    from .presets import PRESET_TABLE, load_model, lora_specs, video_models_hint
 
     def out_path(info: Any) -> Path:
         if getattr(args, "out", None) is not None:
@@ -110,7 +112,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         video = info.kind == "video"
         frames, seconds = getattr(args, "frames", None), getattr(args, "seconds", None)
         if not video and (frames is not None or seconds is not None):
-            raise ParamError("frames", f"--frames/--seconds need a video model (tiny-wan, tiny-hunyuanvideo15, tiny-ltx, tiny-hunyuanvideo, tiny-skyreels-v2, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline or SkyReelsV2Pipeline directory); {args.model} makes images")
+            raise ParamError("frames", f"--frames/--seconds need a video model ({video_models_hint()}); {args.model} makes images")
         out = out_path(info)
         if video:
             video_format(out)  # ValueError for anything but .mp4/.webp/.gif
@@ -121,6 +123,20 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             fmt = out.suffix.lower().lstrip(".") or "png"
             fmt = {"jpg": "jpeg"}.get(fmt, fmt)
         spec = info.spec
+        image_path = getattr(args, "image", None)
+        why = spec.check_image(image_path is not None)
+        if why is not None:
+            raise ParamError("image", f"{why} (--image PATH)" if image_path is None else why)
+        image = default_size = None
+        if image_path is not None:
+            from .inputs import decode_image, pixel_sha256, size_for_image
+
+            try:
+                data = Path(image_path).expanduser().read_bytes()
+            except OSError as e:
+                raise ParamError("image", f"--image {str(image_path)!r}: {e.strerror or e}") from None
+            image = decode_image(data, "image")
+            default_size = size_for_image(image.width, image.height, info.default_size, info.size_multiple)
         true_cfg = getattr(args, "true_cfg_scale", None)
         named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", true_cfg),
                                 ("negative_prompt", args.negative_prompt)) if v is not None}
@@ -143,9 +159,11 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             negative_prompt=args.negative_prompt,
             true_cfg_scale=spec.default_true_cfg if true_cfg is None else true_cfg,
             output_format=fmt,
-            default_size=info.default_size,
+            default_size=default_size or info.default_size,
             size_multiple=info.size_multiple,
         )
+        if image is not None:
+            params = params.with_(image=str(Path(image_path).expanduser().resolve()), image_sha256=pixel_sha256(image))
         if video:
             params = params.with_(num_frames=resolve_num_frames(
                 seconds=seconds, num_frames=frames, fps=info.fps,
@@ -282,6 +300,8 @@ def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: fl
         f"at {loaded.fps} fps), {steps} steps, guidance {params.guidance_scale:g}, seed {params.seed}, "
         f"quality {params.quality.value}"
     )
+    if params.image is not None:
+        print(f"image: {params.image} (pixels sha256 {params.image_sha256})")
     print("timings:")
     print(f"  load + accelerate : {t_loaded - t_start:8.3f} s")
     if stamps:

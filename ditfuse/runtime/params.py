@@ -99,6 +99,10 @@ class SamplingParams:
     output_format: str = "png"
     # Video requests only (None for images): the clip's frame count; see resolve_num_frames.
     num_frames: int | None = None
+    # Image-to-video only: the image the clip starts from, as a file on this machine (runtime/
+    # inputs.py), and the SHA-256 of its RGB pixels; requests share a batch only with equal ones.
+    image: str | None = None
+    image_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -189,6 +193,7 @@ class SamplingParams:
             self.uses_true_cfg,
             self.true_cfg_scale if self.uses_true_cfg else 1.0,
             self.num_frames,
+            self.image_sha256,
         )
 
     def with_(self, **changes: Any) -> "SamplingParams":
@@ -209,6 +214,8 @@ class SamplingParams:
             meta["true_cfg_scale"] = repr(self.true_cfg_scale)
         if self.num_frames is not None:
             meta["num_frames"] = str(self.num_frames)
+        if self.image_sha256 is not None:
+            meta["image_sha256"] = self.image_sha256
         if model is not None:
             meta["model"] = model
         return meta

@@ -136,10 +136,28 @@ class PipelineSpec:
     # Whether cuda_graph="auto" captures its transformer steps: False where the forward syncs
     # with the host (capture would fail on every new shape, and the step run eager anyway).
     cuda_graphs: bool = True
+    # Image-to-video: the call argument that takes the image the clip starts from (every request
+    # must bring one; the pipeline conditions one call on one image, so only requests with the
+    # same image share a batch). None: the pipeline takes no image.
+    image_kwarg: str | None = None
 
     @property
     def is_video(self) -> bool:
         return self.kind == "video"
+
+    @property
+    def takes_image(self) -> bool:
+        return self.image_kwarg is not None
+
+    def check_image(self, given: bool) -> str | None:
+        """Why a request with (``given``) or without an input image cannot run here, else None."""
+        if self.takes_image and not given:
+            return f"{self.label} ({self.name}) generates from an image: the request needs one"
+        if given and not self.takes_image:
+            with_image = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_image)
+            return (f"{self.label} ({self.name}) is text-only and takes no input image; image-to-video "
+                    f"needs an image-to-video pipeline ({with_image}; preset tiny-wan-i2v)")
+        return None
 
     @property
     def takes_true_cfg(self) -> bool:
@@ -198,6 +216,15 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # Wan 2.1 / 2.2 text-to-video: 16 fps, 81 frames (5 s) at 832x480 by default.
         PipelineSpec("WanPipeline", "Wan", kind="video", default_steps=50, default_guidance=5.0,
                      default_size=(832, 480), size_multiple=_wan_multiple, fps=16, default_frames=81),
+        # Wan 2.1 / 2.2 image-to-video (WanImageToVideoPipeline): every default from diffusers
+        # 0.42.1's __call__ signature (50 steps, guidance 5.0 with CFG above 1, 832x480, 81 frames
+        # at Wan's 16 fps). A request's image is resized to the clip's size (video_processor); a
+        # request naming no size gets the image's aspect ratio at the default's area (diffusers'
+        # I2V example does the same). Wan 2.1 I2V encodes the image with CLIP as well (one image
+        # per call: image_embeds.repeat(batch_size)); Wan 2.2 A14B / TI2V-5B use only its latents.
+        PipelineSpec("WanImageToVideoPipeline", "Wan image-to-video", kind="video", default_steps=50,
+                     default_guidance=5.0, default_size=(832, 480), size_multiple=_wan_multiple, fps=16,
+                     default_frames=81, image_kwarg="image"),
         # HunyuanVideo 1.5 text-to-video: its guidance scale lives on the guider component; 24 fps,
         # 121 frames (5 s) by default.
         PipelineSpec("HunyuanVideo15Pipeline", "HunyuanVideo 1.5", kind="video", guidance=GUIDANCE_GUIDER,

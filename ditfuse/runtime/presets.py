@@ -150,6 +150,25 @@ def _tiny_video_preset(name: str, family: str, pipeline: str, label: str, defaul
 
 
 PRESET_TABLE.update({p.name: p for p in (
+    # Wan 2.1 image-to-video (WanImageToVideoPipeline): tiny-wan's geometry, frame rule and call
+    # kwargs, plus a CLIP vision encoder; every request brings the image its clip starts from.
+    Preset(
+        name="tiny-wan-i2v",
+        builder="ditfuse.models.wan_configs:build_tiny_wan_i2v",
+        version=1,
+        default_size=(832, 480),
+        size_multiple=16,
+        call_kwargs={"max_sequence_length": 128},
+        note="tiny-wan-i2v has random weights: its videos are noise (it exercises the Wan image-to-video "
+             "pipeline, not video quality)",
+        kind="video",
+        fps=16,
+        frame_multiple=4,
+        default_frames=17,
+        default_steps=8,
+        default_guidance=5.0,
+        pipeline="WanImageToVideoPipeline",
+    ),
     _tiny_video_preset("tiny-hunyuanvideo15", "hunyuanvideo15", "HunyuanVideo15Pipeline", "HunyuanVideo 1.5",
                        (256, 144), 16, fps=24, frame_multiple=4,
                        prepare="ditfuse.models.hunyuanvideo15_configs:set_text_lengths"),
@@ -531,6 +550,16 @@ def is_video_model(model: str) -> bool:
     if not (path / "model_index.json").is_file():
         return False
     return spec_for(pipeline_class(path)).is_video
+
+
+def video_models_hint() -> str:
+    """What can make videos, for messages: the video presets, then the video pipeline classes a
+    directory may hold (both read from the tables, so a new family shows up by itself)."""
+    from .pipelines import PIPELINE_SPECS
+
+    presets = [name for name, p in PRESET_TABLE.items() if p.kind == "video"]
+    classes = [name for name, spec in PIPELINE_SPECS.items() if spec.is_video]
+    return f"{', '.join(presets)}, or a {', '.join(classes[:-1])} or {classes[-1]} directory"
 
 
 CUDA_GRAPH_SETTINGS = ("auto", "on", "off")

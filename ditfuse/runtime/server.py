@@ -93,6 +93,15 @@ DEFAULT_QUALITY_ALIASES = ("auto", "standard")
 ALLOWED_QUALITY = [q.value for q in Quality] + list(DEFAULT_QUALITY_ALIASES) + list(OPENAI_QUALITY_ALIASES)
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
+
+def default_max_body_bytes(engine: Any) -> int:
+    """The body limit a server gets when it names none: 1 MiB, plus room for one input image
+    (runtime/inputs.MAX_INPUT_BYTES, base64 included) on an image-to-video model."""
+    from .inputs import MAX_INPUT_BYTES
+
+    takes_image = engine.loaded.spec.takes_image
+    return DEFAULT_MAX_BODY_BYTES + (MAX_INPUT_BYTES * 4 // 3 if takes_image else 0)
+
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -179,6 +188,10 @@ def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
     refused = spec.check_request({k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if body.get(k) is not None})
     if refused:
         raise ParamError(*refused)
+    if spec.takes_image:
+        raise APIError(400, f"{engine.model_name!r} ({spec.name}) generates video from an image, and "
+                            "/v1/images/generations takes no input image: create a video with input_reference "
+                            "(POST /v1/videos)", "model", "model_needs_image")
     # the pipeline's defaults for what the request leaves out (diffusers' own, runtime/pipelines.py)
     kwargs: dict[str, Any] = {"true_cfg_scale": spec.default_true_cfg}
     if loaded.default_steps is not None:
@@ -413,7 +426,7 @@ def _note(request: Request, **fields: Any) -> None:
 def create_app(
     engine: Engine,
     api_key: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_body_bytes: int | None = None,
     *,
     access_log: bool = True,
     log_prompts: bool = False,
@@ -423,7 +436,9 @@ def create_app(
     :class:`ObservedApp` (access log, request counts). Starts and drains ``engine`` with the app's
     lifespan, and logs the shutdown line when it has drained. ``videos`` (a
     :class:`ditfuse.runtime.videos.VideoJobs`) adds the videos API; without it a video-less server
-    answers /v1/videos with a clear 400."""
+    answers /v1/videos with a clear 400. ``max_body_bytes``: None for :func:`default_max_body_bytes`."""
+    if max_body_bytes is None:
+        max_body_bytes = default_max_body_bytes(engine)
     started = int(time.time())
     observed: ObservedApp | None = None
 
@@ -775,7 +790,8 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
     )
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"WARNING: listening on {args.host} without --api-key", file=sys.stderr)
-    routes = "POST /v1/images/generations"
+    # an image-to-video model's images route answers every request with a 400 (it needs an image)
+    routes = "" if engine.loaded.spec.takes_image else "POST /v1/images/generations"
     if videos is not None:
         print(
             f"videos: data dir {videos.data_dir}, up to {engine.max_video_batch_size} per call, "
@@ -783,7 +799,13 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
             f"timeout {videos.job_timeout_s:g} s, keep {videos.max_stored or 'all'} finished jobs"
             f"{'' if videos.max_age_s is None else f' for {videos.max_age_s:g} s'}"
         )
-        routes += ", POST /v1/videos"
+        routes += ", POST /v1/videos" if routes else "POST /v1/videos"
+        if engine.loaded.spec.takes_image:
+            from .inputs import MAX_INPUT_BYTES
+
+            limit = args.max_body_bytes if args.max_body_bytes is not None else default_max_body_bytes(engine)
+            print(f"image-to-video: every job needs input_reference (an image of up to {MAX_INPUT_BYTES >> 20} MiB, "
+                  f"4096x4096 px); request bodies up to {limit} bytes")
     print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)
     configure_logging()
     app = create_app(

@@ -10,11 +10,21 @@ delete / download_content / create_and_poll``)
     DELETE /v1/videos/{id}            delete a job and its files; a queued or running job is
                                       cancelled first (a running batch stops at its next step)
 
-Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``, plus ditfuse's
-``quality``, ``seed``, ``num_frames``, ``steps`` (alias ``num_inference_steps``),
-``guidance_scale``, ``negative_prompt``, ``true_cfg_scale`` (HunyuanVideo: its negative prompt
-runs true CFG only with ``true_cfg_scale`` > 1; a 400 for a pipeline without it). Anything else is
-a 400 naming the field.
+Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``,
+``input_reference``, plus ditfuse's ``quality``, ``seed``, ``num_frames``, ``steps`` (alias
+``num_inference_steps``), ``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``
+(HunyuanVideo: its negative prompt runs true CFG only with ``true_cfg_scale`` > 1; a 400 for a
+pipeline without it). Anything else is a 400 naming the field.
+
+Image-to-video (a pipeline whose row has ``image_kwarg``: WanImageToVideoPipeline, preset
+``tiny-wan-i2v``)
+    ``input_reference`` is required there and refused elsewhere: an uploaded file (what
+    ``client.videos.create(input_reference=open("cat.png", "rb"))`` sends) or, in a JSON body,
+    ``{"image_url": "data:image/png;base64,..."}`` (the server fetches no URLs; ``file_id`` needs a
+    files API it does not have). The image is decoded (runtime/inputs.py), kept as
+    ``<data dir>/inputs/<job id>.png`` until the job is deleted, and fingerprinted (SHA-256 of
+    its pixels, the job's ``image_sha256``); jobs share a batch only with the same image. A job
+    that names no ``size`` gets the image's aspect ratio at the model's default area.
 
 Seconds and frames
     A clip of ``num_frames`` frames at the model's ``fps`` lasts ``(num_frames - 1) / fps``
@@ -76,13 +86,9 @@ from .server import APIError, parse_quality
 logger = logging.getLogger("ditfuse.videos")
 
 ALLOWED_FIELDS = (
-    "prompt", "model", "size", "seconds", "quality", "seed", "num_frames", "steps",
+    "prompt", "model", "size", "seconds", "input_reference", "quality", "seed", "num_frames", "steps",
     "num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale",
 )
-# OpenAI fields ditfuse does not implement: a 400 that says so, not "unknown field".
-UNSUPPORTED_FIELDS = {"input_reference": "input_reference (image-to-video) is not supported: the video pipelines ditfuse serves "
-                                         "(WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, HunyuanVideoPipeline, "
-                                         "SkyReelsV2Pipeline) are text-to-video"}
 POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
@@ -115,12 +121,35 @@ def _float_field(name: str, value: Any) -> Any:
     return value
 
 
+def input_image(value: Any) -> Any:
+    """``input_reference`` as the RGB image it carries: uploaded bytes (read_fields), or a
+    ``{"image_url": data URL}`` object (a JSON body, or the ``input_reference[image_url]`` form
+    field). ParamError for anything else."""
+    from .inputs import data_url_bytes, decode_image
+
+    if isinstance(value, (bytes, bytearray)):
+        return decode_image(bytes(value))
+    if isinstance(value, str):  # a plain data URL, for hand-written JSON
+        return decode_image(data_url_bytes(value))
+    if isinstance(value, dict):
+        if value.get("file_id") is not None:
+            raise ParamError("input_reference", "input_reference.file_id is not supported (this server has no files "
+                                                "API): upload the image, or send image_url as a base64 data URL")
+        unknown = set(value) - {"image_url", "file_id"}
+        if unknown or "image_url" not in value:
+            raise ParamError("input_reference", "input_reference must be an uploaded image file or an object "
+                                                "{\"image_url\": \"data:image/png;base64,...\"}")
+        return decode_image(data_url_bytes(value["image_url"]))
+    raise ParamError("input_reference", f"input_reference must be an uploaded image file or an object with "
+                                        f"image_url, got {type(value).__name__}")
+
+
 def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[SamplingParams, str]:
     """Validate a create body into SamplingParams (``num_frames`` set) and the ``seconds`` string
-    the job reports. Raises ParamError (400) / APIError."""
+    the job reports. Raises ParamError (400) / APIError. With ``input_reference`` the params hold
+    the image's fingerprint, and the decoded image in ``extra["input_image"]`` for the caller to
+    store (``image`` is set once it has a path: :meth:`VideoJobs.create`)."""
     for key in fields:
-        if key in UNSUPPORTED_FIELDS:
-            raise ParamError(key, UNSUPPORTED_FIELDS[key])
         if key not in ALLOWED_FIELDS:
             raise ParamError(key, f"unknown field {key!r}; allowed fields: {', '.join(ALLOWED_FIELDS)}")
     loaded = engine.loaded
@@ -131,6 +160,12 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
         {k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if fields.get(k) is not None})
     if refused:
         raise ParamError(*refused)
+    given = fields.get("input_reference") is not None
+    why = loaded.spec.check_image(given)
+    if why is not None:
+        how = " (input_reference: an uploaded image file, or {\"image_url\": \"data:image/png;base64,...\"})"
+        raise ParamError("input_reference", why if given else why + how)
+    image = None if fields.get("input_reference") is None else input_image(fields["input_reference"])
     if fields.get("steps") is not None and fields.get("num_inference_steps") is not None:
         raise ParamError("steps", "give steps or num_inference_steps, not both")
     steps = fields.get("steps", fields.get("num_inference_steps"))
@@ -161,16 +196,25 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
     if guidance is not None:
         kwargs["guidance_scale"] = guidance
     size = fields.get("size")
+    default_size = loaded.default_size
+    if image is not None:
+        from .inputs import size_for_image
+
+        default_size = size_for_image(image.width, image.height, loaded.default_size, loaded.size_multiple)
     params = SamplingParams.create(
         fields.get("prompt"),
         size=None if size in (None, "auto") else size,
         seed=_int_field("seed", fields.get("seed")),
         quality=quality,
         negative_prompt=fields.get("negative_prompt") or None,
-        default_size=loaded.default_size,
+        default_size=default_size,
         size_multiple=loaded.size_multiple,
         **kwargs,
     ).with_(num_frames=frames)
+    if image is not None:
+        from .inputs import pixel_sha256
+
+        params = params.with_(image_sha256=pixel_sha256(image), extra={"input_image": image})
     return params, seconds_for_frames(frames, loaded.fps)
 
 
@@ -185,13 +229,23 @@ async def read_fields(request: Request) -> dict[str, Any]:
             raise APIError(400, f"request body is not a valid form: {e}", code="invalid_form") from None
         fields: dict[str, Any] = {}
         for key, value in form.multi_items():
+            if key in ("input_reference[image_url]", "input_reference[file_id]"):
+                # the openai client's form encoding of an {"image_url": ...} / {"file_id": ...} object
+                ref = fields.setdefault("input_reference", {})
+                sub = key[len("input_reference["):-1]
+                if not isinstance(ref, dict) or sub in ref:
+                    raise ParamError("input_reference", "input_reference is given more than once")
+                ref[sub] = value
+                continue
             if key in fields:
                 raise ParamError(key, f"field {key!r} is given more than once")
             if not isinstance(value, str):  # an uploaded file
-                await value.close()
-                if key not in UNSUPPORTED_FIELDS:
-                    raise ParamError(key, f"{key} must be a text field, not a file")
-                fields[key] = "<file>"
+                try:
+                    if key != "input_reference":
+                        raise ParamError(key, f"{key} must be a text field, not a file")
+                    fields[key] = await value.read()
+                finally:
+                    await value.close()
             else:
                 fields[key] = value
         return fields
@@ -254,6 +308,11 @@ class VideoJobs:
     @property
     def files_dir(self) -> Path:
         return self.data_dir / "files"
+
+    @property
+    def inputs_dir(self) -> Path:
+        """Input images of image-to-video jobs, ``<job id>.png``, kept until the job is deleted."""
+        return self.data_dir / "inputs"
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -336,6 +395,10 @@ class VideoJobs:
         for f in self.files_dir.iterdir():
             if f.name.startswith(video_io.TMP_PREFIX) or (f.name not in in_use and f.stem not in ids):
                 f.unlink(missing_ok=True)
+        if self.inputs_dir.is_dir():  # an input image whose job row is gone (or a half-written one)
+            for f in self.inputs_dir.iterdir():
+                if f.name.startswith(".") or self.store.get(f.stem) is None:
+                    f.unlink(missing_ok=True)
 
     def _expires(self, finished_at: int) -> int | None:
         return None if self.max_age_s is None else int(finished_at + self.max_age_s)
@@ -361,9 +424,11 @@ class VideoJobs:
             except Exception:  # never let the sweeper die
                 logger.exception("video retention sweep failed")
 
-    def _unlink_files(self, job_id: str) -> None:
+    def _unlink_files(self, job_id: str, outputs_only: bool = False) -> None:
         for suffix in (".mp4", ".webp"):
             (self.files_dir / f"{job_id}{suffix}").unlink(missing_ok=True)
+        if not outputs_only:
+            (self.inputs_dir / f"{job_id}.png").unlink(missing_ok=True)
 
     # -- jobs --------------------------------------------------------------------------------
 
@@ -376,6 +441,13 @@ class VideoJobs:
             raise EngineClosed("server is shutting down")
         params, seconds = parse_video_request(fields, self.engine)
         job_id = f"video_{uuid.uuid4().hex}"
+        image = params.extra.get("input_image")
+        if image is not None:
+            from .inputs import save_png
+
+            path = self.inputs_dir / f"{job_id}.png"
+            save_png(image, path)
+            params = params.with_(image=str(path), extra={})
         row = {
             "id": job_id,
             "model": self.engine.model_name,
@@ -388,12 +460,17 @@ class VideoJobs:
             "quality": params.quality.value,
             "params": params_json(params),
         }
-        live = self._enqueue(job_id, params, start_task=False)
+        try:
+            live = self._enqueue(job_id, params, start_task=False)
+        except BaseException:
+            self._unlink_files(job_id)
+            raise
         try:
             self.store.insert(row)
         except BaseException:
             self.engine.cancel(live.req, reason="store_failed")
             self._live.pop(job_id, None)
+            self._unlink_files(job_id)
             raise
         live.task = asyncio.create_task(self._run(job_id, live), name=f"ditfuse-{job_id}")
         return self.to_api(row)
@@ -447,7 +524,7 @@ class VideoJobs:
                 await asyncio.to_thread(video_io.atomic_write, self.files_dir / f"{job_id}.webp", video_io.thumbnail_webp(frames))
                 size = await asyncio.to_thread(video_io.write_video, mp4, frames, self.engine.loaded.fps, "mp4", meta)
             except Exception as e:
-                self._unlink_files(job_id)
+                self._unlink_files(job_id, outputs_only=True)
                 self._fail(job_id, "encode_failed", f"{type(e).__name__}: {e}")
                 return
             now = int(time.time())
@@ -514,6 +591,7 @@ class VideoJobs:
             "num_inference_steps": p["num_inference_steps"],
             "guidance_scale": p["guidance_scale"],
             "fps": self.engine.loaded.fps,
+            "image_sha256": p.get("image_sha256"),
         }
 
     def content_path(self, job_id: str, variant: str | None) -> tuple[Path, str]:
@@ -606,11 +684,10 @@ def router(jobs: VideoJobs) -> APIRouter:
 def unsupported_router(model: str) -> APIRouter:
     """``/v1/videos`` on a server whose model makes images: a clear 400 on every route."""
     r = APIRouter()
-    message = (
-        f"this server runs {model!r}, an image model; the videos API needs a video model "
-        "(`ditfuse serve --model tiny-wan`, or a WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, "
-        "HunyuanVideoPipeline or SkyReelsV2Pipeline directory)"
-    )
+    from .presets import video_models_hint
+
+    message = f"this server runs {model!r}, an image model; the videos API needs a video model ({video_models_hint()})"
+
 
     async def refuse(request: Request) -> JSONResponse:
         raise APIError(400, message, "model", "model_not_video")

@@ -222,7 +222,7 @@ def test_progress_goes_queued_in_progress_completed(vs):
         (dict(extra_body={"steps": 2, "num_inference_steps": 2}), "steps", "not both"),
         (dict(extra_body={"guidance_scale": "lots"}), "guidance_scale", "number"),
         (dict(extra_body={"fps": 24}), "fps", "unknown field 'fps'"),
-        (dict(input_reference=("ref.png", b"\x89PNG", "image/png")), "input_reference", "not supported"),
+        (dict(input_reference=("ref.png", b"\x89PNG", "image/png")), "input_reference", "takes no input image"),
     ],
 )
 def test_bad_requests_get_400_with_openai_error_body(vs, kw, param, needle):
@@ -411,13 +411,15 @@ def test_an_image_model_server_refuses_videos_clearly():
     from ditfuse.runtime.server import create_app
 
     from ditfuse.runtime.metrics import EngineMetrics
+    from ditfuse.runtime.pipelines import spec_for
 
-    engine = SimpleNamespace(model_name="tiny-flux", loaded=SimpleNamespace(is_video=False), metrics=EngineMetrics())
+    loaded = SimpleNamespace(is_video=False, spec=spec_for("FluxPipeline"))
+    engine = SimpleNamespace(model_name="tiny-flux", loaded=loaded, metrics=EngineMetrics())
     tc = TestClient(create_app(engine))  # no lifespan: no engine needed for this route
     for method, path in [("POST", "/v1/videos"), ("GET", "/v1/videos"), ("GET", "/v1/videos/video_x/content")]:
         r = tc.request(method, path, data={"prompt": "x"} if method == "POST" else None)
         assert r.status_code == 400, path
-        assert r.json()["error"]["code"] == "model_not_video" and "tiny-wan" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "model_not_video" and "tiny-wan, tiny-wan-i2v" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------------------------
