@@ -396,8 +396,9 @@ class VideoJobs:
             if f.name.startswith(video_io.TMP_PREFIX) or (f.name not in in_use and f.stem not in ids):
                 f.unlink(missing_ok=True)
         if self.inputs_dir.is_dir():  # an input image whose job row is gone (or a half-written one)
+            rows = self.store.ids()
             for f in self.inputs_dir.iterdir():
-                if f.name.startswith(".") or self.store.get(f.stem) is None:
+                if f.name.startswith(".") or f.stem not in rows:
                     f.unlink(missing_ok=True)
 
     def _expires(self, finished_at: int) -> int | None:

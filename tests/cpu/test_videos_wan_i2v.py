@@ -283,6 +283,58 @@ def test_default_body_limit_has_room_for_an_image(loaded, tiny_cache):
     assert default_max_body_bytes(SimpleNamespace(loaded=t2v)) == DEFAULT_MAX_BODY_BYTES
 
 
+def test_startup_keeps_the_inputs_of_jobs_and_removes_the_rest(loaded, tmp_path):
+    """A restart: the queued job's input image is kept and re-queued with it; a finished job's
+    stays until the job is deleted; an input without a row and a half-written one are removed."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from ditfuse.runtime.inputs import save_png
+    from ditfuse.runtime.jobs import params_json
+    from ditfuse.runtime.videos import VideoJobs
+
+    queued = []
+
+    class Engine:  # what VideoJobs needs of an engine to recover and re-queue
+        model_name = PRESET
+        loaded = SimpleNamespace(is_video=True, fps=16)
+
+        def enqueue(self, params, timeout_s=None, on_progress=None):
+            queued.append(params)
+            return SimpleNamespace()
+
+        async def wait(self, req):
+            await asyncio.sleep(3600)
+
+    jobs = VideoJobs(Engine(), tmp_path, sweep_interval_s=0)
+    store = jobs.open()
+    a = picture(0)
+    for job_id, status in (("video_q", "queued"), ("video_done", "failed")):
+        save_png(a, jobs.inputs_dir / f"{job_id}.png")
+        p = _params(jobs.inputs_dir / f"{job_id}.png", a)
+        store.insert({"id": job_id, "model": PRESET, "status": status, "progress": 0, "created_at": 1,
+                      "prompt": PROMPT, "size": p.size, "seconds": "0.25", "quality": "lossless",
+                      "params": params_json(p)})
+    save_png(a, jobs.inputs_dir / "video_gone.png")
+    (jobs.inputs_dir / ".video_x.png.tmp").write_bytes(b"half")
+
+    async def start_and_close():
+        await jobs.start()
+        row = jobs.store.get("video_q")
+        for live in jobs._live.values():
+            live.task.cancel()
+        jobs._live.clear()
+        await jobs.close()
+        return row
+
+    row = asyncio.run(start_and_close())
+    assert sorted(f.name for f in jobs.inputs_dir.iterdir()) == ["video_done.png", "video_q.png"]
+    assert [p.image for p in queued] == [str(jobs.inputs_dir / "video_q.png")]
+    assert queued[0].image_sha256 == pixel_sha256(a) and row["status"] == "queued"
+    assert json.loads(row["params"])["image_sha256"] == pixel_sha256(a)
+
+
 # -- ditfuse generate and /v1/videos ------------------------------------------------------------------
 
 @pytest.mark.slow  # a `ditfuse` subprocess: a fresh interpreter importing torch
