@@ -103,32 +103,21 @@ TINY_WAN_TEXT_LEN = 128
 WAN_FPS = 16
 
 
+# tiny-wan's transformer: Wan 2.1's layout in miniature (16 latent channels, 1x2x2 patches, head
+# dim 12 so RoPE axes t/h/w = 4/4/4, QK RMSNorm across heads, cross-attention norm), 1 block. Its
+# RoPE table covers 2048 px / 8 / 2 = 128 patches per side and 241 frames (61 latent frames).
+TINY_WAN_TRANSFORMER = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+    text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+    eps=1e-6, rope_max_seq_len=256,
+)
+
+
 def build_tiny_wan() -> Any:
     """Build the tiny WanPipeline in memory (random weights, seed ``TINY_WAN_SEED``)."""
     from diffusers import WanPipeline, WanTransformer3DModel
 
-    # Wan 2.1 layout in miniature: 16 latent channels, 1x2x2 patches, head dim 12 (RoPE axes
-    # t/h/w = 4/4/4), QK RMSNorm across heads, cross-attention norm; 1 block.
-    def transformer() -> Any:
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2),
-            num_attention_heads=2,
-            attention_head_dim=12,
-            in_channels=16,
-            out_channels=16,
-            text_dim=32,
-            freq_dim=32,
-            ffn_dim=32,
-            num_layers=1,
-            cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads",
-            eps=1e-6,
-            # RoPE table length: covers 2048 px / 8 / 2 = 128 patches per side and 241 frames
-            # (61 latent frames).
-            rope_max_seq_len=256,
-        )
-
-    return build_tiny_wan_like(WanPipeline, transformer)
+    return build_tiny_wan_like(WanPipeline, lambda: WanTransformer3DModel(**TINY_WAN_TRANSFORMER))
 
 
 def build_tiny_wan_i2v() -> Any:
@@ -141,15 +130,9 @@ def build_tiny_wan_i2v() -> Any:
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    heads, head_dim = 2, 12
-
-    def transformer() -> Any:
-        return WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
-            in_channels=16 + 4 + 16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=32, num_layers=1,
-            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=256,
-            image_dim=TINY_CLIP_WIDTH, added_kv_proj_dim=heads * head_dim,
-        )
+    t2v = TINY_WAN_TRANSFORMER
+    i2v = dict(t2v, in_channels=16 + 4 + 16, image_dim=TINY_CLIP_WIDTH,
+               added_kv_proj_dim=t2v["num_attention_heads"] * t2v["attention_head_dim"])
 
     def image_parts() -> dict[str, Any]:
         encoder = CLIPVisionModel(CLIPVisionConfig(
@@ -159,7 +142,7 @@ def build_tiny_wan_i2v() -> Any:
         processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
         return {"image_encoder": encoder, "image_processor": processor}
 
-    return build_tiny_wan_like(WanImageToVideoPipeline, transformer, extra=image_parts)
+    return build_tiny_wan_like(WanImageToVideoPipeline, lambda: WanTransformer3DModel(**i2v), extra=image_parts)
 
 
 # The tiny I2V pipeline's CLIP width (its transformer's image_dim).

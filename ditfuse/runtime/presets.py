@@ -28,7 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -152,21 +152,12 @@ def _tiny_video_preset(name: str, family: str, pipeline: str, label: str, defaul
 PRESET_TABLE.update({p.name: p for p in (
     # Wan 2.1 image-to-video (WanImageToVideoPipeline): tiny-wan's geometry, frame rule and call
     # kwargs, plus a CLIP vision encoder; every request brings the image its clip starts from.
-    Preset(
+    replace(
+        PRESET_TABLE[TINY_WAN],
         name="tiny-wan-i2v",
         builder="ditfuse.models.wan_configs:build_tiny_wan_i2v",
-        version=1,
-        default_size=(832, 480),
-        size_multiple=16,
-        call_kwargs={"max_sequence_length": 128},
         note="tiny-wan-i2v has random weights: its videos are noise (it exercises the Wan image-to-video "
              "pipeline, not video quality)",
-        kind="video",
-        fps=16,
-        frame_multiple=4,
-        default_frames=17,
-        default_steps=8,
-        default_guidance=5.0,
         pipeline="WanImageToVideoPipeline",
     ),
     _tiny_video_preset("tiny-hunyuanvideo15", "hunyuanvideo15", "HunyuanVideo15Pipeline", "HunyuanVideo 1.5",
