@@ -162,3 +162,15 @@ def build_tiny_pipeline() -> Any:
         tokenizer=tokenizer,
         transformer=transformer,
     )
+
+
+def build_tiny_i2v_pipeline() -> Any:
+    """The tiny LTX-Video pipeline of :func:`build_tiny_pipeline` (the same parts and weights) as
+    a diffusers ``LTXImageToVideoPipeline``: every prompt's clip starts from its own image, whose
+    VAE latents condition the first latent frame (per-token timesteps: the conditioned tokens stay
+    at t = 0). Random weights: its videos are noise."""
+    from diffusers import LTXImageToVideoPipeline
+
+    t2v = build_tiny_pipeline()
+    return LTXImageToVideoPipeline(**{name: getattr(t2v, name) for name in
+                                      ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")})

@@ -208,18 +208,18 @@ def run_batch(
     if not slots:
         return []
     p0 = slots[0][0]
-    sig = p0.signature(loaded.name)
+    pipe = loaded.pipe
+    spec = getattr(loaded, "spec", None) or spec_for(type(pipe).__name__)
+    sig = spec.batch_signature(p0, loaded.name)
     for p, _ in slots:
-        if p.signature(loaded.name) != sig:
+        if spec.batch_signature(p, loaded.name) != sig:
             raise ValueError("run_batch: slots with different signatures cannot share a pipeline call")
     real = len(slots)
     full = list(slots)
     if pad_to is not None and pad_to > real:
         full += [slots[0]] * (pad_to - real)
-    pipe = loaded.pipe
     accepted = _call_kwargs(pipe)
     gen_device = "cpu" if loaded.device == "cpu" else loaded.device
-    spec = getattr(loaded, "spec", None) or spec_for(type(pipe).__name__)
     kwargs: dict[str, Any] = {
         "prompt": [p.prompt for p, _ in full],
         "height": p0.height,
@@ -252,15 +252,23 @@ def run_batch(
         if spec.fps_kwarg is not None and getattr(loaded, "fps", None):
             # LTX-Video: the frame rate scales its RoPE in time; the clip is written at loaded.fps
             kwargs[spec.fps_kwarg] = loaded.fps
-    # -- image-to-video: the one image every slot of the call starts from (equal signatures:
-    # equal pixel fingerprints) ------------------------------------------------------------------
-    why = spec.check_image(p0.image is not None)
-    if why is not None:
-        raise ValueError(why)
+    # -- image-to-video: one image per slot, or the one image every slot starts from (equal
+    # signatures: equal pixel fingerprints) -------------------------------------------------------
+    for p, _ in slots:
+        why = spec.check_image(p.image is not None)
+        if why is not None:
+            raise ValueError(why)
     if spec.image_kwarg is not None:
         from .inputs import open_image
 
-        kwargs[spec.image_kwarg] = open_image(p0.image, p0.image_sha256)
+        if spec.image_per_sample:
+            opened: dict[str | None, Any] = {}
+            for p, _ in full:
+                if p.image_sha256 not in opened:
+                    opened[p.image_sha256] = open_image(p.image, p.image_sha256)
+            kwargs[spec.image_kwarg] = [opened[p.image_sha256] for p, _ in full]
+        else:
+            kwargs[spec.image_kwarg] = open_image(p0.image, p0.image_sha256)
     # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
     steps_counted = None
@@ -423,6 +431,8 @@ class Engine:
         self._busy: set[int] = set()  # indices of workers running a batch
         self._running: dict[int, tuple[list[_Request], "Worker"]] = {}  # batch id -> (requests, worker)
         self.loaded = loaded
+        # how its pipeline class is called (which requests may share a call)
+        self._spec = getattr(loaded, "spec", None) or spec_for(type(loaded.pipe).__name__)
         self.handle = handle
         self.max_batch_size = int(max_batch_size)
         self.batch_wait_s = max(0.0, float(batch_wait_ms)) / 1000.0
@@ -570,7 +580,7 @@ class Engine:
         req = _Request(
             id=next(self._ids),
             params=params,
-            signature=params.signature(self.loaded.name),
+            signature=self._spec.batch_signature(params, self.loaded.name),
             future=loop.create_future(),
             enqueued=now,
             deadline=now + timeout,

@@ -10,7 +10,8 @@ A video model (``tiny-wan``, ``tiny-wan-i2v``, ``tiny-hunyuanvideo15``, ``tiny-l
 runtime/pipelines.py) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode. An
-image-to-video model (``tiny-wan-i2v``, a WanImageToVideoPipeline directory) needs ``--image``,
+image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, or a directory of an image-to-video
+pipeline class) needs ``--image``,
 the picture the clip starts from; the clip's metadata carries its pixels' SHA-256.
 
 ``--gpus N`` (or ``--devices``) spreads the one generation over N devices with diffusers' context

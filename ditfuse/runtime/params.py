@@ -181,8 +181,10 @@ class SamplingParams:
     def seeds(self) -> list[int]:
         return [self.seed + i for i in range(self.n)]
 
-    def signature(self, model: str) -> tuple:
-        """Requests with equal signatures can share a batch (one pipeline call)."""
+    def signature(self, model: str, by_image: bool = True) -> tuple:
+        """Requests with equal signatures can share a batch (one pipeline call). ``by_image``:
+        the input image's fingerprint is part of it (a pipeline whose call takes one image;
+        ``PipelineSpec.batch_signature`` decides)."""
         return (
             model,
             self.width,
@@ -193,7 +195,7 @@ class SamplingParams:
             self.uses_true_cfg,
             self.true_cfg_scale if self.uses_true_cfg else 1.0,
             self.num_frames,
-            self.image_sha256,
+            self.image_sha256 if by_image else self.image_sha256 is not None,
         )
 
     def with_(self, **changes: Any) -> "SamplingParams":

@@ -137,9 +137,12 @@ class PipelineSpec:
     # with the host (capture would fail on every new shape, and the step run eager anyway).
     cuda_graphs: bool = True
     # Image-to-video: the call argument that takes the image the clip starts from (every request
-    # must bring one; the pipeline conditions one call on one image, so only requests with the
-    # same image share a batch). None: the pipeline takes no image.
+    # must bring one). None: the pipeline takes no image.
     image_kwarg: str | None = None
+    # True: the call takes one image per prompt (a list; LTX-Video), so requests on different
+    # images share a batch. False: one image conditions the whole call (Wan repeats its CLIP
+    # tokens and latents over the batch), so only requests on the same image share one.
+    image_per_sample: bool = False
 
     @property
     def is_video(self) -> bool:
@@ -149,6 +152,11 @@ class PipelineSpec:
     def takes_image(self) -> bool:
         return self.image_kwarg is not None
 
+    def batch_signature(self, params: Any, model: str) -> tuple:
+        """The key under which requests may share one call of this pipeline: the params'
+        signature, without the image's fingerprint where each prompt takes its own image."""
+        return params.signature(model, by_image=not self.image_per_sample)
+
     def check_image(self, given: bool) -> str | None:
         """Why a request with (``given``) or without an input image cannot run here, else None."""
         if self.takes_image and not given:
@@ -156,7 +164,7 @@ class PipelineSpec:
         if given and not self.takes_image:
             with_image = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_image)
             return (f"{self.label} ({self.name}) is text-only and takes no input image; image-to-video "
-                    f"needs an image-to-video pipeline ({with_image}; preset tiny-wan-i2v)")
+                    f"needs an image-to-video pipeline ({with_image})")
         return None
 
     @property
@@ -237,6 +245,14 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         PipelineSpec("LTXPipeline", "LTX-Video", kind="video", default_steps=50, default_guidance=3.0,
                      default_size=(704, 512), size_multiple=_ltx_multiple, fps=25, default_frames=161,
                      frame_multiple=_ltx_temporal, fps_kwarg="frame_rate"),
+        # LTX-Video image-to-video (LTXImageToVideoPipeline), with LTXPipeline's defaults (its
+        # __call__ has the same: 50 steps, guidance 3, 704x512, 161 frames at 25 fps). Its call
+        # takes a list of images, one per prompt (prepare_latents encodes image[i] with
+        # generator[i]), so a batch may hold requests on different images.
+        PipelineSpec("LTXImageToVideoPipeline", "LTX-Video image-to-video", kind="video", default_steps=50,
+                     default_guidance=3.0, default_size=(704, 512), size_multiple=_ltx_multiple, fps=25,
+                     default_frames=161, frame_multiple=_ltx_temporal, fps_kwarg="frame_rate",
+                     image_kwarg="image", image_per_sample=True),
         # HunyuanVideo (1.0) text-to-video; every default from diffusers 0.42.1's
         # HunyuanVideoPipeline.__call__: 50 steps, 1280x720, 129 frames. The released model is
         # guidance-distilled: guidance_scale (6.0) feeds the transformer's guidance embedding (one

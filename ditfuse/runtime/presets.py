@@ -180,6 +180,15 @@ PRESET_TABLE.update({p.name: p for p in (
     _tiny_image_preset("tiny-qwenimage", "qwenimage", "QwenImagePipeline", "Qwen-Image"),
     _tiny_image_preset("tiny-zimage", "zimage", "ZImagePipeline", "Z-Image"),
 )})
+# LTX-Video image-to-video: tiny-ltx's parts and geometry as an LTXImageToVideoPipeline
+PRESET_TABLE["tiny-ltx-i2v"] = replace(
+    PRESET_TABLE["tiny-ltx"],
+    name="tiny-ltx-i2v",
+    builder="ditfuse.models.ltx_configs:build_tiny_i2v_pipeline",
+    note="tiny-ltx-i2v has random weights: its videos are noise (it exercises the LTX-Video image-to-video "
+         "pipeline, not video quality)",
+    pipeline="LTXImageToVideoPipeline",
+)
 PRESETS = tuple(PRESET_TABLE)
 # (default size, size multiple) per preset, known without loading it.
 PRESET_GEOMETRY = {name: (p.default_size, p.size_multiple) for name, p in PRESET_TABLE.items()}

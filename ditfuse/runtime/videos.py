@@ -16,15 +16,17 @@ Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``,
 (HunyuanVideo: its negative prompt runs true CFG only with ``true_cfg_scale`` > 1; a 400 for a
 pipeline without it). Anything else is a 400 naming the field.
 
-Image-to-video (a pipeline whose row has ``image_kwarg``: WanImageToVideoPipeline, preset
-``tiny-wan-i2v``)
+Image-to-video (a pipeline whose row has ``image_kwarg``: WanImageToVideoPipeline,
+LTXImageToVideoPipeline; presets ``tiny-wan-i2v``, ``tiny-ltx-i2v``)
     ``input_reference`` is required there and refused elsewhere: an uploaded file (what
     ``client.videos.create(input_reference=open("cat.png", "rb"))`` sends) or, in a JSON body,
     ``{"image_url": "data:image/png;base64,..."}`` (the server fetches no URLs; ``file_id`` needs a
     files API it does not have). The image is decoded (runtime/inputs.py), kept as
     ``<data dir>/inputs/<job id>.png`` until the job is deleted, and fingerprinted (SHA-256 of
-    its pixels, the job's ``image_sha256``); jobs share a batch only with the same image. A job
-    that names no ``size`` gets the image's aspect ratio at the model's default area.
+    its pixels, the job's ``image_sha256``). Wan conditions a whole call on one image, so its jobs
+    share a batch only with the same image; LTX-Video takes one image per prompt, so its jobs
+    batch whatever their images. A job that names no ``size`` gets the image's aspect ratio at
+    the model's default area.
 
 Seconds and frames
     A clip of ``num_frames`` frames at the model's ``fps`` lasts ``(num_frames - 1) / fps``

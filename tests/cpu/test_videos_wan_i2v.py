@@ -9,7 +9,6 @@ client."""
 from __future__ import annotations
 
 import base64
-import io
 import time
 
 import httpx
@@ -17,8 +16,6 @@ import numpy as np
 import openai
 import pytest
 import torch
-from PIL import Image
-
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.models import wan
 from ditfuse.models import wan_configs as wc
@@ -28,6 +25,8 @@ from ditfuse.runtime.params import ParamError, SamplingParams
 from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import PRESET_TABLE
 from tests.support import video_runtime as vr
+from tests.support.video_runtime import image_bytes as png_bytes
+from tests.support.video_runtime import picture
 
 from .test_videos_server import one_thread  # noqa: F401 - fixture
 
@@ -37,20 +36,7 @@ SIZE = dict(width=64, height=48, num_frames=5)
 PROMPT = "a red fox"
 
 
-def picture(seed: int, width: int = 40, height: int = 30, mode: str = "RGB") -> Image.Image:
-    """A random image of the size (the tiny pipeline only needs pixels)."""
-    channels = len(mode)
-    arr = (np.random.RandomState(seed).rand(height, width, channels) * 255).astype(np.uint8)
-    return Image.fromarray(arr if channels > 1 else arr[..., 0], mode)
-
-
-def png_bytes(image: Image.Image, fmt: str = "PNG", **save: object) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt, **save)
-    return buf.getvalue()
-
-
-def _call(pipe, seed: int = 3, image: Image.Image | None = None, **over) -> torch.Tensor:
+def _call(pipe, seed: int = 3, image=None, **over) -> torch.Tensor:
     kw = dict(image=picture(0) if image is None else image, prompt=PROMPT, **SIZE, max_sequence_length=wc.TINY_WAN_TEXT_LEN)
     return vr.frames(pipe, seed, **{**kw, **over})
 
@@ -195,7 +181,7 @@ def test_preset_agrees_with_the_loaded_pipeline(loaded):
     assert PRESET in video_models_hint() and "WanImageToVideoPipeline" in video_models_hint()
 
 
-def _params(image_path, image: Image.Image, seed: int = 5, **kw) -> SamplingParams:
+def _params(image_path, image, seed: int = 5, **kw) -> SamplingParams:
     return SamplingParams.create(PROMPT, size="64x48", num_inference_steps=2, guidance_scale=4.0, seed=seed,
                                  **kw).with_(num_frames=5, image=str(image_path), image_sha256=pixel_sha256(image))
 

@@ -31,6 +31,25 @@ from tests.cpu.test_videos_server import serving
 KEY = "k"  # the API key of the servers started here
 
 
+def picture(seed: int, width: int = 40, height: int = 30, mode: str = "RGB") -> Any:
+    """A random PIL image of the size, for the image-to-video tests (the tiny pipelines only
+    need pixels)."""
+    from PIL import Image
+
+    channels = len(mode)
+    arr = (np.random.RandomState(seed).rand(height, width, channels) * 255).astype(np.uint8)
+    return Image.fromarray(arr if channels > 1 else arr[..., 0], mode)
+
+
+def image_bytes(image: Any, fmt: str = "PNG", **save: Any) -> bytes:
+    """``image`` encoded as ``fmt`` (an upload's bytes)."""
+    import io
+
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **save)
+    return buf.getvalue()
+
+
 def quiet(pipe: Any) -> Any:
     """``pipe`` with diffusers' progress bars off (returned, for chaining)."""
     pipe.set_progress_bar_config(disable=True)
