@@ -48,11 +48,13 @@ def latent_grid(size: str) -> tuple[int, int, int]:
 
 def make_inputs(model: Any, batch: int = 1, size: str = "704x512x161", seed: int = 0, device: str = "cuda",
                 dtype: Any = None, txt_tokens: int = 128, timestep: float = 500.0, real_tokens: int | None = None,
-                frame_rate: int = FRAME_RATE) -> dict[str, Any]:
+                frame_rate: int = FRAME_RATE, image_conditioned: bool = False) -> dict[str, Any]:
     """One forward's kwargs for a WxHxFRAMES video as ``LTXPipeline`` passes them (module
     docstring). ``real_tokens``: the unpadded length of the first prompt (default: about two
     thirds of ``txt_tokens``); each further sample has one token fewer, so CFG batches carry two
-    different masks."""
+    different masks. ``image_conditioned``: as ``LTXImageToVideoPipeline`` passes them, one
+    timestep per token, 0 on the first latent frame's (the image's) tokens, so the adaLN
+    modulation is per token."""
     import torch
 
     dtype = dtype or torch.bfloat16
@@ -66,7 +68,8 @@ def make_inputs(model: Any, batch: int = 1, size: str = "704x512x161", seed: int
     return dict(
         hidden_states=torch.randn(batch, f * h * w, cfg.in_channels, generator=g).to(device, dtype),
         encoder_hidden_states=torch.randn(batch, txt_tokens, cfg.caption_channels, generator=g).to(device, dtype),
-        timestep=torch.full((batch,), timestep, dtype=torch.float32, device=device),
+        timestep=(_per_token_timestep(batch, f, h * w, timestep, device) if image_conditioned
+                  else torch.full((batch,), timestep, dtype=torch.float32, device=device)),
         encoder_attention_mask=mask.to(device),
         num_frames=f,
         height=h,
@@ -74,6 +77,16 @@ def make_inputs(model: Any, batch: int = 1, size: str = "704x512x161", seed: int
         rope_interpolation_scale=(VAE_TEMPORAL / frame_rate, VAE_SPATIAL, VAE_SPATIAL),
         return_dict=False,
     )
+
+
+def _per_token_timestep(batch: int, frames: int, tokens_per_frame: int, t: float, device: Any) -> Any:
+    """[batch, frames * tokens_per_frame]: ``min(t, (1 - mask) * 1000)`` with the first frame's
+    tokens conditioned (mask 1), LTXImageToVideoPipeline's timestep."""
+    import torch
+
+    mask = torch.zeros(batch, frames * tokens_per_frame)
+    mask[:, :tokens_per_frame] = 1.0
+    return torch.min(torch.full((batch, 1), t), (1 - mask) * 1000.0).to(device=device, dtype=torch.float32)
 
 
 def _timestep(sigma: float, batch: int, device: Any, dtype: Any) -> Any:

@@ -245,3 +245,14 @@ def test_per_token_timestep_bitwise(dtype):
     base = _run(m, inp)
     with reference_forwards(m, ltx_adapter.SITES, require_applies=True):
         assert_bitwise_equal(_run(m, inp), base, f"per-token timestep {dtype}")
+
+
+def test_image_conditioned_inputs_are_the_i2v_pipelines():
+    """make_inputs(image_conditioned=True) is LTXImageToVideoPipeline's timestep: min(t, (1 - mask)
+    * 1000) over the packed tokens, the first latent frame's tokens (the image's) at 0."""
+    m = _model()
+    inp = _inputs(m, batch=2, image_conditioned=True)
+    f, h, w = ltx_configs.latent_grid(SIZE)
+    t = inp["timestep"]
+    assert t.shape == (2, f * h * w) and t.dtype == torch.float32
+    assert (t[:, : h * w] == 0).all() and (t[:, h * w:] == 500.0).all()

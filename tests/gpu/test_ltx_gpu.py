@@ -19,10 +19,11 @@ DEV = "cuda"
 LTX = families.get("ltx")
 
 
-def _run(config, batch, size, layers=None, txt=128):
+def _run(config, batch, size, layers=None, txt=128, image_conditioned=False):
     m = LTX.build(config, layers, device=DEV)
-    inp = LTX.make_inputs(m, batch, size, device=DEV, txt_tokens=txt)
-    compare_accelerated(m, inp, ADAPTER.ops(), f"ltx {config} B={batch} {size} txt={txt}")
+    inp = LTX.make_inputs(m, batch, size, device=DEV, txt_tokens=txt, image_conditioned=image_conditioned)
+    compare_accelerated(m, inp, ADAPTER.ops(),
+                        f"ltx {config} B={batch} {size} txt={txt}{' image-conditioned' if image_conditioned else ''}")
 
 
 @pytest.mark.parametrize("batch", [1, 2])
@@ -40,3 +41,12 @@ def test_ltx_width(batch, size, txt):
 @pytest.mark.parametrize("batch", [1, 2])
 def test_13b_width(batch):
     _run("13b", batch, "224x160x17", layers=(1,), txt=9)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("config,layers,size", [("tiny", None, "224x160x17"), ("dev", (2,), "704x512x161")],
+                         ids=["tiny", "dev-default"])
+def test_image_to_video_per_token_timesteps(config, layers, size, batch):
+    """LTXImageToVideoPipeline's forward (round 23, the runtime's tiny-ltx-i2v): one timestep per
+    token, 0 on the conditioned first frame's, so every adaLN modulation is [B, S, D]."""
+    _run(config, batch, size, layers=layers, txt=9 if config == "tiny" else 128, image_conditioned=True)

@@ -1,0 +1,106 @@
+"""Image-to-video on CUDA (round 23, written without a GPU; first run pending): what an I2V call
+adds to the text-to-video paths the other GPU tests cover.
+
+- The Wan VAE's **encode** (the I2V pipelines encode the conditioning video: the first frame and
+  zeros) through the autoencoder_kl_wan adapter's sites, bitwise equal to diffusers, every op
+  verified and nothing fallen back: the tiny config and the Wan 2.1 VAE at 480x832x17; bf16 and
+  fp32. No other GPU test encodes.
+- The two tiny runtime pipelines (``tiny-wan-i2v``, ``tiny-ltx-i2v``) end to end in bf16:
+  accelerated bitwise equal to plain diffusers, every op of the transformer's adapter verified
+  (CLIP image tokens through Wan's added k/v; LTX's per-token timesteps)."""
+
+import pytest
+import torch
+
+import ditfuse
+from ditfuse.kernels.compare import assert_bitwise_equal
+from ditfuse.models import ltx, wan
+from ditfuse.models import ltx_configs as lc
+from ditfuse.models import wan_configs as wc
+from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_VAE_ADAPTER
+from tests.support import video_runtime as vr
+from tests.support.engaged import assert_engaged
+
+DEV = "cuda"
+WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+               temperal_downsample=[False, True, True])
+WAN_TINY = dict(WAN_VAE, base_dim=32, num_res_blocks=1)
+
+
+def _wan_vae(cfg, dtype):
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**cfg)
+    with torch.no_grad():
+        for m in vae.modules():
+            if type(m).__name__ == "WanRMS_norm":
+                m.gamma.normal_(1.0, 0.3)
+    return vae.to(DEV, dtype).eval()
+
+
+def _i2v_condition(batch, frames, height, width, dtype):
+    """WanImageToVideoPipeline's video_condition: the image as frame 0, zeros after it."""
+    g = torch.Generator().manual_seed(1)
+    first = torch.rand(batch, 3, 1, height, width, generator=g) * 2 - 1
+    return torch.cat([first, first.new_zeros(batch, 3, frames - 1, height, width)], dim=2).to(DEV, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cfg,shape", [(WAN_TINY, (1, 9, 64, 96)), (WAN_TINY, (2, 5, 48, 80)),
+                                       (WAN_VAE, (1, 17, 480, 832))], ids=["tiny", "tiny-b2", "wan21-480p"])
+def test_wan_vae_encode_bitwise(cfg, shape, dtype):
+    vae = _wan_vae(cfg, dtype)
+    x = _i2v_condition(*shape, dtype)
+    with torch.no_grad():
+        base = vae.encode(x).latent_dist.mode()
+        ditfuse.gate.reset()
+        h = ditfuse.accelerate(vae)
+        try:
+            outs = [vae.encode(x).latent_dist.mode() for _ in range(2)]
+        finally:
+            h.unmount()
+    for i, o in enumerate(outs):
+        assert_bitwise_equal(o, base, f"wan vae encode {shape} {dtype} ({'first sight' if i == 0 else 'again'})")
+    # the encoder runs the norm sites (NCDHW: the channels-last path is the decoder's)
+    ran = {op for op, c in ditfuse.gate.report().calls.items() if c.get("verify", 0) > 0}
+    assert ran and ran <= set(WAN_VAE_ADAPTER.ops()), ran
+    assert_engaged(tuple(ran), per_signature_ok=("layout.conv_channels_last",))
+
+
+def _pipeline_bitwise(pipe, call, adapter):
+    """``call(pipe)`` accelerated (transformer and VAE) is bitwise ``call(pipe)`` plain, twice;
+    every op of the transformer's adapter verified and ran; a per-signature cuDNN refusal of the
+    VAE's channels-last convolutions is the gate doing its job (tests/gpu/test_vae_gpu.py)."""
+    base = call(pipe)
+    ditfuse.gate.reset()
+    h = ditfuse.accelerate(pipe)
+    try:
+        outs = [call(pipe) for _ in range(2)]
+    finally:
+        h.unmount()
+    for i, o in enumerate(outs):
+        assert_bitwise_equal(o, base, f"{adapter.family} i2v pipeline, call {i + 1}")
+    assert_engaged(adapter.ops(), per_signature_ok=("modulate.conv_bias_cl", "modulate.conv_bias_residual_cl",
+                                                    "layout.conv_channels_last"))
+
+
+def test_tiny_wan_i2v_pipeline_bitwise():
+    pipe = vr.quiet(wc.build_tiny_wan_i2v()).to(DEV, torch.bfloat16)
+
+    def call(p):
+        return vr.frames(p, 4, image=vr.picture(4), prompt="a fox", width=64, height=48, num_frames=5,
+                         max_sequence_length=wc.TINY_WAN_TEXT_LEN)
+
+    _pipeline_bitwise(pipe, call, wan.ADAPTER)
+
+
+def test_tiny_ltx_i2v_pipeline_bitwise():
+    pipe = vr.quiet(lc.build_tiny_i2v_pipeline()).to(DEV, torch.bfloat16)
+
+    def call(p):
+        return vr.frames(p, 3, image=[vr.picture(0), vr.picture(1)], prompt=["a fox", "a cat"],
+                         negative_prompt="blurry", width=96, height=64, num_frames=9,
+                         generator=[torch.Generator().manual_seed(s) for s in (3, 4)])
+
+    _pipeline_bitwise(pipe, call, ltx.ADAPTER)
