@@ -258,7 +258,9 @@ def run_batch(
         why = spec.check_image(p.image is not None)
         if why is not None:
             raise ValueError(why)
-    if spec.image_kwarg is not None:
+    if spec.area_kwarg is not None:
+        kwargs[spec.area_kwarg] = p0.width * p0.height
+    if spec.image_kwarg is not None and p0.image is not None:
         from .inputs import open_image
 
         if spec.image_per_sample:

@@ -11,8 +11,10 @@ runtime/pipelines.py) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode. An
 image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, or a directory of an image-to-video
-pipeline class) needs ``--image``,
-the picture the clip starts from; the clip's metadata carries its pixels' SHA-256.
+pipeline class) needs ``--image``; an image-editing model (``tiny-flux-kontext``, a
+FluxKontextPipeline directory) takes one: the picture to edit (without it, text-to-image).
+Either way the output takes the image's aspect ratio when no ``--size`` is given, and its
+metadata carries the image's pixel SHA-256.
 
 ``--gpus N`` (or ``--devices``) spreads the one generation over N devices with diffusers' context
 parallelism: the command re-runs itself under torchrun, one process per device, and rank 0 prints
@@ -243,6 +245,8 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         f"seed {params.seed}{'..' + str(params.seed + params.n - 1) if params.n > 1 else ''}, "
         f"n {params.n}, quality {params.quality.value}"
     )
+    if params.image is not None:
+        print(f"image: {params.image} (pixels sha256 {params.image_sha256})")
     print("timings:")
     print(f"  load + accelerate : {t_loaded - t_start:8.3f} s")
     if stamps:

@@ -143,6 +143,12 @@ class PipelineSpec:
     # images share a batch. False: one image conditions the whole call (Wan repeats its CLIP
     # tokens and latents over the batch), so only requests on the same image share one.
     image_per_sample: bool = False
+    # True: the image is optional (FLUX.1 Kontext edits an image, or makes one from text alone).
+    image_optional: bool = False
+    # The call argument that caps the output's area (FLUX.1 Kontext's max_area: it rescales the
+    # requested height x width to that area); the runtime passes the requested area, so the
+    # requested size is what comes out. None: the call takes none.
+    area_kwarg: str | None = None
 
     @property
     def is_video(self) -> bool:
@@ -159,7 +165,7 @@ class PipelineSpec:
 
     def check_image(self, given: bool) -> str | None:
         """Why a request with (``given``) or without an input image cannot run here, else None."""
-        if self.takes_image and not given:
+        if self.takes_image and not given and not self.image_optional:
             return f"{self.label} ({self.name}) generates from an image: the request needs one"
         if given and not self.takes_image:
             with_image = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_image)
@@ -207,6 +213,15 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # takes negative_prompt_embeds only, no negative_prompt text).
         PipelineSpec("Flux2KleinPipeline", "FLUX.2 Klein", negative=None, default_steps=50, default_guidance=4.0),
         PipelineSpec("StableDiffusion3Pipeline", "Stable Diffusion 3", default_steps=28, default_guidance=7.0),
+        # FLUX.1 Kontext: FLUX.1's call (distilled guidance, true CFG with a negative prompt) plus
+        # an optional image to edit; defaults from diffusers 0.42.1's __call__ signature (28 steps,
+        # guidance 3.5). One image conditions the whole call (a list would be resized to the first
+        # one's resolution), so requests share a call only on the same image. The call rescales
+        # height x width to max_area (1024² by default): the runtime passes the requested area.
+        # The input image itself is resized to Kontext's preferred resolution nearest its aspect
+        # (_auto_resize, as diffusers does by default).
+        PipelineSpec("FluxKontextPipeline", "FLUX.1 Kontext", negative=NEGATIVE_TRUE_CFG, default_steps=28,
+                     default_guidance=3.5, image_kwarg="image", image_optional=True, area_kwarg="max_area"),
         # Qwen-Image: guidance_scale exists only for guidance-distilled checkpoints; CFG is
         # negative_prompt + true_cfg_scale (diffusers' default 4.0, used only with a negative prompt).
         PipelineSpec("QwenImagePipeline", "Qwen-Image", guidance=None, negative=NEGATIVE_TRUE_CFG,

@@ -180,6 +180,15 @@ PRESET_TABLE.update({p.name: p for p in (
     _tiny_image_preset("tiny-qwenimage", "qwenimage", "QwenImagePipeline", "Qwen-Image"),
     _tiny_image_preset("tiny-zimage", "zimage", "ZImagePipeline", "Z-Image"),
 )})
+# FLUX.1 Kontext (image editing): tiny-flux's parts and geometry as a FluxKontextPipeline
+PRESET_TABLE["tiny-flux-kontext"] = replace(
+    PRESET_TABLE[TINY_FLUX],
+    name="tiny-flux-kontext",
+    builder="ditfuse.runtime.presets:build_tiny_flux_kontext",
+    note="tiny-flux-kontext has random weights: its images are noise (it exercises the FLUX.1 Kontext "
+         "editing pipeline, not image quality)",
+    pipeline="FluxKontextPipeline",
+)
 # LTX-Video image-to-video: tiny-ltx's parts and geometry as an LTXImageToVideoPipeline
 PRESET_TABLE["tiny-ltx-i2v"] = replace(
     PRESET_TABLE["tiny-ltx"],
@@ -385,6 +394,17 @@ def build_tiny_flux():
         tokenizer_2=tokenizer_2,
         transformer=transformer,
     )
+
+
+def build_tiny_flux_kontext():
+    """tiny-flux's parts and weights as a diffusers ``FluxKontextPipeline`` (FLUX.1 Kontext edits:
+    the input image's latents join the sequence, with their own position ids). Random weights:
+    its images are noise."""
+    from diffusers import FluxKontextPipeline
+
+    t2i = build_tiny_flux()
+    return FluxKontextPipeline(**{name: getattr(t2i, name) for name in (
+        "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")})
 
 
 def preset_path(name: str) -> Path:

@@ -4,6 +4,9 @@ Routes
     POST /v1/images/generations   OpenAI request schema (model, prompt, n, size, response_format,
                                   quality) plus seed, num_inference_steps, guidance_scale,
                                   negative_prompt, true_cfg_scale, output_format.
+    POST /v1/images/edits         image-editing models (FluxKontextPipeline): the same fields plus
+                                  the image to edit (multipart ``image``, as the openai client's
+                                  ``images.edit`` sends it, or JSON ``{"image_url": data URL}``).
     GET  /v1/models               the one model this server runs.
     GET  /health                  liveness/readiness (never needs the API key); with worker
                                   processes (``--gpus N``) also each worker's device, state, tier.
@@ -74,6 +77,7 @@ access_logger = logging.getLogger("ditfuse.access")
 server_logger = logging.getLogger("ditfuse.server")
 
 GENERATIONS_PATH = "/v1/images/generations"
+EDITS_PATH = "/v1/images/edits"
 # Fields of POST /v1/images/generations: OpenAI's that this server honours (``user`` is accepted
 # and ignored, as it only tags the end user for OpenAI's abuse monitoring), then ditfuse's
 # documented extensions. Anything else is a 400 naming the field.
@@ -82,8 +86,11 @@ EXTENSION_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_p
 REQUEST_FIELDS = frozenset(OPENAI_FIELDS + EXTENSION_FIELDS)
 # OpenAI image parameters that ditfuse does not implement: named as such in the 400's message.
 UNSUPPORTED_OPENAI_FIELDS = frozenset(
-    {"style", "background", "moderation", "output_compression", "partial_images", "stream", "input_fidelity"}
+    {"style", "background", "moderation", "output_compression", "partial_images", "stream", "input_fidelity", "mask"}
 )
+# Fields of a multipart POST /v1/images/edits that are numbers (form values arrive as text).
+_INT_FIELDS = ("n", "seed", "num_inference_steps", "width", "height")
+_FLOAT_FIELDS = ("guidance_scale", "true_cfg_scale")
 # The key in the ASGI scope under which the layers of one request leave what the access log and
 # the request counter need (error code, quality, batch sizes); a dict shared by reference.
 SCOPE_KEY = "ditfuse.request"
@@ -171,8 +178,10 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
-    """Validate an images/generations body into SamplingParams (raises ParamError / APIError)."""
+def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> SamplingParams:
+    """Validate an images/generations body (or, with ``image``, an images/edits one: the decoded
+    input image) into SamplingParams (raises ParamError / APIError). With an image the params carry
+    its fingerprint; the caller stores it and sets ``image`` to the file."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     check_fields(body)
@@ -188,10 +197,14 @@ def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
     refused = spec.check_request({k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if body.get(k) is not None})
     if refused:
         raise ParamError(*refused)
-    if spec.takes_image:
-        raise APIError(400, f"{engine.model_name!r} ({spec.name}) generates video from an image, and "
-                            "/v1/images/generations takes no input image: create a video with input_reference "
-                            "(POST /v1/videos)", "model", "model_needs_image")
+    if image is None and spec.check_image(False) is not None:
+        where = ("create a video with input_reference (POST /v1/videos)" if spec.is_video
+                 else f"send the image to {EDITS_PATH}")
+        raise APIError(400, f"{engine.model_name!r} ({spec.name}) generates from an image, and "
+                            f"/v1/images/generations takes none: {where}", "model", "model_needs_image")
+    if image is not None and spec.check_image(True) is not None:
+        raise APIError(400, f"{engine.model_name!r} ({spec.name}) takes no input image: {EDITS_PATH} needs an "
+                            "image-editing pipeline (FluxKontextPipeline)", "image", "model_takes_no_image")
     # the pipeline's defaults for what the request leaves out (diffusers' own, runtime/pipelines.py)
     kwargs: dict[str, Any] = {"true_cfg_scale": spec.default_true_cfg}
     if loaded.default_steps is not None:
@@ -202,7 +215,12 @@ def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
         if body.get(key) is not None:
             kwargs[key] = body[key]
     n = body.get("n")
-    return SamplingParams.create(
+    default_size = loaded.default_size
+    if image is not None:
+        from .inputs import size_for_image
+
+        default_size = size_for_image(image.width, image.height, loaded.default_size, loaded.size_multiple)
+    params = SamplingParams.create(
         body.get("prompt"),
         size=body.get("size"),
         width=body.get("width"),
@@ -212,10 +230,97 @@ def parse_generation_request(body: Any, engine: Engine) -> SamplingParams:
         quality=quality,
         negative_prompt=body.get("negative_prompt"),
         output_format=body.get("output_format") or "png",
-        default_size=loaded.default_size,
+        default_size=default_size,
         size_multiple=loaded.size_multiple,
         **kwargs,
     )
+    if image is not None:
+        from .inputs import pixel_sha256
+
+        params = params.with_(image_sha256=pixel_sha256(image))
+    return params
+
+
+_edit_ids = itertools.count()
+
+
+def inputs_dir() -> Any:
+    """Where /v1/images/edits keeps a request's input image while it runs: a directory of this
+    process under the cache (``$DITFUSE_CACHE/inputs/<pid>``), emptied of a dead process's leftovers."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from .presets import cache_dir
+
+    root = cache_dir() / "inputs"
+    mine = root / str(os.getpid())
+    if not mine.is_dir():
+        mine.mkdir(parents=True, exist_ok=True)
+        for other in root.iterdir():  # a server that died mid-request left its inputs behind
+            if other != mine and other.name.isdigit() and not Path(f"/proc/{other.name}").exists():
+                shutil.rmtree(other, ignore_errors=True)
+    return mine
+
+
+async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
+    """An images/edits body: multipart/form-data (what the openai client sends: ``image`` or
+    ``image[]`` files, text fields) or JSON (``image`` as ``{"image_url": data URL}`` or a data URL
+    string). Returns the other fields (numbers parsed) and the decoded image."""
+    from .inputs import data_url_bytes, decode_image
+
+    ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
+    images: list[Any] = []
+    body: dict[str, Any] = {}
+    if ctype == "multipart/form-data":
+        try:
+            form = await request.form()
+        except Exception as e:  # malformed multipart
+            raise APIError(400, f"request body is not a valid form: {e}", code="invalid_form") from None
+        for key, value in form.multi_items():
+            if not isinstance(value, str):  # an uploaded file
+                try:
+                    if key not in ("image", "image[]"):
+                        raise ParamError(key, f"{key} is not supported" if key == "mask" else
+                                         f"{key} must be a text field, not a file")
+                    images.append(await value.read())
+                finally:
+                    await value.close()
+                continue
+            if key in body:
+                raise ParamError(key, f"field {key!r} is given more than once")
+            body[key] = value
+        for key in _INT_FIELDS:
+            v = body.get(key)
+            if isinstance(v, str) and v.strip().lstrip("-").isdigit():
+                body[key] = int(v.strip())
+        for key in _FLOAT_FIELDS:
+            v = body.get(key)
+            if isinstance(v, str):
+                try:
+                    body[key] = float(v.strip())
+                except ValueError:
+                    raise ParamError(key, f"{key} must be a number, got {v!r}") from None
+    elif is_json_content_type(ctype):
+        try:
+            body = json.loads(await request.body() or b"null")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "request body must be a JSON object", code="invalid_json")
+        body = dict(body)
+        ref = body.pop("image", None)
+        if ref is not None:
+            url = ref.get("image_url") if isinstance(ref, dict) else ref
+            images.append(data_url_bytes(url, "image"))
+    else:
+        raise APIError(415, f"unsupported Content-Type {ctype or '(none)'!r}; send multipart/form-data (as the "
+                            "openai client does) or application/json", code="unsupported_media_type")
+    if not images:
+        raise ParamError("image", "image is required: the image to edit, as an uploaded file")
+    if len(images) > 1:
+        raise ParamError("image", f"{len(images)} images were sent; this server edits one image per request")
+    return body, decode_image(images[0], "image")
 
 
 def encode_image(image: Any, params: SamplingParams, index: int, model: str) -> str:
@@ -552,7 +657,23 @@ def create_app(
             body = json.loads(await request.body() or b"null")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        params = parse_generation_request(body, engine)
+        return await _run_images(request, parse_generation_request(body, engine))
+
+    @app.post(EDITS_PATH)
+    async def edits(request: Request) -> JSONResponse:
+        from .inputs import save_png
+
+        body, image = await read_edit_request(request)
+        params = parse_generation_request(body, engine, image=image)
+        # The workers read the image from a file (as a video job's); it lives as long as the request.
+        path = inputs_dir() / f"edit-{next(_edit_ids)}-{params.image_sha256[:16]}.png"
+        await asyncio.to_thread(save_png, image, path)
+        try:
+            return await _run_images(request, params.with_(image=str(path)))
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _run_images(request: Request, params: SamplingParams) -> JSONResponse:
         _note(request, quality=params.quality.value, prompt=params.prompt)
         images = await engine.submit(params, is_disconnected=request.is_disconnected)
         batch_sizes = {g.batch_id: g.batch_size for g in images}  # one entry per batch it ran in
@@ -791,7 +912,10 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print(f"WARNING: listening on {args.host} without --api-key", file=sys.stderr)
     # an image-to-video model's images route answers every request with a 400 (it needs an image)
-    routes = "" if engine.loaded.spec.takes_image else "POST /v1/images/generations"
+    spec = engine.loaded.spec
+    routes = "" if spec.check_image(False) is not None else "POST /v1/images/generations"
+    if spec.takes_image and not spec.is_video:
+        routes += ", POST /v1/images/edits"
     if videos is not None:
         print(
             f"videos: data dir {videos.data_dir}, up to {engine.max_video_batch_size} per call, "

@@ -1,5 +1,5 @@
-"""Image-to-video on CUDA (round 23, written without a GPU; first run pending): what an I2V call
-adds to the text-to-video paths the other GPU tests cover.
+"""Image-conditioned pipelines on CUDA (round 23, written without a GPU; first run pending): what
+an image-to-video or image-editing call adds to the paths the other GPU tests cover.
 
 - The Wan VAE's **encode** (the I2V pipelines encode the conditioning video: the first frame and
   zeros) through the autoencoder_kl_wan adapter's sites, bitwise equal to diffusers, every op
@@ -7,14 +7,17 @@ adds to the text-to-video paths the other GPU tests cover.
   fp32. No other GPU test encodes.
 - The two tiny runtime pipelines (``tiny-wan-i2v``, ``tiny-ltx-i2v``) end to end in bf16:
   accelerated bitwise equal to plain diffusers, every op of the transformer's adapter verified
-  (CLIP image tokens through Wan's added k/v; LTX's per-token timesteps)."""
+  (CLIP image tokens through Wan's added k/v; LTX's per-token timesteps).
+- ``tiny-flux-kontext`` (FLUX.1 Kontext editing): the AutoencoderKL **encode** of the input image
+  (auto-resized to Kontext's ~1 MP resolution, as diffusers does) and the flux adapter with the
+  image's tokens in the sequence, bitwise against plain diffusers."""
 
 import pytest
 import torch
 
 import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
-from ditfuse.models import ltx, wan
+from ditfuse.models import flux, ltx, wan
 from ditfuse.models import ltx_configs as lc
 from ditfuse.models import wan_configs as wc
 from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_VAE_ADAPTER
@@ -104,3 +107,17 @@ def test_tiny_ltx_i2v_pipeline_bitwise():
                          generator=[torch.Generator().manual_seed(s) for s in (3, 4)])
 
     _pipeline_bitwise(pipe, call, ltx.ADAPTER)
+
+
+def test_tiny_flux_kontext_pipeline_bitwise():
+    from ditfuse.runtime.presets import build_tiny_flux_kontext
+
+    pipe = build_tiny_flux_kontext().to(DEV, torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+
+    def call(p):
+        return p(image=vr.picture(0, 96, 64), prompt="make it red", height=64, width=96, max_area=64 * 96,
+                 num_inference_steps=2, output_type="pt", generator=torch.Generator().manual_seed(1),
+                 max_sequence_length=128).images
+
+    _pipeline_bitwise(pipe, call, flux.ADAPTER)
