@@ -244,6 +244,17 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
 _edit_ids = itertools.count()
 
 
+async def read_json_object(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object; a 400 (``invalid_json``) for anything else."""
+    try:
+        body = json.loads(await request.body() or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
 def inputs_dir() -> Any:
     """Where /v1/images/edits keeps a request's input image while it runs: a directory of this
     process under the cache (``$DITFUSE_CACHE/inputs/<pid>``), emptied of a dead process's leftovers."""
@@ -302,13 +313,7 @@ async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
                 except ValueError:
                     raise ParamError(key, f"{key} must be a number, got {v!r}") from None
     elif is_json_content_type(ctype):
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        body = dict(body)
+        body = await read_json_object(request)
         ref = body.pop("image", None)
         if ref is not None:
             url = ref.get("image_url") if isinstance(ref, dict) else ref
@@ -653,11 +658,7 @@ def create_app(
         if not is_json_content_type(ctype):
             got = f"got {ctype!r}" if ctype else "no Content-Type header was sent"
             raise APIError(415, f"the request body must be JSON with 'Content-Type: application/json'; {got}", None, "unsupported_media_type")
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        return await _run_images(request, parse_generation_request(body, engine))
+        return await _run_images(request, parse_generation_request(await read_json_object(request), engine))
 
     @app.post(EDITS_PATH)
     async def edits(request: Request) -> JSONResponse:

@@ -83,7 +83,7 @@ from .params import (
     resolve_num_frames,
     seconds_for_frames,
 )
-from .server import APIError, parse_quality
+from .server import APIError, parse_quality, read_json_object
 
 logger = logging.getLogger("ditfuse.videos")
 
@@ -252,13 +252,7 @@ async def read_fields(request: Request) -> dict[str, Any]:
                 fields[key] = value
         return fields
     if ctype == "application/json":
-        try:
-            body = json.loads(await request.body() or b"null")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object", code="invalid_json")
-        return body
+        return await read_json_object(request)
     raise APIError(
         415,
         f"unsupported Content-Type {ctype or '(none)'!r}; send multipart/form-data (as the openai client does) or application/json",

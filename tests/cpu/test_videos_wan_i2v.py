@@ -9,7 +9,6 @@ client."""
 from __future__ import annotations
 
 import base64
-import time
 
 import httpx
 import numpy as np
@@ -352,14 +351,6 @@ def served(tiny_cache, one_thread, tmp_path_factory):  # noqa: F811
         yield served
 
 
-def _wait(c: openai.OpenAI, job_id: str) -> object:
-    deadline = time.monotonic() + 240
-    while (v := c.videos.retrieve(job_id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, v
-        time.sleep(0.2)
-    return v
-
-
 @pytest.mark.slow  # a live server, four jobs
 def test_videos_api_with_input_reference(served):
     """Through the official openai client: jobs on one uploaded image share a batch, a job on
@@ -372,7 +363,7 @@ def test_videos_api_with_input_reference(served):
                             extra_body={**body, "seed": i}) for i, img in enumerate((a, a, b))]
     done = []
     for j in jobs:
-        v = _wait(c, j.id)
+        v = vr.wait_done(c, j.id)
         assert v.status == "completed", v.error
         done.append(c.videos.download_content(j.id).read())
     infos = [video_io.probe_video(mp4) for mp4 in done]
@@ -388,7 +379,7 @@ def test_videos_api_with_input_reference(served):
                    json={"prompt": "json", "input_reference": {"image_url": url}, "steps": 1, "num_frames": 1,
                          "size": "32x32"})
     assert r.status_code == 200, r.text
-    v = _wait(c, r.json()["id"])
+    v = vr.wait_done(c, r.json()["id"])
     assert v.status == "completed" and v.size == "32x32", v
     # missing image: a 400 naming input_reference
     with pytest.raises(openai.BadRequestError) as e:

@@ -499,7 +499,7 @@ def test_cancelling_a_running_video_stops_it_in_the_worker(lanes, sync_dir):
 
     err = lanes.call(outcome())
     assert type(err).__name__ == "RequestCancelled"
-    entry = [b for b in lanes.engine.batch_log if b["signature"][-1] == 5][-1]
+    entry = [b for b in lanes.engine.batch_log if b["signature"][8] == 5][-1]
     # the worker raised BatchAbandoned at its next step; without the stop it would have finished
     assert "stopped while running (cancelled)" in entry["error"], entry
     assert seen[0] == (0, 50) and len(seen) < 50

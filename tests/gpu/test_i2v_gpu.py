@@ -22,24 +22,10 @@ from ditfuse.models import ltx_configs as lc
 from ditfuse.models import wan_configs as wc
 from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_VAE_ADAPTER
 from tests.support import video_runtime as vr
+from tests.gpu.test_vae_gpu import WAN_TINY, WAN_VAE, _wan_vae
 from tests.support.engaged import assert_engaged
 
 DEV = "cuda"
-WAN_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-               temperal_downsample=[False, True, True])
-WAN_TINY = dict(WAN_VAE, base_dim=32, num_res_blocks=1)
-
-
-def _wan_vae(cfg, dtype):
-    from diffusers import AutoencoderKLWan
-
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(**cfg)
-    with torch.no_grad():
-        for m in vae.modules():
-            if type(m).__name__ == "WanRMS_norm":
-                m.gamma.normal_(1.0, 0.3)
-    return vae.to(DEV, dtype).eval()
 
 
 def _i2v_condition(batch, frames, height, width, dtype):

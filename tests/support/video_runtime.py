@@ -154,6 +154,15 @@ def serve_preset(preset: str, data_dir: Path, accelerate: bool = True) -> Iterat
         yield SimpleNamespace(url=url, engine=engine)
 
 
+def wait_done(c: openai.OpenAI, job_id: str, timeout_s: float = 240) -> Any:
+    """Poll a video job until it is completed or failed (at most ``timeout_s``); the job object."""
+    deadline = time.monotonic() + timeout_s
+    while (v := c.videos.retrieve(job_id)).status not in ("completed", "failed"):
+        assert time.monotonic() < deadline, v
+        time.sleep(0.2)
+    return v
+
+
 def assert_two_jobs_share_a_batch(served: SimpleNamespace, size: str, body: dict[str, Any], frames: int, fps: int,
                                   seconds: str, bad_frames: int, needle: str) -> None:
     """Through the official openai client: two ``/v1/videos`` jobs (``body`` plus seeds 0 and 1)
@@ -165,10 +174,7 @@ def assert_two_jobs_share_a_batch(served: SimpleNamespace, size: str, body: dict
     jobs = [c.videos.create(prompt=f"a fox {i}", size=size, extra_body={**body, "seed": i}) for i in range(2)]
     done = []
     for j in jobs:
-        deadline = time.monotonic() + 240
-        while (v := c.videos.retrieve(j.id)).status not in ("completed", "failed"):
-            assert time.monotonic() < deadline, v
-            time.sleep(0.2)
+        v = wait_done(c, j.id)
         assert v.status == "completed", v.error
         assert v.seconds == seconds
         done.append(c.videos.download_content(j.id).read())
