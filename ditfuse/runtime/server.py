@@ -277,8 +277,8 @@ def inputs_dir() -> Any:
 async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
     """An images/edits body: multipart/form-data (what the openai client sends: ``image`` or
     ``image[]`` files, text fields) or JSON (``image`` as ``{"image_url": data URL}`` or a data URL
-    string). Returns the other fields (numbers parsed) and the decoded image."""
-    from .inputs import data_url_bytes, decode_image
+    string). Returns the other fields (numbers parsed) and the image's bytes."""
+    from .inputs import data_url_bytes
 
     ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
     images: list[Any] = []
@@ -325,7 +325,7 @@ async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
         raise ParamError("image", "image is required: the image to edit, as an uploaded file")
     if len(images) > 1:
         raise ParamError("image", f"{len(images)} images were sent; this server edits one image per request")
-    return body, decode_image(images[0], "image")
+    return body, images[0]
 
 
 def encode_image(image: Any, params: SamplingParams, index: int, model: str) -> str:
@@ -664,8 +664,12 @@ def create_app(
     async def edits(request: Request) -> JSONResponse:
         from .inputs import save_png
 
-        body, image = await read_edit_request(request)
-        params = parse_generation_request(body, engine, image=image)
+        from .inputs import decode_image
+
+        body, data = await read_edit_request(request)
+        # decoding and fingerprinting a large image takes a while: off the event loop
+        image = await asyncio.to_thread(decode_image, data, "image")
+        params = await asyncio.to_thread(parse_generation_request, body, engine, image)
         # The workers read the image from a file (as a video job's); it lives as long as the request.
         path = inputs_dir() / f"edit-{next(_edit_ids)}-{params.image_sha256[:16]}.png"
         await asyncio.to_thread(save_png, image, path)

@@ -429,22 +429,28 @@ class VideoJobs:
 
     # -- jobs --------------------------------------------------------------------------------
 
-    def create(self, fields: dict[str, Any]) -> dict[str, Any]:
+    async def create(self, fields: dict[str, Any]) -> dict[str, Any]:
         """Validate, queue in the engine (QueueFull -> 429 before anything is stored), store the
-        row; returns the job object."""
+        row; returns the job object. An input image is decoded, fingerprinted and written off the
+        event loop."""
         if self._closing or self.store is None:
             from .engine import EngineClosed
 
             raise EngineClosed("server is shutting down")
-        params, seconds = parse_video_request(fields, self.engine)
+        params, seconds = await asyncio.to_thread(parse_video_request, fields, self.engine)
         job_id = f"video_{uuid.uuid4().hex}"
         image = params.extra.get("input_image")
         if image is not None:
             from .inputs import save_png
 
             path = self.inputs_dir / f"{job_id}.png"
-            save_png(image, path)
+            await asyncio.to_thread(save_png, image, path)
             params = params.with_(image=str(path), extra={})
+        if self._closing or self.store is None:  # shutdown began while the image was written
+            from .engine import EngineClosed
+
+            self._unlink_files(job_id)
+            raise EngineClosed("server is shutting down")
         row = {
             "id": job_id,
             "model": self.engine.model_name,
@@ -648,7 +654,7 @@ def router(jobs: VideoJobs) -> APIRouter:
     @r.post("/v1/videos")
     async def create(request: Request) -> JSONResponse:
         fields = await read_fields(request)
-        return JSONResponse(jobs.create(fields), headers=_poll_headers())
+        return JSONResponse(await jobs.create(fields), headers=_poll_headers())
 
     @r.get("/v1/videos")
     async def list_videos(after: str | None = None, limit: str | None = None, order: str | None = None) -> JSONResponse:
