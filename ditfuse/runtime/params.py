@@ -99,8 +99,9 @@ class SamplingParams:
     output_format: str = "png"
     # Video requests only (None for images): the clip's frame count; see resolve_num_frames.
     num_frames: int | None = None
-    # Image-to-video only: the image the clip starts from, as a file on this machine (runtime/
-    # inputs.py), and the SHA-256 of its RGB pixels; requests share a batch only with equal ones.
+    # Image-conditioned requests only (image-to-video, image editing): the input image, as a file
+    # on this machine (runtime/inputs.py), and the SHA-256 of its RGB pixels. Where the pipeline
+    # takes one image per call, requests share a batch only with equal fingerprints.
     image: str | None = None
     image_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)

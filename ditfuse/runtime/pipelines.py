@@ -136,8 +136,8 @@ class PipelineSpec:
     # Whether cuda_graph="auto" captures its transformer steps: False where the forward syncs
     # with the host (capture would fail on every new shape, and the step run eager anyway).
     cuda_graphs: bool = True
-    # Image-to-video: the call argument that takes the image the clip starts from (every request
-    # must bring one). None: the pipeline takes no image.
+    # Image-conditioned pipelines (image-to-video, image editing): the call argument that takes
+    # the input image (every request must bring one unless image_optional). None: it takes none.
     image_kwarg: str | None = None
     # True: the call takes one image per prompt (a list; LTX-Video), so requests on different
     # images share a batch. False: one image conditions the whole call (Wan repeats its CLIP
@@ -169,8 +169,8 @@ class PipelineSpec:
             return f"{self.label} ({self.name}) generates from an image: the request needs one"
         if given and not self.takes_image:
             with_image = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_image)
-            return (f"{self.label} ({self.name}) is text-only and takes no input image; image-to-video "
-                    f"needs an image-to-video pipeline ({with_image})")
+            return (f"{self.label} ({self.name}) is text-only and takes no input image; an input image "
+                    f"needs a pipeline that takes one ({with_image})")
         return None
 
     @property
