@@ -929,12 +929,14 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
             f"{'' if videos.max_age_s is None else f' for {videos.max_age_s:g} s'}"
         )
         routes += ", POST /v1/videos" if routes else "POST /v1/videos"
-        if engine.loaded.spec.takes_image:
-            from .inputs import MAX_INPUT_BYTES
+    if spec.takes_image:
+        from .inputs import MAX_INPUT_BYTES
 
-            limit = args.max_body_bytes if args.max_body_bytes is not None else default_max_body_bytes(engine)
-            print(f"image-to-video: every job needs input_reference (an image of up to {MAX_INPUT_BYTES >> 20} MiB, "
-                  f"4096x4096 px); request bodies up to {limit} bytes")
+        limit = args.max_body_bytes if args.max_body_bytes is not None else default_max_body_bytes(engine)
+        how = ("every job needs input_reference" if spec.is_video
+               else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
+        print(f"input images: {how} (up to {MAX_INPUT_BYTES >> 20} MiB, 4096x4096 px); "
+              f"request bodies up to {limit} bytes")
     print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)
     configure_logging()
     app = create_app(
