@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import io
+import time
 
 import httpx
 import numpy as np
@@ -181,3 +182,42 @@ def test_text_to_image_model_refuses_edits(tiny_cache, one_thread):  # noqa: F81
     with TestClient(create_app(engine)) as tc:
         r = tc.post("/v1/images/edits", data={"prompt": "x"}, files={"image": ("in.png", image_bytes(picture(0)), "image/png")})
     assert r.status_code == 400 and r.json()["error"]["code"] == "model_takes_no_image", r.text
+
+
+@pytest.mark.slow  # a `ditfuse serve` subprocess
+def test_serve_cli_takes_a_large_edit_by_default(tiny_cache, tmp_path):
+    """`ditfuse serve --model tiny-flux-kontext` as users start it: the startup lines name the edits
+    route and the input limits, and a 2 MB upload fits the default body limit (1 MiB on a
+    text-to-image model)."""
+    import subprocess
+
+    from tests.cpu.test_videos_server import EXE, _env, free_port
+
+    big = image_bytes(picture(5, 1000, 700))
+    assert len(big) > 2_000_000
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([EXE, "serve", "--model", PRESET, "--port", str(port)], env=_env(tiny_cache),
+                                stdout=out, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "server did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
+        r = c.images.edit(image=("big.png", big, "image/png"), prompt="x", size="64x48",
+                          extra_body={"num_inference_steps": 1, "seed": 3})
+        out_img = Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json)))
+        assert out_img.size == (64, 48) and out_img.text["image_sha256"] == pixel_sha256(picture(5, 1000, 700))
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    text = log.read_text()
+    assert "input images: /v1/images/edits takes the image to edit (up to 32 MiB, 4096x4096 px)" in text, text
+    assert "(POST /v1/images/generations, POST /v1/images/edits)" in text, text
