@@ -110,6 +110,8 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             return args.out
         return Path("out.mp4") if info.kind == "video" else Path("out.png")
 
+    decoded: dict[Any, tuple[Any, str]] = {}  # --image, decoded and fingerprinted once
+
     def make_params(info: Any) -> SamplingParams:
         """``info``: a Preset or LoadedModel (geometry, defaults, kind)."""
         video = info.kind == "video"
@@ -130,15 +132,18 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         why = spec.check_image(image_path is not None)
         if why is not None:
             raise ParamError("image", f"{why} (--image PATH)" if image_path is None else why)
-        image = default_size = None
+        image = image_sha = default_size = None
         if image_path is not None:
             from .inputs import decode_image, pixel_sha256, size_for_image
 
-            try:
-                data = Path(image_path).expanduser().read_bytes()
-            except OSError as e:
-                raise ParamError("image", f"--image {str(image_path)!r}: {e.strerror or e}") from None
-            image = decode_image(data, "image")
+            if image_path not in decoded:  # make_params runs twice for a preset (before and after loading)
+                try:
+                    data = Path(image_path).expanduser().read_bytes()
+                except OSError as e:
+                    raise ParamError("image", f"--image {str(image_path)!r}: {e.strerror or e}") from None
+                img = decode_image(data, "image")
+                decoded[image_path] = (img, pixel_sha256(img))
+            image, image_sha = decoded[image_path]
             default_size = size_for_image(image.width, image.height, info.default_size, info.size_multiple)
         true_cfg = getattr(args, "true_cfg_scale", None)
         named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", true_cfg),
@@ -166,7 +171,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             size_multiple=info.size_multiple,
         )
         if image is not None:
-            params = params.with_(image=str(Path(image_path).expanduser().resolve()), image_sha256=pixel_sha256(image))
+            params = params.with_(image=str(Path(image_path).expanduser().resolve()), image_sha256=image_sha)
         if video:
             params = params.with_(num_frames=resolve_num_frames(
                 seconds=seconds, num_frames=frames, fps=info.fps,

@@ -15,7 +15,6 @@ import binascii
 import hashlib
 import io
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -79,12 +78,11 @@ def pixel_sha256(image: Any) -> str:
 
 
 def save_png(image: Any, path: Path) -> None:
-    """Write ``image`` as PNG at ``path`` (through a temporary file and a rename: a reader never
-    sees half a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
+    """Write ``image`` as PNG at ``path`` with video_io.atomic_write (a ``.tmp-*`` file, fsynced
+    and renamed: a reader never sees half a file, and a queued job's input survives a crash)."""
+    from .video_io import atomic_write
+
+    atomic_write(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 def open_image(path: str | Path, sha256: str | None = None) -> Any:

@@ -662,9 +662,7 @@ def create_app(
 
     @app.post(EDITS_PATH)
     async def edits(request: Request) -> JSONResponse:
-        from .inputs import save_png
-
-        from .inputs import decode_image
+        from .inputs import decode_image, save_png
 
         body, data = await read_edit_request(request)
         # decoding and fingerprinting a large image takes a while: off the event loop

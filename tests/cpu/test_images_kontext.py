@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import time
 
 import httpx
 import numpy as np
@@ -26,6 +25,7 @@ from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import build_tiny_flux, build_tiny_flux_kontext
 from tests.cpu.test_generate import run_cli
 from tests.cpu.test_videos_server import serving
+from tests.support.serve_process import wait_healthy
 from tests.support.video_runtime import image_bytes, picture
 
 from .test_videos_server import one_thread  # noqa: F401 - fixture
@@ -201,15 +201,7 @@ def test_serve_cli_takes_a_large_edit_by_default(tiny_cache, tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, 120, output=log.read_text)
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=120, max_retries=0)
         r = c.images.edit(image=("big.png", big, "image/png"), prompt="x", size="64x48",
                           extra_body={"num_inference_steps": 1, "seed": 3})

@@ -22,6 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
+from tests.support.serve_process import wait_healthy
+
 # One pytest-xdist worker runs this whole file (`--dist loadgroup`). Not for correctness: every
 # worker process would start its own server (the fixture is module-scoped per process) and run its
 # tests one at a time, so the metric-delta tests would still see only their own traffic. But the
@@ -579,15 +581,7 @@ def test_serve_cli_binds_loopback_and_shuts_down_gracefully(tiny_cache, tmp_path
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, 90)
         # A plain CPU process (no interpreter): quality=high switches the tier but mounts nothing.
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         c.images.generate(prompt="tier switch", size="32x32", quality="high", extra_body={"num_inference_steps": 1, "seed": 1})

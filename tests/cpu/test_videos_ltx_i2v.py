@@ -124,11 +124,7 @@ def test_videos_api_jobs_on_different_images_share_a_batch(served):
     c = openai.OpenAI(base_url=served.url + "/v1", api_key=vr.KEY, timeout=300, max_retries=0)
     jobs = [c.videos.create(prompt=f"a fox {i}", size="96x64", input_reference=("in.png", png_bytes(picture(i)), "image/png"),
                             extra_body={"num_frames": 9, "steps": 2, "seed": i}) for i in range(2)]
-    done = []
-    for j in jobs:
-        v = vr.wait_done(c, j.id)
-        assert v.status == "completed", v.error
-        done.append(c.videos.download_content(j.id).read())
+    _, done = vr.completed_clips(c, jobs)
     infos = [video_io.probe_video(mp4) for mp4 in done]
     assert all((i.frames, i.width, i.height, i.fps) == (9, 96, 64, 25.0) for i in infos), infos
     assert done[0] != done[1]

@@ -24,6 +24,7 @@ import pytest
 from PIL import Image
 
 from ditfuse.runtime import video_io
+from tests.support.serve_process import wait_healthy
 
 # client.videos.* are marked deprecated (the hosted Sora API's shutdown date); they work unchanged.
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -439,16 +440,8 @@ def _start(port, data_dir, cache):
            "--max-video-batch-size", "1"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read())
-        assert time.monotonic() < deadline, "server did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
+    wait_healthy(proc, url, 120)
+    return proc, url
 
 
 def test_restart_after_a_crash_keeps_finished_jobs_fails_running_requeues_queued(tiny_cache, tmp_path):

@@ -361,11 +361,7 @@ def test_videos_api_with_input_reference(served):
     a, b = png_bytes(picture(0)), png_bytes(picture(1))
     jobs = [c.videos.create(prompt=f"a fox {i}", size="64x48", input_reference=("start.png", img, "image/png"),
                             extra_body={**body, "seed": i}) for i, img in enumerate((a, a, b))]
-    done = []
-    for j in jobs:
-        v = vr.wait_done(c, j.id)
-        assert v.status == "completed", v.error
-        done.append(c.videos.download_content(j.id).read())
+    _, done = vr.completed_clips(c, jobs)
     infos = [video_io.probe_video(mp4) for mp4 in done]
     assert all((i.frames, i.width, i.height) == (5, 64, 48) for i in infos), infos
     assert len(set(done)) == 3

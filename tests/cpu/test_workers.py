@@ -34,6 +34,7 @@ from ditfuse.runtime.workers import (
     plan_devices,
     worker_environment,
 )
+from tests.support.serve_process import wait_healthy
 
 # One pytest-xdist worker runs this file: the worker processes of its fixtures cost seconds to
 # start, and on a 2-core machine two files spawning pools at once only slow each other down.
@@ -578,15 +579,7 @@ def test_serve_devices_cpu_cpu_end_to_end_with_the_openai_client(tiny_cache):
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        wait_healthy(proc, url, 90)
         health = httpx.get(url + "/health").json()
         assert [(w["worker"], w["device"], w["alive"]) for w in health["workers"]] == [(0, "cpu", True), (1, "cpu", True)]
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)

@@ -163,6 +163,17 @@ def wait_done(c: openai.OpenAI, job_id: str, timeout_s: float = 240) -> Any:
     return v
 
 
+def completed_clips(c: openai.OpenAI, jobs: list[Any]) -> tuple[list[Any], list[bytes]]:
+    """Wait for each video job; each must complete. Their final job objects and MP4s, in order."""
+    videos, clips = [], []
+    for j in jobs:
+        v = wait_done(c, j.id)
+        assert v.status == "completed", v.error
+        videos.append(v)
+        clips.append(c.videos.download_content(j.id).read())
+    return videos, clips
+
+
 def assert_two_jobs_share_a_batch(served: SimpleNamespace, size: str, body: dict[str, Any], frames: int, fps: int,
                                   seconds: str, bad_frames: int, needle: str) -> None:
     """Through the official openai client: two ``/v1/videos`` jobs (``body`` plus seeds 0 and 1)
@@ -172,12 +183,8 @@ def assert_two_jobs_share_a_batch(served: SimpleNamespace, size: str, body: dict
     width, height = (int(v) for v in size.split("x"))
     c = openai.OpenAI(base_url=served.url + "/v1", api_key=KEY, timeout=300, max_retries=0)
     jobs = [c.videos.create(prompt=f"a fox {i}", size=size, extra_body={**body, "seed": i}) for i in range(2)]
-    done = []
-    for j in jobs:
-        v = wait_done(c, j.id)
-        assert v.status == "completed", v.error
-        assert v.seconds == seconds
-        done.append(c.videos.download_content(j.id).read())
+    videos, done = completed_clips(c, jobs)
+    assert all(v.seconds == seconds for v in videos), videos
     infos = [video_io.probe_video(mp4) for mp4 in done]
     assert all((i.frames, i.width, i.height, i.fps) == (frames, width, height, float(fps)) for i in infos), infos
     assert done[0] != done[1]  # different seeds
