@@ -18,12 +18,22 @@ a single eager call if it comes back.
 A graph also bakes in everything about the *model* that its forward read on the host: which
 modules and hooks ran, each parameter's and buffer's address, the attention processors, a LoRA
 adapter's scale and on/off state. So every call first takes the model's state
-(:func:`model_state`: one walk over its modules, ~1-2 ms of Python for FLUX.1's 1279 modules,
-hidden behind the GPU's work in a graph-replayed loop), and when it differs from the state the
-graphs were captured under, all of them are dropped (logged, with the first module that changed)
-and the next calls warm up and capture again: loading, scaling, disabling or fusing a LoRA,
-swapping an attention processor, replacing a parameter or moving the model never replays a
-stale graph. In-place writes into existing weights are not a change: a replay reads the memory.
+(:func:`model_state`: one walk over its modules, 4-5 ms of Python for FLUX.1's 1279 modules),
+and when it differs from the state the graphs were captured under, all of them are dropped
+(logged, with the first module that changed) and the next calls warm up and capture again:
+loading, scaling, disabling or fusing a LoRA, swapping an attention processor, replacing a
+parameter or moving the model never returns a stale graph's output. In-place writes into existing
+weights are not a change: a replay reads the memory.
+
+On a call that replays, that walk runs *after* the replay is enqueued, while the GPU computes, not
+before it: otherwise the GPU idles for the walk whenever the host is not already a step ahead (a
+synchronised step, the first step of a call, a busy host; it made a graph-replayed FLUX.1 step
+about 5 ms slower than the same step without graphs on the H100). If the walk then finds a change,
+the replay's output is discarded and the call runs the model eagerly, as the first call of a new
+state does. A stale replay is memory-safe: each live graph's runner holds the storages of the
+parameters and buffers it was captured with (``GraphRunner.pinned``), so a replaced weight stays
+allocated until the change is seen and the graphs are dropped; its writes go to the graph's own
+pool and static outputs only.
 A model with foreign hooks (accelerate's offload ``_hf_hook``, diffusers' offload or cache hooks)
 stays eager, logged once: those move weights or decide on the host per call.
 """
@@ -149,6 +159,7 @@ class GraphRunner:
         self.max_graphs = int(max_graphs)
         self.signature = inspect.signature(type(model).forward)
         self.replays = 0
+        self.discarded = 0  # replays whose output was thrown away: the model had changed (_replay)
         self.captures = 0
         self.evictions = 0
         self.parallel_noted = False
@@ -157,11 +168,15 @@ class GraphRunner:
         self.refused: str | None = None  # why graphs are off for the model right now (logged once)
         self._unstable = 0  # state changes in a row without a replay between them
         self._unstable_noted = False
+        # the parameter and buffer storages the live graphs read (module docstring: a replay
+        # enqueued before the state check must never read freed memory)
+        self.pinned: list = []
 
     def invalidate(self) -> None:
         """Drop every captured graph (the forward changed: another quality tier was mounted)."""
         self.entries.clear()
         self.live.clear()
+        self.pinned = []
 
     def state_allows(self, module: torch.nn.Module) -> bool:
         """Take ``module``'s state; drop every graph if it changed since they were captured.
@@ -243,9 +258,12 @@ class GraphRunner:
         named = dict(list(bound.arguments.items())[1:])
         if any(isinstance(v, torch.Tensor) and v.device.type != "cuda" for v in named.values()):
             return original(*args, **kwargs)
+        key = _key(named)
+        entry = self.entries.get(key)
+        if entry is not None and entry.graph is not None and self.state is not None:
+            return self._replay(module, key, entry, named, original, args, kwargs)
         if not self.state_allows(module):
             return original(*args, **kwargs)
-        key = _key(named)
         entry = self.entries.setdefault(key, _Entry())
         if entry.failed is not None:
             return original(*args, **kwargs)
@@ -254,19 +272,34 @@ class GraphRunner:
             return original(*args, **kwargs)  # eager warm-up: all first-sight verification happens here
         if entry.graph is None:
             self._make_room()
-            self._capture(entry, original, named)
+            self._capture(module, entry, original, named)
             if entry.graph is None:
                 return original(*args, **kwargs)
             self.live[key] = None
+        return self._replay(module, key, entry, named, original, args, kwargs, checked=True)
+
+    def _replay(self, module, key: tuple, entry: _Entry, named: dict[str, Any], original, args, kwargs,
+                checked: bool = False):
+        """Replay ``entry``'s graph, then (unless ``checked``) take the model's state while the GPU
+        runs it: unchanged, the replay's output is returned; changed or refused, it is discarded
+        and the call runs eagerly (the warm-up call of the new state)."""
         self.live.move_to_end(key)
         for name, buf in entry.static_in.items():
             buf.copy_(named[name])
         entry.graph.replay()
+        out = _clone_out(entry.static_out)
+        if not checked:
+            allowed = self.state_allows(module)
+            if not allowed or self.entries.get(key) is not entry:  # refused, or changed: graphs dropped
+                self.discarded += 1
+                if allowed:
+                    self.entries.setdefault(key, _Entry()).calls = 1
+                return original(*args, **kwargs)
         self.replays += 1
         self._unstable = 0
-        return _clone_out(entry.static_out)
+        return out
 
-    def _capture(self, entry: _Entry, original, named: dict[str, Any]) -> None:
+    def _capture(self, module: torch.nn.Module, entry: _Entry, original, named: dict[str, Any]) -> None:
         static = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in named.items()}
         try:
             side = torch.cuda.Stream()
@@ -282,6 +315,8 @@ class GraphRunner:
             logger.warning("ditfuse: CUDA graph capture failed, this shape stays eager: %s", entry.failed)
             return
         entry.graph = graph
+        if not self.pinned:  # the state was just checked: these are the storages the graph reads
+            self.pinned = [t.untyped_storage() for t in (*module.parameters(), *module.buffers())]
         entry.static_in = {k: v for k, v in static.items() if isinstance(v, torch.Tensor)}
         entry.static_out = out
         self.captures += 1

@@ -169,3 +169,71 @@ def test_a_model_that_changes_every_call_is_named(caplog):
     warned = [rec.getMessage() for rec in caplog.records if "changes between every call" in rec.getMessage()]
     assert len(warned) == 1 and "proj_out" in warned[0]
     assert r.state_changes == 4
+
+
+# -- a replay's state check runs after the replay is enqueued (models/cuda_graph.py _replay) ------
+
+
+class _FakeGraph:
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def replay(self) -> None:
+        self.log.append("replay")
+
+
+def _replay_setup(monkeypatch):
+    """A tiny FLUX.1 with one 'captured' signature whose graph logs its replays, the state walk
+    logging too, and an eager forward that logs and returns a marker."""
+    import ditfuse.models.cuda_graph as cg
+
+    m = _tiny()
+    r = _runner_with_graph(m)
+    log: list = []
+    walk = cg.model_state
+    monkeypatch.setattr(cg, "model_state", lambda mod: (log.append("state"), walk(mod))[1])
+    e = r.entries["shape"]
+    e.graph = _FakeGraph(log)
+    e.static_in = {"x": torch.zeros(3)}
+    e.static_out = torch.arange(3.0)
+    r.pinned = [m.proj_out.weight.untyped_storage()]
+    eager_out = torch.full((3,), 7.0)
+
+    def original(*a, **k):
+        log.append("eager")
+        return eager_out
+
+    def call():
+        return r._replay(m, "shape", e, {"x": torch.ones(3)}, original, (), {})
+
+    return m, r, e, log, call, eager_out
+
+
+def test_a_replay_is_enqueued_before_the_state_walk(monkeypatch):
+    m, r, e, log, call, _ = _replay_setup(monkeypatch)
+    out = call()
+    assert log == ["replay", "state"], log  # the GPU works while the host walks the modules
+    assert torch.equal(out, torch.arange(3.0)) and out is not e.static_out
+    assert torch.equal(e.static_in["x"], torch.ones(3))
+    assert (r.replays, r.discarded, r.state_changes) == (1, 0, 0) and list(r.live) == ["shape"]
+
+
+def test_a_change_seen_after_the_replay_discards_it(monkeypatch):
+    m, r, e, log, call, eager_out = _replay_setup(monkeypatch)
+    m.proj_out.weight = torch.nn.Parameter(m.proj_out.weight.detach().clone())
+    out = call()
+    assert log == ["replay", "state", "eager"], log
+    assert out is eager_out  # the stale replay's output is never returned
+    assert (r.replays, r.discarded, r.state_changes) == (0, 1, 1)
+    assert not r.live and r.pinned == []  # every graph dropped, the old weights let go
+    fresh = r.entries["shape"]
+    assert fresh is not e and fresh.graph is None and fresh.calls == 1  # the next call captures
+
+
+def test_a_refusal_seen_after_the_replay_discards_it(monkeypatch):
+    from accelerate.hooks import CpuOffload, add_hook_to_module
+
+    m, r, e, log, call, eager_out = _replay_setup(monkeypatch)
+    add_hook_to_module(m.transformer_blocks[0], CpuOffload())
+    assert call() is eager_out and log == ["replay", "state", "eager"]
+    assert r.discarded == 1 and not r.entries and not r.live and r.state is None
