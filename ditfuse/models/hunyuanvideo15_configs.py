@@ -8,7 +8,8 @@ spatially, 4x in time), ``txt_tokens`` random Qwen2.5-VL states with the prompt'
 and the rest padding, 64 ByT5 tokens likewise, zero image embeddings (text-to-video).
 :func:`build_tiny_pipeline`: a complete random-weight ``HunyuanVideo15Pipeline`` around the
 ``tiny`` transformer (presets, tests), with :func:`guidance_scale` (the guidance scale per call)
-and :func:`set_text_lengths` (the pipeline's fixed text lengths).
+and :func:`set_text_lengths` (the pipeline's fixed text lengths); :func:`build_tiny_i2v_pipeline`:
+the same parts plus a tiny SigLIP image encoder as a ``HunyuanVideo15ImageToVideoPipeline``.
 """
 
 from __future__ import annotations
@@ -244,3 +245,52 @@ def guidance_scale(pipe: Any, scale: float | None) -> Iterator[None]:
         yield
     finally:
         pipe.guider = saved
+
+
+# -- the tiny HunyuanVideo15ImageToVideoPipeline (``tiny-hunyuanvideo15-i2v``, tests) --------------
+
+# The I2V transformer's target_size: the pixel side whose square area every clip's aspect bucket
+# has (diffusers' 480p checkpoints: 640, 720p: 960). 192 makes the 16:9 bucket 256x144, the
+# text-to-video preset's default size, instead of 480p's 848x480.
+TINY_I2V_TARGET_SIZE = 192
+# The SigLIP vision encoder: width = the transformer's image_embed_dim; 32-px inputs in 8-px
+# patches give 16 image tokens (the real SigLIP: 384 px in 14-px patches, 729 tokens).
+TINY_SIGLIP = dict(num_hidden_layers=2, num_attention_heads=2, image_size=32, patch_size=8)
+
+
+def build_tiny_i2v_pipeline() -> Any:
+    """The tiny pipeline of :func:`build_tiny_pipeline` (the same parts and weights) as a
+    diffusers ``HunyuanVideo15ImageToVideoPipeline``, plus what image-to-video adds: a SigLIP
+    vision encoder (``SiglipVisionModel``, :data:`TINY_SIGLIP`, width ``image_embed_dim``) whose
+    last hidden states are the transformer's image tokens, and its image processor (SigLIP's
+    defaults at the encoder's 32 px: bicubic resize, [-1, 1] normalisation). Random weights (the
+    encoder's drawn after the text-to-video parts, from its own seed): its videos are noise.
+
+    The transformer is the same module with its config's ``target_size`` set to
+    :data:`TINY_I2V_TARGET_SIZE` and ``task_type`` to ``"i2v"`` (neither is a weight; task_type is
+    not read by the model, the released I2V checkpoints declare it). The I2V call takes no
+    height / width: it crops the image to the aspect bucket nearest its own at ``target_size``
+    (``video_processor.calculate_default_height_width``), and that is the clip's size. The
+    transformer's input is the same 9 channels as text-to-video's: 4 noise, 4 of the image's
+    latents on the first latent frame (zeros after), 1 first-frame mask.
+    """
+    import torch
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+    from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+    t2v = build_tiny_pipeline()
+    width = t2v.transformer.config.image_embed_dim
+    torch.manual_seed(TINY_SEED + 1)
+    image_encoder = SiglipVisionModel(SiglipVisionConfig(
+        hidden_size=width, intermediate_size=2 * width, **TINY_SIGLIP)).eval()
+    # transformers 5 without torchvision: SiglipImageProcessor is this PIL class (the same
+    # preprocessing); naming it directly saves it under its own name
+    side = TINY_SIGLIP["image_size"]
+    feature_extractor = SiglipImageProcessorPil(size={"height": side, "width": side})
+    t2v.transformer.register_to_config(target_size=TINY_I2V_TARGET_SIZE, task_type="i2v")
+    return HunyuanVideo15ImageToVideoPipeline(
+        **{name: getattr(t2v, name) for name in ("text_encoder", "tokenizer", "transformer", "vae", "scheduler",
+                                                   "text_encoder_2", "tokenizer_2", "guider")},
+        image_encoder=image_encoder, feature_extractor=feature_extractor,
+    )

@@ -261,16 +261,21 @@ def run_batch(
     if spec.area_kwarg is not None:
         kwargs[spec.area_kwarg] = p0.width * p0.height
     if spec.image_kwarg is not None and p0.image is not None:
-        from .inputs import open_image
+        from .inputs import fit_image_to_size, open_image
+
+        def image_for_call(p: SamplingParams) -> Any:
+            # a pipeline that derives its size from the image (no height / width in its call) gets
+            # the image fitted so that it makes the request's size (checked); others the image
+            return fit_image_to_size(loaded, open_image(p.image, p.image_sha256), p.width, p.height)
 
         if spec.image_per_sample:
             opened: dict[str | None, Any] = {}
             for p, _ in full:
                 if p.image_sha256 not in opened:
-                    opened[p.image_sha256] = open_image(p.image, p.image_sha256)
+                    opened[p.image_sha256] = image_for_call(p)
             kwargs[spec.image_kwarg] = [opened[p.image_sha256] for p, _ in full]
         else:
-            kwargs[spec.image_kwarg] = open_image(p0.image, p0.image_sha256)
+            kwargs[spec.image_kwarg] = image_for_call(p0)
     # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
     steps_counted = None
@@ -314,6 +319,12 @@ def run_batch(
         from .video_io import frames_to_uint8
 
         clips = [frames_to_uint8(v) for v in out.frames[:real]]
+        made = {c.shape[1:3] for c in clips}
+        if spec.size_from_image is not None and made != {(p0.height, p0.width)}:
+            # the call was given no size: the job and the file's metadata report the request's,
+            # which must be the clip's true size
+            raise ValueError(f"{type(pipe).__name__} made {' and '.join(f'{w}x{h}' for h, w in sorted(made))} "
+                             f"frames for a {p0.width}x{p0.height} request")
         if still:
             from PIL import Image
 

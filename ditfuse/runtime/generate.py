@@ -5,16 +5,17 @@ mounts ditfuse with ``ditfuse.models.accelerate``, runs the pipeline with a prog
 denoising steps and writes PNGs carrying the sampling parameters as PNG text metadata. With
 ``--n 2 --out out.png`` the files are ``out-0.png`` and ``out-1.png``.
 
-A video model (``tiny-wan``, ``tiny-wan-i2v``, ``tiny-hunyuanvideo15``, ``tiny-ltx``,
+A video model (``tiny-wan``, ``tiny-wan-i2v``, ``tiny-hunyuanvideo15``, ``tiny-hunyuanvideo15-i2v``, ``tiny-ltx``,
 ``tiny-hunyuanvideo``, ``tiny-skyreels-v2``, or a directory of a video pipeline class:
 runtime/pipelines.py) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode. An
-image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, or a directory of an image-to-video
-pipeline class) needs ``--image``; an image-editing model (``tiny-flux-kontext``, a
-FluxKontextPipeline directory) takes one: the picture to edit (without it, text-to-image).
-Either way the output takes the image's aspect ratio when no ``--size`` is given, and its
-metadata carries the image's pixel SHA-256.
+image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``, or a
+directory of an image-to-video pipeline class) needs ``--image``; an image-editing model
+(``tiny-flux-kontext``, a FluxKontextPipeline directory) takes one: the picture to edit (without
+it, text-to-image). Either way the output takes the image's aspect ratio when no ``--size`` is
+given (a pipeline that derives its size from the image, HunyuanVideo 1.5 I2V: the size it makes,
+and a ``--size`` it cannot make exits 2), and its metadata carries the image's pixel SHA-256.
 
 ``--gpus N`` (or ``--devices``) spreads the one generation over N devices with diffusers' context
 parallelism: the command re-runs itself under torchrun, one process per device, and rank 0 prints
@@ -134,7 +135,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             raise ParamError("image", f"{why} (--image PATH)" if image_path is None else why)
         image = image_sha = default_size = None
         if image_path is not None:
-            from .inputs import decode_image, pixel_sha256, size_for_image
+            from .inputs import decode_image, default_size_for_image, pixel_sha256
 
             if image_path not in decoded:  # make_params runs twice for a preset (before and after loading)
                 try:
@@ -144,7 +145,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
                 img = decode_image(data, "image")
                 decoded[image_path] = (img, pixel_sha256(img))
             image, image_sha = decoded[image_path]
-            default_size = size_for_image(image.width, image.height, info.default_size, info.size_multiple)
+            default_size = default_size_for_image(info, image)
         true_cfg = getattr(args, "true_cfg_scale", None)
         named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", true_cfg),
                                 ("negative_prompt", args.negative_prompt)) if v is not None}
@@ -171,6 +172,9 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             size_multiple=info.size_multiple,
         )
         if image is not None:
+            from .inputs import fit_image_to_size
+
+            fit_image_to_size(info, image, params.width, params.height)  # a size it cannot make: exit 2
             params = params.with_(image=str(Path(image_path).expanduser().resolve()), image_sha256=image_sha)
         if video:
             params = params.with_(num_frames=resolve_num_frames(

@@ -1,5 +1,6 @@
 """Input images of image-to-video requests: decode and check what a request sends, fingerprint the
-pixels, keep them on disk for the job, and the clip size an image implies.
+pixels, keep them on disk for the job, and the clip size an image implies (for a pipeline that
+derives its size from the image, the size it will make, and which named sizes it can make).
 
 A request's image travels as a path plus the SHA-256 of its decoded RGB pixels
 (``SamplingParams.image`` / ``image_sha256``): worker processes and a restarted server read the
@@ -115,3 +116,52 @@ def size_for_image(width: int, height: int, default_size: tuple[int, int], multi
         return min(hi, max(lo, round(v) // multiple * multiple))
 
     return side(math.sqrt(area / aspect)), side(math.sqrt(area * aspect))
+
+
+def _sizing(loaded: Any) -> tuple[Any, Any]:
+    """``loaded``'s spec, and what its ``size_from_image`` / ``fit_image`` read (``loaded.sizing``,
+    else the pipeline); None for the second where the spec derives no size, or nothing is loaded."""
+    spec = getattr(loaded, "spec", None)
+    if spec is None or spec.size_from_image is None:
+        return spec, None
+    state = getattr(loaded, "sizing", None)
+    if state is None:
+        pipe = getattr(loaded, "pipe", None)
+        state = pipe if pipe is None or spec.sizing is None else spec.sizing(pipe)
+    return spec, state
+
+
+def default_size_for_image(loaded: Any, image: Any) -> tuple[int, int]:
+    """The ``(width, height)`` a request on ``image`` gets when it names no size, on ``loaded``
+    (a LoadedModel, with or without its pipeline; or a Preset, before loading). Where the pipeline
+    derives its output size from the image (``PipelineSpec.size_from_image``: HunyuanVideo 1.5
+    image-to-video's aspect buckets), the size it will make, so that the job and the file report
+    the true size; else :func:`size_for_image` at the model's default area."""
+    spec, state = _sizing(loaded)
+    if spec is not None and spec.size_from_image is not None:
+        if state is None:  # a Preset: the bucket needs the loaded pipeline; asked again once loaded
+            return tuple(loaded.default_size)
+        w, h = spec.size_from_image(state, image.width, image.height)
+        return int(w), int(h)
+    return size_for_image(image.width, image.height, loaded.default_size, loaded.size_multiple)
+
+
+def fit_image_to_size(loaded: Any, image: Any, width: int, height: int, param: str = "size") -> Any:
+    """The image to call ``loaded``'s pipeline with for a ``width`` x ``height`` output: ``image``
+    itself, unless the pipeline derives its output size from its image
+    (``PipelineSpec.size_from_image``); then ``image`` fitted by the spec's ``fit_image`` so that
+    the call makes that size, checked with ``size_from_image``. ParamError on ``param`` when it
+    would make another: a size is never silently replaced by another. The request parsers call it
+    to refuse such a size up front (discarding the image), the engine to call the pipeline. Before
+    the pipeline is loaded (a Preset) there is nothing to check."""
+    spec, state = _sizing(loaded)
+    if state is None:
+        return image
+    fitted = spec.fit_image(state, image, width, height) if spec.fit_image is not None else image
+    if tuple(int(v) for v in spec.size_from_image(state, fitted.width, fitted.height)) == (width, height):
+        return fitted
+    # what an image of the named aspect comes out at: a bucket, which can be named
+    made = tuple(int(v) for v in spec.size_from_image(state, width, height))
+    raise ParamError(param, f"{spec.label} ({spec.name}) makes only the sizes of its aspect buckets; {width}x{height} "
+                            f"is not one (an image of that aspect comes out at {made[0]}x{made[1]}): name that size, or "
+                            "none, and the output takes the bucket nearest the image's aspect")

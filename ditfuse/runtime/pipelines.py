@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Callable
 
 log = logging.getLogger("ditfuse.runtime")
@@ -58,6 +59,48 @@ def _hunyuanvideo15_default(pipe: Any) -> tuple[int, int]:
 def _hunyuanvideo15_multiple(pipe: Any) -> int:
     patch = int(getattr(pipe.transformer.config, "patch_size", 1))
     return int(pipe.vae_scale_factor_spatial) * patch
+
+
+def _hunyuanvideo15_sizing(pipe: Any) -> Any:
+    # what the two functions below read of the pipeline: its video processor (the bucket list's
+    # patch size, the resize) and the target size; picklable, so serve --gpus N's server process,
+    # which holds no pipeline, sizes requests as the workers' pipelines will
+    return SimpleNamespace(video_processor=pipe.video_processor, target_size=int(pipe.target_size))
+
+
+def _hunyuanvideo15_image_size(pipe: Any, width: int, height: int) -> tuple[int, int]:
+    # what HunyuanVideo15ImageToVideoPipeline.__call__ makes of a width x height image: the crop
+    # bucket whose aspect is nearest the image's at the transformer's target size (its own call).
+    # ``pipe``: the pipeline or its _hunyuanvideo15_sizing
+    h, w = pipe.video_processor.calculate_default_height_width(height=height, width=width,
+                                                               target_size=pipe.target_size)
+    return int(w), int(h)
+
+
+def _hunyuanvideo15_fit_image(pipe: Any, image: Any, width: int, height: int) -> Any:
+    # The image to call with so that the call makes width x height. An image whose own bucket that
+    # is goes as it is: the call fits it itself, as diffusers does for any caller. Another is fitted
+    # first with the call's own resize (scale to cover, centre-crop) to width x height, which the
+    # call then keeps as it is (its resize of an image of the bucket's size is the identity). But
+    # the bucket search compares aspect ratios rounded to 5 decimals, and for a third or more of
+    # the buckets the rounded ratio lies on the far side of the exact one, so their own aspect picks a
+    # neighbour: those are made from an image one pixel wider (landscape) or taller (portrait),
+    # which the call centre-crops by that pixel without resampling. The runtime checks the size
+    # the fitted image makes (inputs.fit_image_to_size) and refuses any other.
+    if _hunyuanvideo15_image_size(pipe, image.width, image.height) == (width, height):
+        return image
+    for w, h in ((width, height), (width + 1, height), (width, height + 1)):
+        if _hunyuanvideo15_image_size(pipe, w, h) == (width, height):
+            break
+    else:
+        w, h = width, height  # no bucket of this size: the check refuses it
+    return pipe.video_processor.resize(image, height=h, width=w, resize_mode="crop")
+
+
+def _hunyuanvideo15_i2v_default(pipe: Any) -> tuple[int, int]:
+    # what a 16:9 image gives (the image-to-video pipeline has no default_aspect_ratio: every call
+    # has an image); the text-to-video pipeline's default size too
+    return _hunyuanvideo15_image_size(pipe, 16, 9)
 
 
 def _vae_temporal(pipe: Any) -> int:
@@ -149,6 +192,23 @@ class PipelineSpec:
     # requested height x width to that area); the runtime passes the requested area, so the
     # requested size is what comes out. None: the call takes none.
     area_kwarg: str | None = None
+    # Image-conditioned pipelines whose call takes no height / width: the output's size follows
+    # from the input image (HunyuanVideo 1.5 image-to-video: the aspect bucket nearest the image's).
+    # A module-level function (pipe, image width, image height) -> the (width, height) the call
+    # makes of such an image. A request naming no size gets that size, and reports it; a request
+    # naming one has its image fitted first (fit_image) so that the call makes the named size, and
+    # a size the fitted image would not make is refused (inputs.fit_image_to_size): the size a
+    # job reports is always the clip's. None: the call takes the size it is given.
+    size_from_image: Callable[[Any, int, int], tuple[int, int]] | None = None
+    # With size_from_image: a module-level function (pipe, image, width, height) -> the image to
+    # call with so that the call makes width x height (the image itself where it already does),
+    # fitted the way the pipeline fits its input (HunyuanVideo 1.5: scale to cover, centre-crop).
+    fit_image: Callable[[Any, Any, int, int], Any] | None = None
+    # With size_from_image: a module-level function pipe -> the picklable part of the pipeline the
+    # two functions above read, which they then get instead of the pipeline (LoadedModel.sizing:
+    # serve --gpus N's server process sizes requests without holding the pipeline). None: they
+    # get the pipeline.
+    sizing: Callable[[Any], Any] | None = None
 
     @property
     def is_video(self) -> bool:
@@ -254,6 +314,20 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
                      default_steps=50, default_guidance=None, default_size=_hunyuanvideo15_default,
                      size_multiple=_hunyuanvideo15_multiple, fps=24, default_frames=121,
                      prepare=_hunyuanvideo15_prepare),
+        # HunyuanVideo 1.5 image-to-video (HunyuanVideo15ImageToVideoPipeline): text-to-video's
+        # guider, VAE-slicing hook and defaults (its __call__ has the same: 50 steps, 121 frames;
+        # 24 fps), plus the image. One image conditions the whole call (its SigLIP tokens are
+        # repeated over the batch, its latents too), so only requests on the same image share one.
+        # The call takes no height / width: it crops the image to the aspect bucket nearest its own
+        # at the transformer's target_size (848x480 for 16:9 at 480p's 640), and that is the clip's
+        # size: size_from_image says which, fit_image fits a request's image to a named bucket first.
+        # The default size (for the tables) is what a 16:9 image gives.
+        PipelineSpec("HunyuanVideo15ImageToVideoPipeline", "HunyuanVideo 1.5 image-to-video", kind="video",
+                     guidance=GUIDANCE_GUIDER, default_steps=50, default_guidance=None,
+                     default_size=_hunyuanvideo15_i2v_default, size_multiple=_hunyuanvideo15_multiple, fps=24,
+                     default_frames=121, prepare=_hunyuanvideo15_prepare, image_kwarg="image",
+                     size_from_image=_hunyuanvideo15_image_size, fit_image=_hunyuanvideo15_fit_image,
+                     sizing=_hunyuanvideo15_sizing),
         # LTX-Video text-to-video; every default from diffusers 0.42.1's LTXPipeline.__call__:
         # 50 steps, guidance_scale 3 (CFG with a negative prompt, "" by default), 704x512,
         # 161 frames at frame_rate 25 (6.4 s); sides multiples of 32 (check_inputs), 8k + 1 frames.

@@ -198,6 +198,18 @@ PRESET_TABLE["tiny-ltx-i2v"] = replace(
          "pipeline, not video quality)",
     pipeline="LTXImageToVideoPipeline",
 )
+# HunyuanVideo 1.5 image-to-video: tiny-hunyuanvideo15's parts, geometry and text lengths plus a
+# SigLIP image encoder, as a HunyuanVideo15ImageToVideoPipeline. Its transformer's target_size (192)
+# makes the 16:9 bucket 256x144, tiny-hunyuanvideo15's default size; a clip's size is its image's
+# aspect bucket (or a named bucket the image is cropped to).
+PRESET_TABLE["tiny-hunyuanvideo15-i2v"] = replace(
+    PRESET_TABLE["tiny-hunyuanvideo15"],
+    name="tiny-hunyuanvideo15-i2v",
+    builder="ditfuse.models.hunyuanvideo15_configs:build_tiny_i2v_pipeline",
+    note="tiny-hunyuanvideo15-i2v has random weights: its videos are noise (it exercises the HunyuanVideo 1.5 "
+         "image-to-video pipeline, not video quality)",
+    pipeline="HunyuanVideo15ImageToVideoPipeline",
+)
 PRESETS = tuple(PRESET_TABLE)
 # (default size, size multiple) per preset, known without loading it.
 PRESET_GEOMETRY = {name: (p.default_size, p.size_multiple) for name, p in PRESET_TABLE.items()}
@@ -226,6 +238,10 @@ class LoadedModel:
     loras: tuple[str, ...] = ()  # what --lora loaded, for the startup lines ("path (scale 0.8)")
     # How the runtime calls this pipeline class (guidance, negative prompts; runtime/pipelines.py).
     spec: PipelineSpec = field(default_factory=lambda: spec_for("FluxPipeline"))
+    # A pipeline that derives its output size from its input image (spec.size_from_image): what
+    # the spec's size functions read of it (spec.sizing(pipe)), kept where the pipeline is not (the
+    # server process of serve --gpus N); None: they read ``pipe``.
+    sizing: Any = None
 
     @property
     def is_video(self) -> bool:
@@ -511,6 +527,7 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
             default_steps=p.default_steps if p.default_steps is not None else spec.default_steps,
             default_guidance=p.default_guidance if p.default_guidance is not None else spec.guidance_for(pipe),
             spec=spec,
+            sizing=spec.sizing(pipe) if spec.sizing is not None else None,
         )
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -544,6 +561,7 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
         default_steps=spec.default_steps,
         default_guidance=spec.guidance_for(pipe),
         spec=spec,
+        sizing=spec.sizing(pipe) if spec.sizing is not None else None,
     )
     if spec.is_video:
         loaded.fps = spec.fps

@@ -217,9 +217,9 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
     n = body.get("n")
     default_size = loaded.default_size
     if image is not None:
-        from .inputs import size_for_image
+        from .inputs import default_size_for_image
 
-        default_size = size_for_image(image.width, image.height, loaded.default_size, loaded.size_multiple)
+        default_size = default_size_for_image(loaded, image)
     params = SamplingParams.create(
         body.get("prompt"),
         size=body.get("size"),
@@ -235,8 +235,9 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
         **kwargs,
     )
     if image is not None:
-        from .inputs import pixel_sha256
+        from .inputs import fit_image_to_size, pixel_sha256
 
+        fit_image_to_size(loaded, image, params.width, params.height)  # a size it cannot make: 400
         params = params.with_(image_sha256=pixel_sha256(image))
     return params
 
@@ -933,6 +934,8 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
         limit = args.max_body_bytes if args.max_body_bytes is not None else default_max_body_bytes(engine)
         how = ("every job needs input_reference" if spec.is_video
                else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
+        if spec.size_from_image is not None:
+            how += ", whose aspect sets the output size (a named size must be one the pipeline makes)"
         print(f"input images: {how} (up to {MAX_INPUT_BYTES >> 20} MiB, 4096x4096 px); "
               f"request bodies up to {limit} bytes")
     print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)

@@ -17,7 +17,8 @@ Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``,
 pipeline without it). Anything else is a 400 naming the field.
 
 Image-to-video (a pipeline whose row has ``image_kwarg``: WanImageToVideoPipeline,
-LTXImageToVideoPipeline; presets ``tiny-wan-i2v``, ``tiny-ltx-i2v``)
+LTXImageToVideoPipeline, HunyuanVideo15ImageToVideoPipeline; presets ``tiny-wan-i2v``,
+``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``)
     ``input_reference`` is required there and refused elsewhere: an uploaded file (what
     ``client.videos.create(input_reference=open("cat.png", "rb"))`` sends) or, in a JSON body,
     ``{"image_url": "data:image/png;base64,..."}`` (the server fetches no URLs; ``file_id`` needs a
@@ -26,7 +27,9 @@ LTXImageToVideoPipeline; presets ``tiny-wan-i2v``, ``tiny-ltx-i2v``)
     its pixels, the job's ``image_sha256``). Wan conditions a whole call on one image, so its jobs
     share a batch only with the same image; LTX-Video takes one image per prompt, so its jobs
     batch whatever their images. A job that names no ``size`` gets the image's aspect ratio at
-    the model's default area.
+    the model's default area; on a pipeline that derives its size from the image
+    (``PipelineSpec.size_from_image``: HunyuanVideo 1.5's aspect buckets) the size it will make,
+    and a named size it cannot make is a 400, so a job's ``size`` is always its clip's.
 
 Seconds and frames
     A clip of ``num_frames`` frames at the model's ``fps`` lasts ``(num_frames - 1) / fps``
@@ -200,9 +203,9 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
     size = fields.get("size")
     default_size = loaded.default_size
     if image is not None:
-        from .inputs import size_for_image
+        from .inputs import default_size_for_image
 
-        default_size = size_for_image(image.width, image.height, loaded.default_size, loaded.size_multiple)
+        default_size = default_size_for_image(loaded, image)
     params = SamplingParams.create(
         fields.get("prompt"),
         size=None if size in (None, "auto") else size,
@@ -214,8 +217,9 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
         **kwargs,
     ).with_(num_frames=frames)
     if image is not None:
-        from .inputs import pixel_sha256
+        from .inputs import fit_image_to_size, pixel_sha256
 
+        fit_image_to_size(loaded, image, params.width, params.height)  # a size it cannot make: 400
         params = params.with_(image_sha256=pixel_sha256(image), extra={"input_image": image})
     return params, seconds_for_frames(frames, loaded.fps)
 

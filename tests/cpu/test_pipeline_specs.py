@@ -49,6 +49,10 @@ def test_table_matches_the_real_pipeline_signatures(name):
         assert spec.fps == sig[spec.fps_kwarg].default, (name, spec.fps, sig[spec.fps_kwarg].default)
     if spec.is_video:
         assert spec.default_frames == sig["num_frames"].default, (name, spec.default_frames)
+    # the size is passed as height / width, except to a call that derives it from its image
+    # (size_from_image: the runtime fits the image instead, or the requested size would be dropped)
+    assert ("height" in params and "width" in params) == (spec.size_from_image is None), name
+    assert (spec.fit_image is None and spec.sizing is None) or spec.size_from_image is not None, name
     if isinstance(spec.default_size, tuple) and isinstance(sig["height"].default, int):
         assert spec.default_size == (sig["width"].default, sig["height"].default), (name, spec.default_size)
 

@@ -8,6 +8,10 @@ an image-to-video or image-editing call adds to the paths the other GPU tests co
 - The two tiny runtime pipelines (``tiny-wan-i2v``, ``tiny-ltx-i2v``) end to end in bf16:
   accelerated bitwise equal to plain diffusers, every op of the transformer's adapter verified
   (CLIP image tokens through Wan's added k/v; LTX's per-token timesteps).
+- ``tiny-hunyuanvideo15-i2v`` (HunyuanVideo 1.5 image-to-video, written in round 24, first run
+  pending): two prompts on one image at the preset's 16:9 bucket (256x144) with the pipeline's full
+  text lengths, the image's SigLIP tokens in the joint sequence; the VAE decodes the two with
+  slicing, as the runtime sets it.
 - ``tiny-flux-kontext`` (FLUX.1 Kontext editing): the AutoencoderKL **encode** of the input image
   (auto-resized to Kontext's ~1 MP resolution, as diffusers does) and the flux adapter with the
   image's tokens in the sequence, bitwise against plain diffusers."""
@@ -17,7 +21,8 @@ import torch
 
 import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
-from ditfuse.models import flux, ltx, wan
+from ditfuse.models import flux, hunyuanvideo15, ltx, wan
+from ditfuse.models import hunyuanvideo15_configs as hc
 from ditfuse.models import ltx_configs as lc
 from ditfuse.models import wan_configs as wc
 from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_VAE_ADAPTER
@@ -93,6 +98,18 @@ def test_tiny_ltx_i2v_pipeline_bitwise():
                          generator=[torch.Generator().manual_seed(s) for s in (3, 4)])
 
     _pipeline_bitwise(pipe, call, ltx.ADAPTER)
+
+
+def test_tiny_hunyuanvideo15_i2v_pipeline_bitwise():
+    pipe = vr.quiet(hc.build_tiny_i2v_pipeline()).to(DEV, torch.bfloat16)
+    hc.set_text_lengths(pipe)  # the crop of the tiny tokenizer's template, as the preset loads it
+    pipe.vae.enable_slicing()  # diffusers 0.42.1 decodes a batch of this VAE's videos only so
+
+    def call(p):
+        return vr.frames(p, 3, image=vr.picture(0, 160, 90), prompt=["a fox", "a cat"], num_frames=5,
+                         generator=[torch.Generator().manual_seed(s) for s in (3, 4)])
+
+    _pipeline_bitwise(pipe, call, hunyuanvideo15.ADAPTER)
 
 
 def test_tiny_flux_kontext_pipeline_bitwise():
