@@ -48,6 +48,15 @@ def _wan_multiple(pipe: Any) -> int:
     return int(pipe.vae_scale_factor_spatial) * max(patch[1], patch[2])
 
 
+def _wan_fps(pipe: Any) -> int:
+    # The frame rate a Wan checkpoint was trained for: Wan 2.2 TI2V-5B's clips are 24 fps (121
+    # frames = 5 s: its model card and diffusers' example export), every other Wan checkpoint's
+    # 16 (Wan 2.1, Wan 2.2 A14B: 81 frames = 5 s). TI2V-5B is the Wan checkpoint diffusers runs
+    # with expand_timesteps (per-token timesteps; "Wan2.2 ti2v" in WanPipeline.__init__), in both
+    # its text and its image mode.
+    return 24 if getattr(pipe.config, "expand_timesteps", False) else 16
+
+
 def _hunyuanvideo15_default(pipe: Any) -> tuple[int, int]:
     # diffusers' own default: the crop bucket nearest 16:9 at the transformer's target size
     h, w = pipe.video_processor.calculate_default_height_width(
@@ -162,9 +171,10 @@ class PipelineSpec:
     # a spec travels to worker processes pickled)
     default_size: "tuple[int, int] | Callable[[Any], tuple[int, int]]" = _square_default
     size_multiple: Callable[[Any], int] = _flux_packed_multiple
-    # video: frames per second of the clips and the default clip length (frame counts are
-    # frame_multiple(pipe) * k + 1)
-    fps: int | None = None
+    # video: frames per second of the clips (or a module-level function of the loaded pipeline
+    # giving it: Wan 2.2 TI2V-5B is 24 fps where other Wan checkpoints are 16) and the default
+    # clip length (frame counts are frame_multiple(pipe) * k + 1)
+    fps: "int | Callable[[Any], int] | None" = None
     default_frames: int | None = None
     # video: how many frames the loaded pipeline's VAE packs into one latent frame (after the first)
     frame_multiple: Callable[[Any], int] = _vae_temporal
@@ -241,6 +251,10 @@ class PipelineSpec:
         """The (width, height) a request gets when it names no size."""
         return self.default_size(pipe) if callable(self.default_size) else tuple(self.default_size)
 
+    def fps_for(self, pipe: Any) -> int | None:
+        """The frame rate the loaded pipeline's clips are written at (None: an image pipeline)."""
+        return int(self.fps(pipe)) if callable(self.fps) else self.fps
+
     def guidance_for(self, pipe: Any) -> float | None:
         """The guidance scale a request gets when it names none."""
         if self.guidance == GUIDANCE_GUIDER:
@@ -296,17 +310,22 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # refuses (round 19); the chroma.timestep_embed site keeps it on the device, and the graph
         # captured and replayed bitwise in round 20 (H100: tests/gpu/test_chroma_gpu.py, B=1 and 2).
         PipelineSpec("ChromaPipeline", "Chroma", default_steps=35, default_guidance=5.0),
-        # Wan 2.1 / 2.2 text-to-video: 16 fps, 81 frames (5 s) at 832x480 by default.
+        # Wan 2.1 / 2.2 text-to-video: 81 frames at 832x480 by default (diffusers' __call__), 16 fps
+        # (5 s), or 24 fps for Wan 2.2 TI2V-5B (_wan_fps). Sides in multiples of the VAE's factor
+        # times the patch (16; 32 on TI2V-5B's 16x VAE). Wan 2.2 A14B's two experts are the
+        # pipeline's own business (transformer / transformer_2 by step); guidance_scale goes to
+        # both (the call's guidance_scale_2 defaults to it), as diffusers' call without it.
         PipelineSpec("WanPipeline", "Wan", kind="video", default_steps=50, default_guidance=5.0,
-                     default_size=(832, 480), size_multiple=_wan_multiple, fps=16, default_frames=81),
+                     default_size=(832, 480), size_multiple=_wan_multiple, fps=_wan_fps, default_frames=81),
         # Wan 2.1 / 2.2 image-to-video (WanImageToVideoPipeline): every default from diffusers
         # 0.42.1's __call__ signature (50 steps, guidance 5.0 with CFG above 1, 832x480, 81 frames
         # at Wan's 16 fps). A request's image is resized to the clip's size (video_processor); a
         # request naming no size gets the image's aspect ratio at the default's area (diffusers'
         # I2V example does the same). Wan 2.1 I2V encodes the image with CLIP as well (one image
-        # per call: image_embeds.repeat(batch_size)); Wan 2.2 A14B / TI2V-5B use only its latents.
+        # per call: image_embeds.repeat(batch_size)); Wan 2.2 A14B / TI2V-5B use only its latents
+        # (the same ones for every video of a call). Frame rate and sides as WanPipeline's.
         PipelineSpec("WanImageToVideoPipeline", "Wan image-to-video", kind="video", default_steps=50,
-                     default_guidance=5.0, default_size=(832, 480), size_multiple=_wan_multiple, fps=16,
+                     default_guidance=5.0, default_size=(832, 480), size_multiple=_wan_multiple, fps=_wan_fps,
                      default_frames=81, image_kwarg="image"),
         # HunyuanVideo 1.5 text-to-video: its guidance scale lives on the guider component; 24 fps,
         # 121 frames (5 s) by default.
