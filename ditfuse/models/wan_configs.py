@@ -150,7 +150,8 @@ TINY_CLIP_WIDTH = 16
 
 
 def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any], flow_shift: float = 3.0,
-                        extra: "Callable[[], dict[str, Any]] | None" = None) -> Any:
+                        extra: "Callable[[], dict[str, Any]] | None" = None,
+                        make_vae: "Callable[[], Any] | None" = None) -> Any:
     """A ``pipeline_class`` built from the tiny Wan parts around ``make_transformer()``: the
     character-level T5 tokenizer (:data:`TINY_WAN_TEXT_LEN` positions), a 1-layer UMT5 encoder of
     width 32, the transformer, the tiny ``AutoencoderKLWan`` (16 latent channels, 8x spatial and
@@ -158,7 +159,10 @@ def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any
     pipelines diffusers builds on Wan's components (``WanPipeline``, ``SkyReelsV2Pipeline``):
     their ``__init__`` takes exactly these five. The transformer must read 32-wide text states and
     16 latent channels. ``extra()`` builds further components the class takes (drawn after the
-    VAE, so they leave the five parts' weights as they are).
+    VAE, so they leave the five parts' weights as they are), and may name pipeline config
+    arguments too (``boundary_ratio``, ``expand_timesteps``). ``make_vae()`` replaces the tiny Wan
+    2.1 VAE (Wan 2.2 TI2V-5B's 48-channel VAE: :func:`tiny_wan22_vae`); the transformer must then
+    read that VAE's latent channels.
 
     Random weights from ``torch.manual_seed(TINY_WAN_SEED)``, drawn in a fixed order (text
     encoder, transformer, VAE): the same ``make_transformer`` gives the same pipeline, and
@@ -192,7 +196,7 @@ def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any
     # The Wan 2.1 VAE's structure (causal 3D convs, 8x spatial and 4x temporal compression, so
     # num_frames = 4k + 1 and sizes are multiples of 16 with the 2x2 patches) at 2 base channels
     # and one residual block per stage.
-    vae = AutoencoderKLWan(
+    vae = make_vae().eval() if make_vae is not None else AutoencoderKLWan(
         base_dim=2,
         z_dim=16,
         dim_mult=[1, 1, 1, 1],
@@ -215,3 +219,113 @@ def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any
         transformer=transformer,
         **(extra() if extra is not None else {}),
     )
+
+
+# ------------------------------------------------------------------------ the tiny Wan 2.2 presets
+#
+# Wan 2.2 ships two layouts, both served by diffusers' WanPipeline / WanImageToVideoPipeline:
+#
+# - TI2V-5B (Wan2.2-TI2V-5B-Diffusers: model_index.json names WanPipeline with
+#   expand_timesteps=True; its image mode is the same components as a WanImageToVideoPipeline
+#   without an image encoder). One transformer on the Wan 2.2 VAE's 48 latent channels (16x
+#   spatial: a 2x2 patchify of the pixels, then 3 downsamples; 4x temporal), so with its 1x2x2
+#   patches sides are multiples of 32. expand_timesteps gives every token its own timestep (the
+#   conditioning first frame's tokens get 0 in image mode): per-token adaLN modulation.
+# - A14B (Wan2.2-T2V-A14B / I2V-A14B): two experts, ``transformer`` for the high-noise steps
+#   (t >= boundary_ratio * 1000) and ``transformer_2`` for the rest, on the Wan 2.1 VAE. I2V
+#   A14B's transformers take Wan 2.1 I2V's 36 input channels but no CLIP image tokens (no image
+#   encoder).
+#
+# The tiny versions keep those layouts at tiny-wan's widths: the same tokenizer, text encoder and
+# (for A14B) VAE, drawn in the same order from the same seed.
+
+# Wan 2.2's boundaries (the original repo's configs): the step where transformer_2 takes over.
+WAN22_T2V_BOUNDARY = 0.875
+WAN22_I2V_BOUNDARY = 0.9
+# Wan 2.2 TI2V-5B's clips are 24 fps (121 frames = 5 s, its model card and diffusers' example);
+# A14B's are Wan 2.1's 16 fps.
+WAN22_TI2V_FPS = 24
+# The VAE's latent channels (Wan 2.2's VAE: 48, against Wan 2.1's 16).
+WAN22_Z_DIM = 48
+
+
+def tiny_wan22_vae() -> Any:
+    """The Wan 2.2 (TI2V-5B) VAE's layout in miniature: 48 latent channels, 12-channel inputs (RGB
+    patchified 2x2), residual down / up blocks (AvgDown3D / DupUp3D shortcuts), a decoder wider
+    than the encoder, 3 spatial downsamples after the patchify (16x) and 2 temporal ones (4x),
+    as Wan2.2-TI2V-5B-Diffusers' config (base 160 / decoder 256, 2 residual blocks per stage)
+    at base 4 / decoder 8 and one residual block per stage. Its latents' mean / std are fixed
+    non-trivial values (the real ones are per-channel statistics; any values exercise the
+    pipeline's normalisation)."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(
+        base_dim=4, decoder_base_dim=8, z_dim=WAN22_Z_DIM, dim_mult=[1, 1, 1, 1], num_res_blocks=0, attn_scales=[],
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12, out_channels=12, patch_size=2,
+        scale_factor_spatial=16, scale_factor_temporal=4,
+        latents_mean=[round(-0.2 + 0.4 * i / (WAN22_Z_DIM - 1), 4) for i in range(WAN22_Z_DIM)],
+        latents_std=[round(0.5 + i / (WAN22_Z_DIM - 1), 4) for i in range(WAN22_Z_DIM)],
+    )
+
+
+# TI2V-5B's transformer in miniature: tiny-wan's widths on the Wan 2.2 VAE's 48 channels (in and
+# out: its image mode replaces the first latent frame instead of adding channels).
+TINY_WAN22_TI2V_TRANSFORMER = dict(TINY_WAN_TRANSFORMER, in_channels=WAN22_Z_DIM, out_channels=WAN22_Z_DIM)
+# Wan 2.2 TI2V-5B's scheduler shift (its sampler's 5.0).
+WAN22_TI2V_FLOW_SHIFT = 5.0
+
+
+def _build_tiny_wan22_ti2v(pipeline_class: type) -> Any:
+    from diffusers import WanTransformer3DModel
+
+    return build_tiny_wan_like(pipeline_class, lambda: WanTransformer3DModel(**TINY_WAN22_TI2V_TRANSFORMER),
+                               flow_shift=WAN22_TI2V_FLOW_SHIFT, make_vae=tiny_wan22_vae,
+                               extra=lambda: {"expand_timesteps": True})
+
+
+def build_tiny_wan22_ti2v() -> Any:
+    """Wan 2.2 TI2V-5B's text-to-video mode in miniature (the ``tiny-wan22-5b`` preset): a
+    ``WanPipeline`` with ``expand_timesteps=True`` around a 48-channel transformer on the tiny Wan
+    2.2 VAE (:func:`tiny_wan22_vae`); tiny-wan's tokenizer and text encoder. Random weights (seed
+    ``TINY_WAN_SEED``): its videos are noise."""
+    from diffusers import WanPipeline
+
+    return _build_tiny_wan22_ti2v(WanPipeline)
+
+
+def build_tiny_wan22_ti2v_i2v() -> Any:
+    """Wan 2.2 TI2V-5B's image mode in miniature (the ``tiny-wan22-5b-i2v`` preset): the same
+    components and weights as :func:`build_tiny_wan22_ti2v` as a ``WanImageToVideoPipeline`` with
+    no image encoder. The image's latents replace the first latent frame, whose tokens get
+    timestep 0 (expand_timesteps)."""
+    from diffusers import WanImageToVideoPipeline
+
+    return _build_tiny_wan22_ti2v(WanImageToVideoPipeline)
+
+
+def build_tiny_wan22_a14b() -> Any:
+    """Wan 2.2 T2V-A14B in miniature (the ``tiny-wan22-a14b`` preset): tiny-wan's parts and
+    weights (its transformer is the high-noise expert) plus a second expert of the same layout,
+    drawn after the VAE, as ``transformer_2`` for the steps below ``boundary_ratio``
+    (:data:`WAN22_T2V_BOUNDARY`). Random weights: its videos are noise."""
+    from diffusers import WanPipeline, WanTransformer3DModel
+
+    return build_tiny_wan_like(
+        WanPipeline, lambda: WanTransformer3DModel(**TINY_WAN_TRANSFORMER),
+        extra=lambda: {"transformer_2": WanTransformer3DModel(**TINY_WAN_TRANSFORMER).eval(),
+                       "boundary_ratio": WAN22_T2V_BOUNDARY})
+
+
+def build_tiny_wan22_a14b_i2v() -> Any:
+    """Wan 2.2 I2V-A14B in miniature (the ``tiny-wan22-a14b-i2v`` preset): a
+    ``WanImageToVideoPipeline`` with two experts (``boundary_ratio``
+    :data:`WAN22_I2V_BOUNDARY`) of Wan 2.1 I2V's input layout (16 noise + 4 mask + 16 image-latent
+    channels) and no image encoder: A14B conditions on the image's latents only, so its
+    transformers have no image embedder or added k/v. tiny-wan's tokenizer, text encoder and
+    VAE. Random weights: its videos are noise."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    cfg = dict(TINY_WAN_TRANSFORMER, in_channels=16 + 4 + 16)
+    return build_tiny_wan_like(
+        WanImageToVideoPipeline, lambda: WanTransformer3DModel(**cfg),
+        extra=lambda: {"transformer_2": WanTransformer3DModel(**cfg).eval(), "boundary_ratio": WAN22_I2V_BOUNDARY})

@@ -210,6 +210,44 @@ PRESET_TABLE["tiny-hunyuanvideo15-i2v"] = replace(
          "image-to-video pipeline, not video quality)",
     pipeline="HunyuanVideo15ImageToVideoPipeline",
 )
+# Wan 2.2 in miniature (ditfuse.models.wan_configs): tiny-wan's geometry, frame rule, steps,
+# guidance and call kwargs, each as the real checkpoint's layout. One preset per pipeline class
+# (a preset's directory names one): TI2V-5B's text mode (WanPipeline, expand_timesteps) and its
+# image mode (WanImageToVideoPipeline without an image encoder) on the same weights; the 48-channel
+# Wan 2.2 VAE makes its sides multiples of 32 (16x VAE x 2x2 patches) and its clips are 24 fps.
+# A14B (T2V, I2V): two experts, transformer_2 below boundary_ratio, on the Wan 2.1 VAE (16 fps,
+# sides in 16s).
+# Wan 2.2 in miniature (ditfuse.models.wan_configs): tiny-wan's geometry, frame rule, steps,
+# guidance and call kwargs, each in a real checkpoint's layout. One preset per pipeline class (a
+# preset's directory names one): TI2V-5B's text mode (WanPipeline with expand_timesteps) and its
+# image mode (WanImageToVideoPipeline without an image encoder) on the same weights, whose
+# 48-channel Wan 2.2 VAE makes sides multiples of 32 (16x VAE x 2x2 patches) and whose clips are
+# 24 fps; A14B's text and image modes, two experts each (transformer_2 below boundary_ratio) on
+# the Wan 2.1 VAE (sides in 16s, 16 fps).
+def _tiny_wan22_preset(name: str, builder: str, pipeline: str, label: str, size_multiple: int, fps: int) -> Preset:
+    """tiny-wan's preset with another builder (``wan_configs.<builder>``), pipeline class, side
+    multiple and frame rate."""
+    return replace(
+        PRESET_TABLE[TINY_WAN],
+        name=name,
+        builder=f"ditfuse.models.wan_configs:{builder}",
+        note=f"{name} has random weights: its videos are noise (it exercises the {label} pipeline, not video quality)",
+        pipeline=pipeline,
+        size_multiple=size_multiple,
+        fps=fps,
+    )
+
+
+PRESET_TABLE.update({p.name: p for p in (
+    _tiny_wan22_preset("tiny-wan22-5b", "build_tiny_wan22_ti2v", "WanPipeline", "Wan 2.2 TI2V-5B text-to-video",
+                       32, 24),
+    _tiny_wan22_preset("tiny-wan22-5b-i2v", "build_tiny_wan22_ti2v_i2v", "WanImageToVideoPipeline",
+                       "Wan 2.2 TI2V-5B image-to-video", 32, 24),
+    _tiny_wan22_preset("tiny-wan22-a14b", "build_tiny_wan22_a14b", "WanPipeline", "Wan 2.2 T2V-A14B two-expert",
+                       16, 16),
+    _tiny_wan22_preset("tiny-wan22-a14b-i2v", "build_tiny_wan22_a14b_i2v", "WanImageToVideoPipeline",
+                       "Wan 2.2 I2V-A14B two-expert image-to-video", 16, 16),
+)})
 PRESETS = tuple(PRESET_TABLE)
 # (default size, size multiple) per preset, known without loading it.
 PRESET_GEOMETRY = {name: (p.default_size, p.size_multiple) for name, p in PRESET_TABLE.items()}
@@ -564,7 +602,7 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
         sizing=spec.sizing(pipe) if spec.sizing is not None else None,
     )
     if spec.is_video:
-        loaded.fps = spec.fps
+        loaded.fps = spec.fps_for(pipe)
         loaded.frame_multiple = spec.frame_multiple(pipe)
         loaded.default_frames = spec.default_frames
     return loaded
