@@ -1,6 +1,7 @@
 """Wan 2.1 / 2.2 fixtures: transformer configs and an input maker for benchmarks, drift and
-admission (see ditfuse/models/families.py), and the tiny ``WanPipeline`` behind the ``tiny-wan``
-preset.
+admission (see ditfuse/models/families.py), the tiny ``WanPipeline`` behind the ``tiny-wan``
+preset, and the tiny Wan 2.1 I2V and Wan 2.2 (TI2V-5B, A14B) pipelines behind ``tiny-wan-i2v``
+and ``tiny-wan22-*``.
 
 ``build_tiny_wan()`` builds a complete diffusers ``WanPipeline`` (WanTransformer3DModel,
 AutoencoderKLWan, UMT5 text encoder, T5 tokenizer, UniPC flow-matching scheduler: the component
@@ -242,9 +243,6 @@ def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any
 # Wan 2.2's boundaries (the original repo's configs): the step where transformer_2 takes over.
 WAN22_T2V_BOUNDARY = 0.875
 WAN22_I2V_BOUNDARY = 0.9
-# Wan 2.2 TI2V-5B's clips are 24 fps (121 frames = 5 s, its model card and diffusers' example);
-# A14B's are Wan 2.1's 16 fps.
-WAN22_TI2V_FPS = 24
 # The VAE's latent channels (Wan 2.2's VAE: 48, against Wan 2.1's 16).
 WAN22_Z_DIM = 48
 
@@ -321,8 +319,8 @@ def build_tiny_wan22_a14b_i2v() -> Any:
     ``WanImageToVideoPipeline`` with two experts (``boundary_ratio``
     :data:`WAN22_I2V_BOUNDARY`) of Wan 2.1 I2V's input layout (16 noise + 4 mask + 16 image-latent
     channels) and no image encoder: A14B conditions on the image's latents only, so its
-    transformers have no image embedder or added k/v. tiny-wan's tokenizer, text encoder and
-    VAE. Random weights: its videos are noise."""
+    transformers have no image embedder or added k/v. tiny-wan's tokenizer and text encoder
+    (tiny-wan's weights: drawn first) and VAE layout. Random weights: its videos are noise."""
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
 
     cfg = dict(TINY_WAN_TRANSFORMER, in_channels=16 + 4 + 16)

@@ -298,6 +298,34 @@ def test_a_wan22_directory_gets_its_frame_rate_and_sides(tiny_cache, name, fps, 
                               default_frames=81) == 5 * fps + 1
 
 
+def test_the_5b_image_mode_from_its_text_mode_directory(loaded_models, tmp_path):
+    """Wan2.2-TI2V-5B-Diffusers' model_index.json names WanPipeline, so its directory serves text
+    to video. A copy whose model_index.json names WanImageToVideoPipeline (same components; the
+    image encoder is optional) serves its image mode: 24 fps, sides in 32s, an image per request,
+    and the same clip as the image-mode preset on the same weights."""
+    import json
+    import shutil
+
+    from ditfuse.runtime.engine import run_batch
+    from ditfuse.runtime.presets import ensure_preset, load_model
+
+    d = tmp_path / "ti2v-5b-i2v"
+    shutil.copytree(ensure_preset(FIVE_B), d)
+    index = json.loads((d / "model_index.json").read_text())
+    assert (index["_class_name"], index["expand_timesteps"]) == ("WanPipeline", True)
+    index["_class_name"] = "WanImageToVideoPipeline"
+    (d / "model_index.json").write_text(json.dumps(index))
+    loaded = load_model(str(d), device="cpu")
+    assert type(loaded.pipe).__name__ == "WanImageToVideoPipeline" and loaded.spec.takes_image
+    assert (loaded.fps, loaded.size_multiple) == (24, 32)
+    # the preset's calls pad the text to its 128 positions; a directory's to diffusers' 512
+    assert loaded.call_kwargs == {}
+    loaded.call_kwargs = dict(loaded_models[FIVE_B_I2V].call_kwargs)
+    params = _params(FIVE_B_I2V, tmp_path)
+    np.testing.assert_array_equal(run_batch(loaded, [(params, 0)])[0],
+                                  run_batch(loaded_models[FIVE_B_I2V], [(params, 0)])[0])
+
+
 def test_ti2v_sizes_come_in_32s(loaded_models):
     """TI2V-5B's 16x VAE and 2x2 patches: a size must be a multiple of 32 (the pipeline itself
     would silently crop 80x48 to 64x32); a request naming none gets 832x480; in image mode, the
