@@ -192,8 +192,8 @@ def test_accelerated_bitwise_every_op_gated(name):
     the gate: the QK-norm + RoPE op ran once per block per forward of *that* expert (so A14B's
     low-noise expert, which runs only below the boundary, is accelerated too). The VAE took
     ``autoencoder_kl_wan`` (Wan 2.2's residual blocks and DupUp3D shortcut included) and its
-    RMS_norm + SiLU op reached the gate: in image mode through the encode of the conditioning
-    image, and in the decode. Every op of the ``wan`` adapter and the VAE's norm op verified;
+    RMS_norm + SiLU op reached the gate (in image mode the conditioning image's encode runs on the
+    mounted VAE too, so the output covers it). Every op of the ``wan`` adapter and the VAE's norm op verified;
     nothing fell back or was disabled. (The VAE's channels-last decode ops need CUDA: on the CPU
     the decoder runs NCDHW, so they are the GPU tests'.)
 
