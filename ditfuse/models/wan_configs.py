@@ -123,31 +123,46 @@ def build_tiny_wan() -> Any:
 
 def build_tiny_wan_i2v() -> Any:
     """Build the tiny WanImageToVideoPipeline in memory (random weights, seed ``TINY_WAN_SEED``):
-    Wan 2.1 image-to-video in miniature. tiny-wan's parts plus a CLIP vision encoder (2 layers,
-    width :data:`TINY_CLIP_WIDTH`, 32-px crops in 8-px patches) whose second-to-last hidden states
-    are the image tokens, and a transformer that reads them through the I2V image embedder and the
-    added k/v of its cross-attention. Its input is Wan 2.1 I2V's: 16 noise channels, the 4-channel
-    first-frame mask and the image's 16 latent channels (36)."""
+    Wan 2.1 image-to-video in miniature. tiny-wan's parts plus a CLIP vision encoder
+    (:func:`tiny_clip_image_parts`, drawn after the VAE) whose second-to-last hidden states are the
+    image tokens, and a transformer (:func:`tiny_i2v_transformer_config` of tiny-wan's) that reads
+    them through the I2V image embedder and the added k/v of its cross-attention. Its input is
+    Wan 2.1 I2V's: 16 noise channels, the 4-channel first-frame mask and the image's 16 latent
+    channels (36)."""
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    i2v = tiny_i2v_transformer_config(TINY_WAN_TRANSFORMER)
+    return build_tiny_wan_like(WanImageToVideoPipeline, lambda: WanTransformer3DModel(**i2v),
+                               extra=tiny_clip_image_parts)
+
+
+# The tiny I2V pipelines' CLIP width (their transformers' image_dim).
+TINY_CLIP_WIDTH = 16
+
+
+def tiny_i2v_transformer_config(t2v: dict[str, Any]) -> dict[str, Any]:
+    """Wan 2.1 I2V's transformer layout on a tiny text-to-video config (a WanTransformer3DModel's
+    or one of its copies', e.g. SkyReels-V2's): 16 noise + 4 first-frame-mask + 16 image-latent
+    input channels (36, for the tiny Wan VAE's 16 latent channels), the CLIP image tokens of
+    :func:`tiny_clip_image_parts` (``image_dim``) read through added k/v as wide as the model, as
+    Wan2.1-I2V-14B's 1280 -> 5120."""
+    return dict(t2v, in_channels=16 + 4 + 16, image_dim=TINY_CLIP_WIDTH,
+                added_kv_proj_dim=t2v["num_attention_heads"] * t2v["attention_head_dim"])
+
+
+def tiny_clip_image_parts() -> dict[str, Any]:
+    """The tiny I2V pipelines' image components (draws from torch's global generator): a CLIP
+    vision encoder (2 layers, width :data:`TINY_CLIP_WIDTH`, 32-px crops in 8-px patches: 16 patch
+    tokens and the class token) whose second-to-last hidden states the pipelines take as image
+    tokens (``encode_image``), and its image processor (resize to 32, centre-crop 32x32)."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
 
-    t2v = TINY_WAN_TRANSFORMER
-    i2v = dict(t2v, in_channels=16 + 4 + 16, image_dim=TINY_CLIP_WIDTH,
-               added_kv_proj_dim=t2v["num_attention_heads"] * t2v["attention_head_dim"])
-
-    def image_parts() -> dict[str, Any]:
-        encoder = CLIPVisionModel(CLIPVisionConfig(
-            hidden_size=TINY_CLIP_WIDTH, intermediate_size=2 * TINY_CLIP_WIDTH, num_hidden_layers=2,
-            num_attention_heads=2, image_size=32, patch_size=8,
-        )).eval()
-        processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-        return {"image_encoder": encoder, "image_processor": processor}
-
-    return build_tiny_wan_like(WanImageToVideoPipeline, lambda: WanTransformer3DModel(**i2v), extra=image_parts)
-
-
-# The tiny I2V pipeline's CLIP width (its transformer's image_dim).
-TINY_CLIP_WIDTH = 16
+    encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=TINY_CLIP_WIDTH, intermediate_size=2 * TINY_CLIP_WIDTH, num_hidden_layers=2,
+        num_attention_heads=2, image_size=32, patch_size=8,
+    )).eval()
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    return {"image_encoder": encoder, "image_processor": processor}
 
 
 def build_tiny_wan_like(pipeline_class: type, make_transformer: Callable[[], Any], flow_shift: float = 3.0,

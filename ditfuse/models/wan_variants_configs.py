@@ -1,7 +1,8 @@
 """Fixtures for Wan's "Copied from" transformers (models/wan_variants.py): ChronoEdit, SkyReels-V2,
 Wan-Animate. Configs and one denoising step's inputs, as wan_configs.py does for Wan; and the
-tiny random-weight ``SkyReelsV2Pipeline`` behind the runtime's ``tiny-skyreels-v2`` preset
-(:func:`build_tiny_pipeline`).
+tiny random-weight ``SkyReelsV2Pipeline`` and ``SkyReelsV2ImageToVideoPipeline`` behind the
+runtime's ``tiny-skyreels-v2`` and ``tiny-skyreels-v2-i2v`` presets (:func:`build_tiny_pipeline`,
+:func:`build_tiny_i2v_pipeline`).
 
 Where the numbers come from:
 
@@ -194,3 +195,43 @@ def build_tiny_pipeline() -> Any:
     cls = SKYREELS_V2.load_class()
     return wan_configs.build_tiny_wan_like(SkyReelsV2Pipeline, lambda: cls(**SKYREELS_TINY_PIPELINE),
                                            flow_shift=SKYREELS_T2V_FLOW_SHIFT)
+
+
+# -- the tiny SkyReels-V2 image-to-video pipeline (the runtime's ``tiny-skyreels-v2-i2v`` preset) --
+
+# The flow shift diffusers' SkyReelsV2ImageToVideoPipeline docstring example sets for the I2V
+# models ("8.0 for T2V, 5.0 for I2V"); the published scheduler configs are not reachable from here.
+SKYREELS_I2V_FLOW_SHIFT = 5.0
+# The I2V layout (diffusers' conversion script's SkyReels-V2-I2V config: Wan2.1-I2V-14B's, 36 input
+# channels, CLIP image_dim with added k/v as wide as the model, no fps embedding, no diffusion
+# forcing) on the text-to-video pipeline's tiny transformer.
+SKYREELS_TINY_I2V_PIPELINE = wan_configs.tiny_i2v_transformer_config(SKYREELS_TINY_PIPELINE)
+
+
+def build_tiny_i2v_pipeline() -> Any:
+    """A complete diffusers ``SkyReelsV2ImageToVideoPipeline`` with **random weights** (its videos
+    are noise), built offline: :func:`build_tiny_pipeline`'s tokenizer, text encoder and VAE (the
+    same weights), a UniPC scheduler of the same config at :data:`SKYREELS_I2V_FLOW_SHIFT` (the
+    recipe of diffusers' I2V example), tiny-wan-i2v's CLIP vision encoder and image processor
+    (``wan_configs.tiny_clip_image_parts``) and a ``SkyReelsV2Transformer3DModel`` of
+    :data:`SKYREELS_TINY_I2V_PIPELINE`.
+
+    The transformer carries the text-to-video transformer's weights wherever the layouts agree
+    (every block's self- and cross-attention, feed-forward and modulation, the time and text
+    embedders, the output head); what image-to-video adds (the 36-channel patch embedding, the
+    image embedder, the cross-attentions' added k/v and their norm) is drawn from its own seed,
+    as are the CLIP encoder's weights, after the text-to-video parts, which they leave as they are.
+    """
+    import torch
+    from diffusers import SkyReelsV2ImageToVideoPipeline, UniPCMultistepScheduler
+
+    t2v = build_tiny_pipeline()
+    torch.manual_seed(wan_configs.TINY_WAN_SEED + 1)
+    transformer = SKYREELS_V2.load_class()(**SKYREELS_TINY_I2V_PIPELINE).eval()
+    own = transformer.state_dict()
+    shared = {k: v for k, v in t2v.transformer.state_dict().items() if k in own and own[k].shape == v.shape}
+    transformer.load_state_dict(shared, strict=False)
+    image_parts = wan_configs.tiny_clip_image_parts()
+    scheduler = UniPCMultistepScheduler.from_config(t2v.scheduler.config, flow_shift=SKYREELS_I2V_FLOW_SHIFT)
+    return SkyReelsV2ImageToVideoPipeline(tokenizer=t2v.tokenizer, text_encoder=t2v.text_encoder, vae=t2v.vae,
+                                          scheduler=scheduler, transformer=transformer, **image_parts)

@@ -6,11 +6,11 @@ denoising steps and writes PNGs carrying the sampling parameters as PNG text met
 ``--n 2 --out out.png`` the files are ``out-0.png`` and ``out-1.png``.
 
 A video model (``tiny-wan``, ``tiny-wan-i2v``, ``tiny-hunyuanvideo15``, ``tiny-hunyuanvideo15-i2v``, ``tiny-ltx``,
-``tiny-hunyuanvideo``, ``tiny-skyreels-v2``, or a directory of a video pipeline class:
+``tiny-hunyuanvideo``, ``tiny-skyreels-v2``, ``tiny-skyreels-v2-i2v``, or a directory of a video pipeline class:
 runtime/pipelines.py) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode. An
-image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``, or a
+image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``, ``tiny-skyreels-v2-i2v``, or a
 directory of an image-to-video pipeline class) needs ``--image``; an image-editing model
 (``tiny-flux-kontext``, a FluxKontextPipeline directory) takes one: the picture to edit (without
 it, text-to-image). Either way the output takes the image's aspect ratio when no ``--size`` is

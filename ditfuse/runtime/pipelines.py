@@ -387,6 +387,18 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # (tests/cpu/test_videos_skyreels_v2.py).
         PipelineSpec("SkyReelsV2Pipeline", "SkyReels-V2", kind="video", default_steps=50, default_guidance=6.0,
                      default_size=(960, 544), size_multiple=_skyreels_v2_multiple, fps=24, default_frames=97),
+        # SkyReels-V2 image-to-video (SkyReelsV2ImageToVideoPipeline: Wan 2.1 I2V's pipeline around
+        # SkyReelsV2Transformer3DModel). Every default from diffusers 0.42.1's __call__ signature:
+        # 50 steps, guidance_scale 5.0 (CFG whenever above 1, as text-to-video's), 960x544, 97
+        # frames; sides in 16s (check_inputs), 4k + 1 frames, 24 fps as text-to-video's (its
+        # docstring example exports at 24; the call takes no frame rate). One image conditions the
+        # whole call (check_inputs takes one PIL image or tensor; its CLIP tokens are repeated
+        # over the batch, image_embeds.repeat(batch_size), and its latents too), so only requests
+        # on the same image share one. A request naming no size gets the image's aspect ratio at
+        # the default's area, as for Wan. The call's last_image (first-last-frame) is not taken.
+        PipelineSpec("SkyReelsV2ImageToVideoPipeline", "SkyReels-V2 image-to-video", kind="video",
+                     default_steps=50, default_guidance=5.0, default_size=(960, 544),
+                     size_multiple=_skyreels_v2_multiple, fps=24, default_frames=97, image_kwarg="image"),
     )
 }
 

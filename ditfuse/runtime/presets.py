@@ -210,6 +210,18 @@ PRESET_TABLE["tiny-hunyuanvideo15-i2v"] = replace(
          "image-to-video pipeline, not video quality)",
     pipeline="HunyuanVideo15ImageToVideoPipeline",
 )
+# SkyReels-V2 image-to-video: tiny-skyreels-v2's geometry, frame rule, 24 fps and call kwargs (the
+# builder's module's TINY_CALL_KWARGS), its parts and weights plus tiny-wan-i2v's CLIP vision
+# encoder, as a SkyReelsV2ImageToVideoPipeline (wan_variants_configs.build_tiny_i2v_pipeline);
+# guidance from the pipeline's row (5.0, the I2V call's default)
+PRESET_TABLE["tiny-skyreels-v2-i2v"] = replace(
+    PRESET_TABLE["tiny-skyreels-v2"],
+    name="tiny-skyreels-v2-i2v",
+    builder="ditfuse.models.wan_variants_configs:build_tiny_i2v_pipeline",
+    note="tiny-skyreels-v2-i2v has random weights: its videos are noise (it exercises the SkyReels-V2 "
+         "image-to-video pipeline, not video quality)",
+    pipeline="SkyReelsV2ImageToVideoPipeline",
+)
 # Wan 2.2 in miniature (ditfuse.models.wan_configs): tiny-wan's geometry, frame rule, steps,
 # guidance and call kwargs, each as the real checkpoint's layout. One preset per pipeline class
 # (a preset's directory names one): TI2V-5B's text mode (WanPipeline, expand_timesteps) and its

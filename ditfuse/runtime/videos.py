@@ -17,15 +17,15 @@ Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``,
 pipeline without it). Anything else is a 400 naming the field.
 
 Image-to-video (a pipeline whose row has ``image_kwarg``: WanImageToVideoPipeline,
-LTXImageToVideoPipeline, HunyuanVideo15ImageToVideoPipeline; presets ``tiny-wan-i2v``,
-``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``)
+LTXImageToVideoPipeline, HunyuanVideo15ImageToVideoPipeline, SkyReelsV2ImageToVideoPipeline;
+presets ``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``, ``tiny-skyreels-v2-i2v``)
     ``input_reference`` is required there and refused elsewhere: an uploaded file (what
     ``client.videos.create(input_reference=open("cat.png", "rb"))`` sends) or, in a JSON body,
     ``{"image_url": "data:image/png;base64,..."}`` (the server fetches no URLs; ``file_id`` needs a
     files API it does not have). The image is decoded (runtime/inputs.py), kept as
     ``<data dir>/inputs/<job id>.png`` until the job is deleted, and fingerprinted (SHA-256 of
-    its pixels, the job's ``image_sha256``). Wan conditions a whole call on one image, so its jobs
-    share a batch only with the same image; LTX-Video takes one image per prompt, so its jobs
+    its pixels, the job's ``image_sha256``). Wan (and SkyReels-V2, HunyuanVideo 1.5) conditions
+    a whole call on one image, so its jobs share a batch only with the same image; LTX-Video takes one image per prompt, so its jobs
     batch whatever their images. A job that names no ``size`` gets the image's aspect ratio at
     the model's default area; on a pipeline that derives its size from the image
     (``PipelineSpec.size_from_image``: HunyuanVideo 1.5's aspect buckets) the size it will make,
