@@ -12,6 +12,9 @@ an image-to-video or image-editing call adds to the paths the other GPU tests co
   pending): two prompts on one image at the preset's 16:9 bucket (256x144) with the pipeline's full
   text lengths, the image's SigLIP tokens in the joint sequence; the VAE decodes the two with
   slicing, as the runtime sets it.
+- ``tiny-skyreels-v2-i2v`` (SkyReels-V2 image-to-video, written in round 24, first run pending):
+  two prompts on one image, CLIP image tokens through the added k/v of the ``skyreels_v2``
+  adapter's blocks (Wan's sites on diffusers' copies), the Wan VAE's encode and decode.
 - ``tiny-flux-kontext`` (FLUX.1 Kontext editing): the AutoencoderKL **encode** of the input image
   (auto-resized to Kontext's ~1 MP resolution, as diffusers does) and the flux adapter with the
   image's tokens in the sequence, bitwise against plain diffusers."""
@@ -21,10 +24,11 @@ import torch
 
 import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
-from ditfuse.models import flux, hunyuanvideo15, ltx, wan
+from ditfuse.models import flux, hunyuanvideo15, ltx, wan, wan_variants
 from ditfuse.models import hunyuanvideo15_configs as hc
 from ditfuse.models import ltx_configs as lc
 from ditfuse.models import wan_configs as wc
+from ditfuse.models import wan_variants_configs as wv
 from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_VAE_ADAPTER
 from tests.support import video_runtime as vr
 from tests.gpu.test_vae_gpu import WAN_TINY, WAN_VAE, _wan_vae
@@ -110,6 +114,17 @@ def test_tiny_hunyuanvideo15_i2v_pipeline_bitwise():
                          generator=[torch.Generator().manual_seed(s) for s in (3, 4)])
 
     _pipeline_bitwise(pipe, call, hunyuanvideo15.ADAPTER)
+
+
+def test_tiny_skyreels_v2_i2v_pipeline_bitwise():
+    pipe = vr.quiet(wv.build_tiny_i2v_pipeline()).to(DEV, torch.bfloat16)
+
+    def call(p):
+        return vr.frames(p, 3, image=vr.picture(0), prompt=["a fox", "a cat"], negative_prompt="blurry", width=64,
+                         height=48, num_frames=5, generator=[torch.Generator().manual_seed(s) for s in (3, 4)],
+                         **wv.TINY_CALL_KWARGS)
+
+    _pipeline_bitwise(pipe, call, wan_variants.SKYREELS_V2_ADAPTER)
 
 
 def test_tiny_flux_kontext_pipeline_bitwise():
