@@ -12,11 +12,9 @@ from pathlib import Path
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 
-MODEL_HELP = ("a built-in preset with random weights, whose images and videos are noise: images tiny-flux, "
-              "tiny-sd3, tiny-chroma, tiny-flux2-klein, tiny-qwenimage, tiny-zimage; videos tiny-wan, "
-              "tiny-hunyuanvideo15, tiny-ltx, tiny-hunyuanvideo, tiny-skyreels-v2. Or a diffusers directory "
-              "(docs/serving.md lists the pipeline classes; WanPipeline, HunyuanVideo15Pipeline, LTXPipeline, "
-              "HunyuanVideoPipeline and SkyReelsV2Pipeline make videos)")
+from .presets import model_help
+
+MODEL_HELP = model_help()
 
 
 def _lora_args(p: argparse.ArgumentParser) -> None:

@@ -223,13 +223,6 @@ PRESET_TABLE["tiny-skyreels-v2-i2v"] = replace(
     pipeline="SkyReelsV2ImageToVideoPipeline",
 )
 # Wan 2.2 in miniature (ditfuse.models.wan_configs): tiny-wan's geometry, frame rule, steps,
-# guidance and call kwargs, each as the real checkpoint's layout. One preset per pipeline class
-# (a preset's directory names one): TI2V-5B's text mode (WanPipeline, expand_timesteps) and its
-# image mode (WanImageToVideoPipeline without an image encoder) on the same weights; the 48-channel
-# Wan 2.2 VAE makes its sides multiples of 32 (16x VAE x 2x2 patches) and its clips are 24 fps.
-# A14B (T2V, I2V): two experts, transformer_2 below boundary_ratio, on the Wan 2.1 VAE (16 fps,
-# sides in 16s).
-# Wan 2.2 in miniature (ditfuse.models.wan_configs): tiny-wan's geometry, frame rule, steps,
 # guidance and call kwargs, each in a real checkpoint's layout. One preset per pipeline class (a
 # preset's directory names one): TI2V-5B's text mode (WanPipeline with expand_timesteps) and its
 # image mode (WanImageToVideoPipeline without an image encoder) on the same weights, whose
@@ -638,6 +631,24 @@ def is_video_model(model: str) -> bool:
     if not (path / "model_index.json").is_file():
         return False
     return spec_for(pipeline_class(path)).is_video
+
+
+def model_help() -> str:
+    """The ``--model`` help: every preset by what it makes (read from the table, so a new preset
+    shows up by itself), then the directory alternative."""
+    groups: dict[str, list[str]] = {}
+    for name, p in PRESET_TABLE.items():
+        spec = p.spec
+        if spec.image_kwarg is None:
+            what = "videos" if p.kind == "video" else "images"
+        elif p.kind == "video":
+            what = "videos from an image"
+        else:
+            what = "images or edits" if spec.image_optional else "edited images"
+        groups.setdefault(what, []).append(name)
+    listed = "; ".join(f"{what}: {', '.join(names)}" for what, names in groups.items())
+    return (f"a built-in preset with random weights, whose images and videos are noise ({listed}); "
+            "or a diffusers directory (docs/serving.md lists the pipeline classes)")
 
 
 def video_models_hint() -> str:

@@ -129,3 +129,12 @@ def test_package_metadata_builds_without_deprecation_warnings(tmp_path):
     assert "Deprecat" not in r.stderr, r.stderr[-3000:]
     meta = next(tmp_path.glob("*.dist-info")) / "METADATA"
     assert "License-Expression: Apache-2.0" in meta.read_text()
+
+
+def test_model_help_lists_every_preset_by_what_it_makes():
+    from ditfuse.runtime.commands import MODEL_HELP
+    from ditfuse.runtime.presets import PRESET_TABLE
+
+    for name, p in PRESET_TABLE.items():
+        assert f" {name}," in MODEL_HELP or f" {name};" in MODEL_HELP or f" {name})" in MODEL_HELP, name
+    assert "videos from an image: tiny-wan-i2v" in MODEL_HELP and "images or edits: tiny-flux-kontext" in MODEL_HELP
