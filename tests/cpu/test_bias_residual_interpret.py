@@ -8,6 +8,7 @@ import torch
 
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.compare import compare_outputs
+from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.modulate import bias_residual_triton as br
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests run on CPU only")
@@ -131,8 +132,6 @@ def test_conv_bias_residual_mixed_layouts(shape, x_cl, h_cl):
 
 
 def test_conv_bias_residual_rejections():
-    from ditfuse.kernels.errors import UnsupportedInput
-
     x = _rand((1, 4, 6, 6), torch.bfloat16, 13)
     w = _rand((4, 4, 3, 3), torch.bfloat16, 14)
     b = _rand((4,), torch.bfloat16, 15)
@@ -204,8 +203,8 @@ def test_channels_last_conv_ops_are_their_composition(dtype):
     output channels-last / in h's layout. Their reference is the NCHW convolution; that cuDNN's
     NHWC kernel matches it is the GPU test's and the gate's."""
     cl = lambda t: t.contiguous(memory_format=torch.channels_last)  # noqa: E731
-    x = cl(_rand((2, 6, 9, 7), dtype, 31))
-    w = _rand((5, 6, 3, 3), dtype, 32) * 0.1
+    x = cl(_rand((2, 32, 9, 7), dtype, 31))
+    w = _rand((5, 32, 3, 3), dtype, 32) * 0.1
     b = _rand((5,), dtype, 33)
     geo = ((1, 1), (1, 1), (1, 1), 1)
     assert br.can_use_conv_bias_cl(x, w, b, *geo)
@@ -225,8 +224,14 @@ def test_channels_last_conv_ops_are_their_composition(dtype):
     # refused: fp32 (cuDNN's NHWC fp32 kernels accumulate differently), groups, strided x
     assert not br.can_use_conv_bias_cl(x.float(), w.float(), b.float(), *geo)
     assert not br.can_use_conv_bias_cl(x[..., :-1], w, b, *geo)
-    wg = _rand((6, 3, 3, 3), dtype, 37)
+    wg = _rand((6, 16, 3, 3), dtype, 37)
     assert not br.can_use_conv_bias_cl(x, wg, _rand((6,), dtype, 38), (1, 1), (1, 1), (1, 1), 2)
+    # fewer than 32 input channels (br.CL_MIN_IN_CHANNELS): cuDNN's NCHW path may run another kernel
+    x16, w16 = cl(_rand((1, 16, 9, 7), dtype, 39)), _rand((16, 16, 3, 3), dtype, 40)
+    assert not br.can_use_conv_bias_cl(x16, w16, _rand((16,), dtype, 41), *geo)
+    assert not br.can_use_conv_bias_residual_cl(x16, w16, _rand((16,), dtype, 41), cl(_rand((1, 16, 9, 7), dtype, 42)), *geo)
+    with pytest.raises(UnsupportedInput, match="input channels"):
+        br.conv_bias_cl(x16, w16, _rand((16,), dtype, 41), *geo)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -315,6 +315,16 @@ def _(y, bias):
     return torch.empty_like(y)
 
 
+# The fewest input channels for which the channels-last convolution ops take a call. Their exactness
+# is an observation (cuDNN runs an NCHW convolution as its NHWC kernel between transposes), and
+# with few input channels it failed: round 24 (H100), the 8- and 16-channel ResnetBlock2D
+# convolutions of tiny-flux's VAE (FLUX.1 Kontext's encode and decode) differed from the NCHW
+# convolution by 1 bf16 ulp in 1 to 43 of 12k-260k elements, depending on the data, so a first
+# sight could pass and a later call differ. Passing: 32 and 64 (tests/gpu/test_vae_gpu.py's tiny
+# VAE), 128-512 (every FLUX.1 / SD3 VAE convolution, probe_vae_channels_last.py).
+CL_MIN_IN_CHANNELS = 32
+
+
 def _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> str | None:
     """Why conv_bias_cl / conv_bias_residual_cl cannot take these (their reference is the NCHW
     convolution: only a cuDNN NHWC run that the gate can hold against it)."""
@@ -326,6 +336,9 @@ def _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> st
                 "layout.conv_channels_last's finding)")
     if groups != 1:
         return f"groups={groups} (only 1)"
+    if weight.shape[1] < CL_MIN_IN_CHANNELS:
+        return (f"{weight.shape[1]} input channels (fewer than {CL_MIN_IN_CHANNELS}: cuDNN's NCHW convolution "
+                "may run another kernel than its NHWC one, CL_MIN_IN_CHANNELS)")
     if torch.backends.cudnn.benchmark:
         return "cudnn.benchmark is on: cuDNN times algorithms per layout and may pick another kernel"
     return None
@@ -333,7 +346,7 @@ def _cl_conv_reason(x, weight, bias, h, stride, padding, dilation, groups) -> st
 
 def can_use_conv_bias_cl(x, weight, bias, stride, padding, dilation, groups) -> bool:
     """True when :func:`conv_bias_cl` takes these arguments: :func:`can_use_conv_bias`'s rules with
-    bf16 or fp16, one group, ``cudnn.benchmark`` off (x channels-last saves the transposes; an
+    bf16 or fp16, one group, at least ``CL_MIN_IN_CHANNELS`` (32) input channels, ``cudnn.benchmark`` off (x channels-last saves the transposes; an
     NCHW x, where the norm before it ran its reference, is served as conv_bias would)."""
     return _cl_conv_reason(x, weight, bias, None, stride, padding, dilation, groups) is None
 
