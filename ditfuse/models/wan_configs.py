@@ -138,6 +138,9 @@ def build_tiny_wan_i2v() -> Any:
 
 # The tiny I2V pipelines' CLIP width (their transformers' image_dim).
 TINY_CLIP_WIDTH = 16
+# Wan 2.1 I2V's (and Wan 2.2 I2V-A14B's) transformer input on the Wan 2.1 VAE: 16 noise channels,
+# the 4-channel first-frame mask and the image's 16 latent channels.
+WAN21_I2V_IN_CHANNELS = 16 + 4 + 16
 
 
 def tiny_i2v_transformer_config(t2v: dict[str, Any]) -> dict[str, Any]:
@@ -146,7 +149,7 @@ def tiny_i2v_transformer_config(t2v: dict[str, Any]) -> dict[str, Any]:
     input channels (36, for the tiny Wan VAE's 16 latent channels), the CLIP image tokens of
     :func:`tiny_clip_image_parts` (``image_dim``) read through added k/v as wide as the model, as
     Wan2.1-I2V-14B's 1280 -> 5120."""
-    return dict(t2v, in_channels=16 + 4 + 16, image_dim=TINY_CLIP_WIDTH,
+    return dict(t2v, in_channels=WAN21_I2V_IN_CHANNELS, image_dim=TINY_CLIP_WIDTH,
                 added_kv_proj_dim=t2v["num_attention_heads"] * t2v["attention_head_dim"])
 
 
@@ -338,7 +341,7 @@ def build_tiny_wan22_a14b_i2v() -> Any:
     (tiny-wan's weights: drawn first) and VAE layout. Random weights: its videos are noise."""
     from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
 
-    cfg = dict(TINY_WAN_TRANSFORMER, in_channels=16 + 4 + 16)
+    cfg = dict(TINY_WAN_TRANSFORMER, in_channels=WAN21_I2V_IN_CHANNELS)
     return build_tiny_wan_like(
         WanImageToVideoPipeline, lambda: WanTransformer3DModel(**cfg),
         extra=lambda: {"transformer_2": WanTransformer3DModel(**cfg).eval(), "boundary_ratio": WAN22_I2V_BOUNDARY})
