@@ -1,0 +1,193 @@
+"""GPU probe (one run): can a Triton GEMM reproduce cuBLAS's ``F.linear`` bit for bit at FLUX.1's
+shapes, and how fast is it? If it can, a GEMM epilogue (tanh-GELU, gate-residual) becomes a
+*bit-exact* fusion: the epilogue rounds the accumulator + bias to bf16 exactly as cuBLAS's store
+does, then applies eager's next op to that bf16 value, and the [M, N] round trip through memory
+between the two kernels goes away (issue 13: the GELU passes alone are ~4 ms of a FLUX.1 step).
+
+Why it might hold: for bf16 on sm_90 both cuBLAS and Triton run the K loop as a chain of
+``wgmma ... k16`` instructions into one fp32 accumulator, from k = 0 upwards, then add the bias in
+fp32 and round once. The products are exact; the order of the chain is the same; so each output
+element should get the same bits unless cuBLAS splits K (split-K / stream-K, or K sliced across
+warpgroups) or uses another instruction shape. This probe measures it instead of assuming it.
+
+Per shape (FLUX.1-dev, 1024x1024, B=1; M = tokens, K -> N the projection):
+- the cuBLAS kernel ``F.linear`` picks (torch.profiler);
+- per Triton config: mismatches against ``F.linear(x, w, b)`` (count, max |ulp|), CUDA-graph ms,
+  TFLOP/s, and against cuBLAS's ms;
+- for the 3072 -> 12288 projections: the fused GEMM + tanh-GELU epilogue against eager's
+  ``F.gelu(F.linear(x, w, b), approximate="tanh")`` (mismatches, ms) and against cuBLAS + our
+  bit-exact GELU kernel.
+
+    PYTHONPATH=. python bench/probes/probe_gemm_exact.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from bench.probes.common import write_csv
+from ditfuse.kernels.activation.gelu_tanh_triton import TANH_PTX, _gelu_f32
+from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
+
+# (name, M, K, N, gelu epilogue candidate)
+SHAPES = [
+    ("dual img qkv/out", 4096, 3072, 3072, False),
+    ("dual img ff up", 4096, 3072, 12288, True),
+    ("dual img ff down", 4096, 12288, 3072, False),
+    ("dual txt ff up", 512, 3072, 12288, True),
+    ("single qkv", 4608, 3072, 3072, False),
+    ("single mlp up", 4608, 3072, 12288, True),
+    ("single proj_out", 4608, 15360, 3072, False),
+    ("single mlp up B=2", 9216, 3072, 12288, True),
+]
+
+# (BM, BN, BK, GROUP_M, stages, warps)
+CONFIGS = [
+    (128, 256, 64, 8, 3, 8),
+    (128, 256, 64, 8, 4, 8),
+    (128, 128, 64, 8, 4, 8),
+    (256, 128, 64, 8, 3, 8),
+]
+
+
+@triton.jit
+def _linear_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N, K: tl.constexpr,
+    sxm, sxk, swn, swk, som, son,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    GELU: tl.constexpr, DTYPE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    gid = pid // group
+    first_m = gid * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    a_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :] * sxk
+    b_ptrs = w_ptr + rn[None, :] * swn + rk[:, None] * swk  # W is [N, K]: B = W^T, K-major
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k in range(0, K, BK):
+        kmask = rk + k < K
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
+        if INTERPRET:  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BK * sxk
+        b_ptrs += BK * swk
+    bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+    y = acc + bias[None, :]
+    if GELU:
+        # eager: the GEMM's store rounds, then GELU reads that bf16 value in fp32
+        y = _gelu_f32(rround(y, DTYPE), True, TANH_PTX)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, round_to(y, DTYPE), mask=mask)
+
+
+def triton_linear(x, w, b, out, cfg, gelu=False):
+    BM, BN, BK, GM, stages, warps = cfg
+    M, K = x.shape
+    N = w.shape[0]
+    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
+    _linear_kernel[grid](
+        x, w, b, out, M, N, K,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+        BM=BM, BN=BN, BK=BK, GROUP_M=GM, GELU=gelu, DTYPE=tl.bfloat16,
+        num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return out
+
+
+def mismatch(a: torch.Tensor, b: torch.Tensor) -> tuple[int, int, str]:
+    ai, bi = a.view(torch.int16).int(), b.view(torch.int16).int()
+    diff = (ai - bi).abs()
+    n = int((diff != 0).sum())
+    if n == 0:
+        return 0, 0, ""
+    idx = int((diff != 0).flatten().nonzero()[0])
+    first = f"[{idx}] {a.flatten()[idx].item():.6g} vs {b.flatten()[idx].item():.6g}"
+    return n, int(diff.max()), first
+
+
+def cublas_kernel(x, w, b) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.linear(x, w, b)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    return names[0][:90] if names else "?"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--quick", action="store_true", help="first two configs only")
+    args = ap.parse_args()
+    from triton.testing import do_bench_cudagraph
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    rows = []
+    configs = CONFIGS[:2] if args.quick else CONFIGS
+    for name, M, K, N, gelu_case in SHAPES:
+        # activations of a LayerNorm-ish scale, weights at nn.Linear's init scale
+        x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
+        w = (torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5).to(torch.bfloat16)
+        b = (torch.randn(N, device=dev, dtype=torch.bfloat16) * 0.02).to(torch.bfloat16)
+        ref = F.linear(x, w, b)
+        ref_gelu = F.gelu(ref, approximate="tanh") if gelu_case else None
+        kname = cublas_kernel(x, w, b)
+        cub_ms = do_bench_cudagraph(lambda: F.linear(x, w, b))
+        flops = 2.0 * M * N * K
+        cub_gelu_ms = do_bench_cudagraph(lambda: F.gelu(F.linear(x, w, b), approximate="tanh")) if gelu_case else None
+        print(f"{name}: M={M} K={K} N={N} cuBLAS {cub_ms:.4f} ms ({flops / cub_ms / 1e9:.0f} TF/s) {kname}", flush=True)
+        out = torch.empty_like(ref)
+        for cfg in configs:
+            row = dict(shape=name, M=M, K=K, N=N, cfg="x".join(map(str, cfg)), cublas_kernel=kname,
+                       cublas_ms=round(cub_ms, 4))
+            try:
+                triton_linear(x, w, b, out, cfg)
+                torch.cuda.synchronize()
+                n, ulp, first = mismatch(out, ref)
+                ms = do_bench_cudagraph(lambda: triton_linear(x, w, b, out, cfg))
+                row.update(mismatches=n, max_ulp=ulp, first=first, ms=round(ms, 4),
+                           tflops=round(flops / ms / 1e9), vs_cublas=round(cub_ms / ms, 3))
+                if gelu_case:
+                    triton_linear(x, w, b, out, cfg, gelu=True)
+                    torch.cuda.synchronize()
+                    gn, gulp, gfirst = mismatch(out, ref_gelu)
+                    gms = do_bench_cudagraph(lambda: triton_linear(x, w, b, out, cfg, gelu=True))
+                    row.update(gelu_mismatches=gn, gelu_max_ulp=gulp, gelu_first=gfirst, gelu_ms=round(gms, 4),
+                               eager_linear_gelu_ms=round(cub_gelu_ms, 4), gelu_vs_eager=round(cub_gelu_ms / gms, 3))
+            except Exception as e:  # a config that does not compile (shared memory) is a row, not a stop
+                row.update(error=f"{type(e).__name__}: {str(e)[:120]}")
+            rows.append(row)
+            print("   ", {k: v for k, v in row.items() if k not in ("shape", "M", "K", "N", "cublas_kernel")}, flush=True)
+    fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
+    path = write_csv(args.out, "probe_gemm_exact.csv", rows, fieldnames=fields)
+    print("\nshape                 cfg              mism   ulp  ms      vs cuBLAS  gelu_mism gelu/eager")
+    for r in rows:
+        print(f"{r['shape']:<21} {r['cfg']:<16} {r.get('mismatches', '-')!s:>6} {r.get('max_ulp', '-')!s:>4} "
+              f"{r.get('ms', '-')!s:<7} {r.get('vs_cublas', '-')!s:<10} {r.get('gelu_mismatches', '')!s:>9} "
+              f"{r.get('gelu_vs_eager', '')!s} {r.get('error', '')}")
+    print("wrote", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
