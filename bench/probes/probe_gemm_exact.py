@@ -49,6 +49,11 @@ SHAPES = [
 ]
 
 # (BM, BN, BK, GROUP_M, stages, warps)
+TMA_CONFIGS = [
+    (128, 256, 64, 8, 3, 8),
+    (128, 128, 64, 8, 4, 8),
+]
+
 CONFIGS = [
     (128, 256, 64, 8, 3, 8),
     (128, 256, 64, 8, 4, 8),
@@ -96,6 +101,61 @@ def _linear_kernel(
         y = _gelu_f32(rround(y, DTYPE), True, TANH_PTX)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, round_to(y, DTYPE), mask=mask)
+
+
+@triton.jit
+def _linear_tma_kernel(
+    a_desc, b_desc, bias_ptr, c_desc,
+    M, N, K: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_SMS: tl.constexpr,
+    GELU: tl.constexpr, DTYPE: tl.constexpr,
+):
+    """Persistent, TMA-fed variant of :func:`_linear_kernel`: the same K chain per tile."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    k_tiles: tl.constexpr = (K + BK - 1) // BK
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_SMS, flatten=True):
+        gid = tile // group
+        first_m = gid * GROUP_M
+        gsize = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % group) % gsize
+        pid_n = (tile % group) // gsize
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([pid_m * BM, ki * BK])
+            b = b_desc.load([pid_n * BN, ki * BK])
+            acc = tl.dot(a, b.T, acc)
+        rn = pid_n * BN + tl.arange(0, BN)
+        bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
+        y = acc + bias[None, :]
+        if GELU:
+            y = _gelu_f32(rround(y, DTYPE), True, TANH_PTX)
+        c_desc.store([pid_m * BM, pid_n * BN], round_to(y, DTYPE))
+
+
+_SMS = None
+
+
+def triton_linear_tma(x, w, b, out, cfg, gelu=False):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    global _SMS
+    if _SMS is None:
+        _SMS = torch.cuda.get_device_properties(x.device).multi_processor_count
+    BM, BN, BK, GM, stages, warps = cfg
+    M, K = x.shape
+    N = w.shape[0]
+    a_desc = TensorDescriptor.from_tensor(x, [BM, BK])
+    b_desc = TensorDescriptor.from_tensor(w, [BN, BK])
+    c_desc = TensorDescriptor.from_tensor(out, [BM, BN])
+    grid = (min(_SMS, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
+    _linear_tma_kernel[grid](
+        a_desc, b_desc, b, c_desc, M, N, K,
+        BM=BM, BN=BN, BK=BK, GROUP_M=GM, NUM_SMS=_SMS, GELU=gelu, DTYPE=tl.bfloat16,
+        num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
+    )
+    return out
 
 
 def triton_linear(x, w, b, out, cfg, gelu=False):
@@ -157,21 +217,23 @@ def main() -> int:
         cub_gelu_ms = do_bench_cudagraph(lambda: F.gelu(F.linear(x, w, b), approximate="tanh")) if gelu_case else None
         print(f"{name}: M={M} K={K} N={N} cuBLAS {cub_ms:.4f} ms ({flops / cub_ms / 1e9:.0f} TF/s) {kname}", flush=True)
         out = torch.empty_like(ref)
-        for cfg in configs:
-            row = dict(shape=name, M=M, K=K, N=N, cfg="x".join(map(str, cfg)), cublas_kernel=kname,
+        variants = [("plain", triton_linear, c) for c in configs] + [("tma", triton_linear_tma, c) for c in TMA_CONFIGS]
+        for kind, fn, cfg in variants:
+            row = dict(shape=name, M=M, K=K, N=N, kind=kind, cfg="x".join(map(str, cfg)), cublas_kernel=kname,
                        cublas_ms=round(cub_ms, 4))
             try:
-                triton_linear(x, w, b, out, cfg)
+                out.zero_()
+                fn(x, w, b, out, cfg)
                 torch.cuda.synchronize()
                 n, ulp, first = mismatch(out, ref)
-                ms = do_bench_cudagraph(lambda: triton_linear(x, w, b, out, cfg))
+                ms = do_bench_cudagraph(lambda: fn(x, w, b, out, cfg))
                 row.update(mismatches=n, max_ulp=ulp, first=first, ms=round(ms, 4),
                            tflops=round(flops / ms / 1e9), vs_cublas=round(cub_ms / ms, 3))
                 if gelu_case:
-                    triton_linear(x, w, b, out, cfg, gelu=True)
+                    fn(x, w, b, out, cfg, gelu=True)
                     torch.cuda.synchronize()
                     gn, gulp, gfirst = mismatch(out, ref_gelu)
-                    gms = do_bench_cudagraph(lambda: triton_linear(x, w, b, out, cfg, gelu=True))
+                    gms = do_bench_cudagraph(lambda: fn(x, w, b, out, cfg, gelu=True))
                     row.update(gelu_mismatches=gn, gelu_max_ulp=gulp, gelu_first=gfirst, gelu_ms=round(gms, 4),
                                eager_linear_gelu_ms=round(cub_gelu_ms, 4), gelu_vs_eager=round(cub_gelu_ms / gms, 3))
             except Exception as e:  # a config that does not compile (shared memory) is a row, not a stop
@@ -180,9 +242,9 @@ def main() -> int:
             print("   ", {k: v for k, v in row.items() if k not in ("shape", "M", "K", "N", "cublas_kernel")}, flush=True)
     fields = sorted({k for r in rows for k in r}, key=lambda k: list(rows[0]).index(k) if k in rows[0] else 99)
     path = write_csv(args.out, "probe_gemm_exact.csv", rows, fieldnames=fields)
-    print("\nshape                 cfg              mism   ulp  ms      vs cuBLAS  gelu_mism gelu/eager")
+    print("\nshape                 kind  cfg              mism   ulp  ms      vs cuBLAS  gelu_mism gelu/eager")
     for r in rows:
-        print(f"{r['shape']:<21} {r['cfg']:<16} {r.get('mismatches', '-')!s:>6} {r.get('max_ulp', '-')!s:>4} "
+        print(f"{r['shape']:<21} {r['kind']:<5} {r['cfg']:<16} {r.get('mismatches', '-')!s:>6} {r.get('max_ulp', '-')!s:>4} "
               f"{r.get('ms', '-')!s:<7} {r.get('vs_cublas', '-')!s:<10} {r.get('gelu_mismatches', '')!s:>9} "
               f"{r.get('gelu_vs_eager', '')!s} {r.get('error', '')}")
     print("wrote", path)
