@@ -274,3 +274,46 @@ def test_videos_api_image_jobs_run_one_per_batch(served):
     log = list(served.engine.batch_log)[before:]
     assert [b["size"] for b in log] == [1, 1], log
     assert all(b.get("error") is None for b in log), log
+
+
+@pytest.mark.slow  # a `ditfuse serve` subprocess, two jobs and a still
+def test_serve_with_and_without_input_reference(tiny_cache, tmp_path):
+    """`ditfuse serve --model tiny-ltx-condition`: its startup lines say a job may bring an image
+    and list the images route (text-only stills work: one-frame clips); a job with an image (a JSON
+    body's data URL, no size: the image's aspect) and one without both complete."""
+    import base64
+    import subprocess
+
+    import httpx
+
+    from tests.cpu.test_videos_server import EXE, _env, free_port
+    from tests.support.serve_process import wait_healthy
+
+    port, log = free_port(), tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([EXE, "serve", "--model", PRESET, "--port", str(port), "--data-dir",
+                                 str(tmp_path / "data")], env=_env(tiny_cache), stdout=out, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, 120, output=log.read_text)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", timeout=300, max_retries=0)
+        wide = picture(2, 160, 90)
+        data_url = "data:image/png;base64," + base64.b64encode(png_bytes(wide)).decode()
+        r = httpx.post(f"{url}/v1/videos", json={"prompt": "json", "input_reference": {"image_url": data_url},
+                                                 "steps": 1, "num_frames": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["size"] == "384x224", r.text  # 16:9 at 352x256's area, sides rounded down to 32s
+        text_job = c.videos.create(prompt="a fox", size="96x64", extra_body={"steps": 1, "num_frames": 9})
+        for job_id in (r.json()["id"], text_job.id):
+            v = vr.wait_done(c, job_id)
+            assert v.status == "completed", v.error
+        assert c.videos.retrieve(r.json()["id"]).model_extra["image_sha256"] == pixel_sha256(wide)
+        assert c.videos.retrieve(text_job.id).model_extra["image_sha256"] is None
+        still = httpx.post(f"{url}/v1/images/generations", json={"prompt": "x", "size": "96x64", "num_inference_steps": 1}, timeout=120)
+        assert still.status_code == 200 and len(still.json()["data"]) == 1, still.text
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    text = log.read_text()
+    assert "input images: jobs may bring input_reference (up to" in text, text
+    assert "POST /v1/images/generations" in text and "POST /v1/videos" in text, text
