@@ -187,3 +187,25 @@ def build_tiny_i2v_pipeline() -> Any:
     t2v = build_tiny_pipeline()
     return LTXImageToVideoPipeline(**{name: getattr(t2v, name) for name in
                                       ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")})
+
+
+# The scheduler LTX-Video 0.9.5 and later checkpoints ship (the ones LTXConditionPipeline is made
+# for): SCHEDULER without dynamic shifting. LTXConditionPipeline's call passes its own
+# linear-quadratic timesteps and no ``mu``, which a dynamically shifting scheduler refuses
+# ("`mu` must be passed when `use_dynamic_shifting` is set to be `True`").
+CONDITION_SCHEDULER: dict[str, Any] = dict(SCHEDULER, use_dynamic_shifting=False)
+
+
+def build_tiny_condition_pipeline() -> Any:
+    """The tiny LTX-Video pipeline of :func:`build_tiny_pipeline` (the same transformer, VAE, text
+    encoder and tokenizer, the same weights) as a diffusers ``LTXConditionPipeline`` (LTX-Video
+    0.9.5+'s pipeline: text-to-video, or conditioned on images / videos at frame indices), with
+    :data:`CONDITION_SCHEDULER`. An image condition at frame 0 is VAE-encoded, its latents replace
+    the first latent frame and its tokens keep timestep 0 (per-token timesteps), as for
+    ``LTXImageToVideoPipeline``. The VAE is tiny-ltx's, without the timestep conditioning of the
+    0.9.5+ VAEs (the call then decodes without a timestep). Random weights: its videos are noise."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXConditionPipeline
+
+    t2v = build_tiny_pipeline()
+    return LTXConditionPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**CONDITION_SCHEDULER),
+                                **{name: getattr(t2v, name) for name in ("vae", "text_encoder", "tokenizer", "transformer")})

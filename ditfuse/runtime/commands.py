@@ -54,7 +54,7 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                    help="video models: clip length instead of --frames (the 4k+1 or 8k+1 frame count nearest to seconds*fps+1)")
     p.add_argument("--image", type=Path, default=None,
                    help="image-to-video models (tiny-wan-i2v, tiny-ltx-i2v, tiny-hunyuanvideo15-i2v, tiny-skyreels-v2-i2v; "
-                        "required): the "
+                        "required; tiny-ltx-condition: optional, at frame 0): the "
                         "image the clip starts from; image-editing models (tiny-flux-kontext): the image to edit. "
                         "Without --size the output takes its aspect ratio at the model's default area (HunyuanVideo "
                         "1.5: the aspect bucket nearest the image's)")

@@ -215,6 +215,9 @@ def run_batch(
         if spec.batch_signature(p, loaded.name) != sig:
             raise ValueError("run_batch: slots with different signatures cannot share a pipeline call")
     real = len(slots)
+    if spec.image_alone and p0.image is not None and real > 1:
+        raise ValueError(f"run_batch: {spec.name} samples an input image's latents with the first video's generator, "
+                         "so a call with an image runs one video")
     full = list(slots)
     if pad_to is not None and pad_to > real:
         full += [slots[0]] * (pad_to - real)
@@ -702,6 +705,10 @@ class Engine:
         return next((r for r in pool if r.params.quality is current), oldest)
 
     def _batch_cap(self, params: SamplingParams) -> int:
+        if params.image is not None and self._spec.image_alone:
+            # the call samples the image's latents with the first video's generator: one video
+            # per call, unpadded (every such call alike, so no clip depends on batch-mates)
+            return 1
         return self.max_video_batch_size if params.num_frames is not None else self.max_batch_size
 
     async def _scheduler(self) -> None:

@@ -11,7 +11,8 @@ runtime/pipelines.py) writes one clip instead: ``--frames`` (4k+1;
 LTX-Video 8k+1) or ``--seconds``, ``--out clip.mp4`` (H.264; the sampling parameters in the MP4's ``comment`` tag),
 ``clip.webp`` or ``clip.gif``; its progress bar covers the denoising steps and the VAE decode. An
 image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``, ``tiny-skyreels-v2-i2v``, or a
-directory of an image-to-video pipeline class) needs ``--image``; an image-editing model
+directory of an image-to-video pipeline class) needs ``--image`` (LTX-Video's condition pipeline,
+``tiny-ltx-condition``, takes one optionally: its first frame); an image-editing model
 (``tiny-flux-kontext``, a FluxKontextPipeline directory) takes one: the picture to edit (without
 it, text-to-image). Either way the output takes the image's aspect ratio when no ``--size`` is
 given (a pipeline that derives its size from the image, HunyuanVideo 1.5 I2V: the size it makes,

@@ -198,6 +198,13 @@ class PipelineSpec:
     image_per_sample: bool = False
     # True: the image is optional (FLUX.1 Kontext edits an image, or makes one from text alone).
     image_optional: bool = False
+    # True: a call with an input image holds one video, unpadded. The call samples the image's
+    # latents once for the whole batch, with the first video's generator
+    # (LTXConditionPipeline: vae.encode(image).latent_dist.sample(generator) on a batch of one
+    # takes generator[0]), so a clip would depend on which video ran first in its batch. The
+    # engine caps such batches at one video (Engine._batch_cap, which padding also fills up to:
+    # every such clip is then a batch of one, served or generated alike) and run_batch refuses more.
+    image_alone: bool = False
     # The call argument that caps the output's area (FLUX.1 Kontext's max_area: it rescales the
     # requested height x width to that area); the runtime passes the requested area, so the
     # requested size is what comes out. None: the call takes none.
@@ -361,6 +368,20 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
                      default_guidance=3.0, default_size=(704, 512), size_multiple=_ltx_multiple, fps=25,
                      default_frames=161, frame_multiple=_ltx_temporal, fps_kwarg="frame_rate",
                      image_kwarg="image", image_per_sample=True),
+        # LTX-Video 0.9.5+ (LTXConditionPipeline: the 0.9.5 / 0.9.7 / 0.9.8 checkpoints' pipeline,
+        # 2B and 13B); every default from diffusers 0.42.1's __call__ signature: 50 steps,
+        # guidance_scale 3 (CFG with a negative prompt, "" by default), 704x512, 161 frames at
+        # frame_rate 25; sides multiples of 32 (check_inputs), 8k + 1 frames. Text-to-video without
+        # an image (no conditions: the plain denoising loop), or image-to-video: the request's image
+        # is the call's `image`, one condition at the call's default frame_index 0 and strength 1.0
+        # (its latents replace the first latent frame; per-token timesteps). A list of images would
+        # be several conditions of every video, not one per prompt: one image conditions the whole
+        # call, so requests share a call only on the same image, and image_alone makes that one
+        # video per call (the image's latent sample takes the first video's generator).
+        PipelineSpec("LTXConditionPipeline", "LTX-Video condition", kind="video", default_steps=50,
+                     default_guidance=3.0, default_size=(704, 512), size_multiple=_ltx_multiple, fps=25,
+                     default_frames=161, frame_multiple=_ltx_temporal, fps_kwarg="frame_rate",
+                     image_kwarg="image", image_optional=True, image_alone=True),
         # HunyuanVideo (1.0) text-to-video; every default from diffusers 0.42.1's
         # HunyuanVideoPipeline.__call__: 50 steps, 1280x720, 129 frames. The released model is
         # guidance-distilled: guidance_scale (6.0) feeds the transformer's guidance embedding (one

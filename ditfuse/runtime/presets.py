@@ -198,6 +198,19 @@ PRESET_TABLE["tiny-ltx-i2v"] = replace(
          "pipeline, not video quality)",
     pipeline="LTXImageToVideoPipeline",
 )
+# LTX-Video 0.9.5+'s condition pipeline: tiny-ltx's parts, weights and geometry as an
+# LTXConditionPipeline (ltx_configs.build_tiny_condition_pipeline: the 0.9.5+ scheduler, without
+# dynamic shifting), text-only or on an image at frame 0; prompts padded to the tiny tokenizer's
+# 128 positions (the call's own default is 256)
+PRESET_TABLE["tiny-ltx-condition"] = replace(
+    PRESET_TABLE["tiny-ltx"],
+    name="tiny-ltx-condition",
+    builder="ditfuse.models.ltx_configs:build_tiny_condition_pipeline",
+    call_kwargs={"max_sequence_length": 128},
+    note="tiny-ltx-condition has random weights: its videos are noise (it exercises the LTX-Video condition "
+         "pipeline, not video quality)",
+    pipeline="LTXConditionPipeline",
+)
 # HunyuanVideo 1.5 image-to-video: tiny-hunyuanvideo15's parts, geometry and text lengths plus a
 # SigLIP image encoder, as a HunyuanVideo15ImageToVideoPipeline. Its transformer's target_size (192)
 # makes the 16:9 bucket 256x144, tiny-hunyuanvideo15's default size; a clip's size is its image's
@@ -642,7 +655,7 @@ def model_help() -> str:
         if spec.image_kwarg is None:
             what = "videos" if p.kind == "video" else "images"
         elif p.kind == "video":
-            what = "videos from an image"
+            what = "videos, or videos from an image" if spec.image_optional else "videos from an image"
         else:
             what = "images or edits" if spec.image_optional else "edited images"
         groups.setdefault(what, []).append(name)

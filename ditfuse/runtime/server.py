@@ -932,8 +932,8 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
         from .inputs import MAX_INPUT_BYTES
 
         limit = args.max_body_bytes if args.max_body_bytes is not None else default_max_body_bytes(engine)
-        how = ("every job needs input_reference" if spec.is_video
-               else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
+        how = (("jobs may bring input_reference" if spec.image_optional else "every job needs input_reference")
+               if spec.is_video else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
         if spec.size_from_image is not None:
             how += ", whose aspect sets the output size (a named size must be one the pipeline makes)"
         print(f"input images: {how} (up to {MAX_INPUT_BYTES >> 20} MiB, 4096x4096 px); "
