@@ -423,13 +423,13 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
 # lossless_nohandoff: DITFUSE_HANDOFF=0 (cross-block fusion off, models/handoff.py);
 # lossless_linear_cat: DITFUSE_LINEAR_CAT=1 (the joint value's projections into one buffer);
 # lossless_tritonlaunch: DITFUSE_FAST_LAUNCH=0 (every kernel through Triton's JITFunction.run,
-# as before round 16: kernels/common/launch.py).
+# as before round 16: kernels/common/launch.py); lossless_gemm_gelu: DITFUSE_GEMM_GELU=1 (the
+# FeedForward / MLP projection + tanh-GELU as one GEMM, kernels/linear/linear_gelu_triton.py).
 _AB_ENV = {"DITFUSE_HANDOFF": ("lossless_nohandoff", "0"), "DITFUSE_LINEAR_CAT": ("lossless_linear_cat", "1"),
-           "DITFUSE_FAST_LAUNCH": ("lossless_tritonlaunch", "0")}
-PROVIDERS = ["eager", "lossless", "lossless_nohandoff", "lossless_linear_cat", "lossless_tritonlaunch",
-             "lossless_graph", "compile", "compile_regional", "high"]
-DEFAULT_PROVIDERS = [p for p in PROVIDERS
-                     if p not in ("lossless_nohandoff", "lossless_linear_cat", "lossless_tritonlaunch", "compile_regional")]
+           "DITFUSE_FAST_LAUNCH": ("lossless_tritonlaunch", "0"), "DITFUSE_GEMM_GELU": ("lossless_gemm_gelu", "1")}
+_AB_PROVIDERS = tuple(v[0] for v in _AB_ENV.values())
+PROVIDERS = ["eager", "lossless", *_AB_PROVIDERS, "lossless_graph", "compile", "compile_regional", "high"]
+DEFAULT_PROVIDERS = [p for p in PROVIDERS if p not in (*_AB_PROVIDERS, "compile_regional")]
 # torch.compile providers: measured last (their compilation may run out a phase's time limit).
 # compile: the whole transformer; compile_regional: each repeated block compiled on its own
 # (compile_regional below; diffusers' compile_repeated_blocks does the same for models that name

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import activation, layout, modulate, norm, rope
+from . import activation, layout, linear, modulate, norm, rope
 from .errors import UnsupportedInput
 from .spec import Backend, Capability, Contract, Impl, KernelSpec, KeyArg, OpDescriptor
 
 DESCRIPTORS: tuple[OpDescriptor, ...] = (
     *norm.DESCRIPTORS, *modulate.DESCRIPTORS, *rope.DESCRIPTORS, *activation.DESCRIPTORS, *layout.DESCRIPTORS,
+    *linear.DESCRIPTORS,
 )
 
 

@@ -232,6 +232,15 @@ def gelu_tanh(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return out
 
 
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """diffusers' ``GELU(approximate="tanh")`` module on its projection (FeedForward's first layer,
+    the FLUX single block's ``act_mlp(proj_mlp(n))``): ``F.linear`` (cuBLAS: one rounding of
+    accumulator + bias), then ``F.gelu`` (one rounding). With ``out`` the result is copied there
+    (the copy a ``cat`` would make) and ``out`` is returned."""
+    return gelu_tanh(F.linear(x, weight, bias), out)
+
+
 def single_block_mlp_cat(attn: torch.Tensor, mlp_pre: torch.Tensor) -> torch.Tensor:
     """FluxSingleTransformerBlock: ``cat([attn, gelu_tanh(proj_mlp(n))], dim=2)``; mlp_pre is
     ``proj_mlp(n)``. The cat copies bits, so only the GELU rounds."""
@@ -251,6 +260,7 @@ __all__ = [
     "qk_rmsnorm_across_heads_rope",
     "gelu_tanh",
     "single_block_mlp_cat",
+    "linear_gelu_tanh",
 ]
 
 

@@ -196,6 +196,29 @@ def linear_cat_enabled() -> bool:
     return env("DITFUSE_LINEAR_CAT", "0").strip() not in ("", "0")
 
 
+def gemm_gelu_enabled() -> bool:
+    """``DITFUSE_GEMM_GELU=1``: FeedForward / MLP projections followed by a tanh-GELU run as one
+    GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``). Off by default until a GPU
+    run has measured it: the op is gated per GEMM problem, but its equality with cuBLAS is an
+    observation about cuBLAS's kernel choice (kernels/linear/linear_gelu_triton.py), and whether a
+    Triton GEMM plus the saved pass beats cuBLAS plus the GELU pass is a benchmark's to say."""
+    return env("DITFUSE_GEMM_GELU", "0").strip() not in ("", "0")
+
+
+def gelu_projection(module: object) -> torch.nn.Linear | None:
+    """The projection of a module computing ``F.gelu(proj(x), approximate="tanh")`` that a fast
+    forward may run as one GEMM-GELU (``linear.linear_gelu_tanh``): diffusers' ``GELU`` module
+    with ``approximate="tanh"`` around a plain ``nn.Linear``, nothing hooking either; None
+    otherwise (and always when :func:`gemm_gelu_enabled` is off)."""
+    if not gemm_gelu_enabled():
+        return None
+    from diffusers.models.activations import GELU
+
+    if not plain_module(module, GELU) or module.approximate != "tanh" or not plain_linear(module.proj):
+        return None
+    return module.proj
+
+
 def linear_cat_applies(x_a: torch.Tensor, x_b: torch.Tensor, n: int) -> bool:
     """A site's pre-check before calling ``layout.linear_cat`` (so the op only sees inputs it
     takes): the switch is on, and the op's own shape rule (batch 1, aligned rows) holds."""
@@ -686,7 +709,7 @@ def capture_admission_batches(
 
 __all__ = [
     "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
-    "capture_admission_batches", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
+    "capture_admission_batches", "gelu_projection", "gemm_gelu_enabled", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
     "linear_cat_applies",
     "site_hooks", "TIERS",
 ]

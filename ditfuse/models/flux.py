@@ -25,7 +25,7 @@ from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import (ada_zero, ada_zero_opening, dual_block_applies, norm_out_forward,  # noqa: F401 (re-exported)
                     norm_out_site, single_block_applies)
-from .base import Adapter, Site, linear_cat_applies, plain_linear
+from .base import Adapter, Site, gelu_projection, gemm_gelu_enabled, linear_cat_applies, plain_linear, plain_module
 from .handoff import NO_LINK, Link, Opening, close_block
 from .pos_cache import embedder_site, transformer_scope
 
@@ -40,6 +40,33 @@ def single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSe
     if attn_output.dim() == 4:
         attn_output = attn_output.flatten(2, 3)
     return _ops.gelu_tanh_cat(attn_output, mlp)
+
+
+def feed_forward(ff, x: torch.Tensor, _ops: OpSet) -> torch.Tensor:
+    """diffusers' FeedForward on ``x``; with ``DITFUSE_GEMM_GELU=1`` and a plain tanh-GELU first
+    layer, that layer is one GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``) and
+    the rest of ``ff.net`` (dropout, output projection) runs as diffusers' modules."""
+    from diffusers.models.attention import FeedForward
+
+    proj = gelu_projection(ff.net[0]) if plain_module(ff, FeedForward) else None
+    if proj is None:
+        return ff(x)
+    x = _ops.linear_gelu_tanh(x, proj.weight, proj.bias)
+    for module in ff.net[1:]:
+        x = module(x)
+    return x
+
+
+def _single_mlp_gemm_gelu(block) -> torch.nn.Linear | None:
+    """The FLUX single block's ``proj_mlp`` when ``act_mlp(proj_mlp(n))`` may run as one
+    GEMM-GELU written into proj_out's input (``DITFUSE_GEMM_GELU=1``, plain modules, tanh-GELU)."""
+    if not gemm_gelu_enabled() or not plain_linear(block.proj_mlp) or not plain_module(block.act_mlp, torch.nn.GELU):
+        return None
+    if block.act_mlp.approximate != "tanh" or not plain_linear(block.proj_out):
+        return None
+    if block.proj_out.in_features <= block.proj_mlp.out_features:
+        return None
+    return block.proj_mlp
 
 
 # -- AdaLayerNormZeroSingle (AdaLayerNormZero and AdaLayerNormContinuous: models/adaln.py) -------
@@ -185,7 +212,7 @@ def dual_block_forward(
     hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
         hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
     )
-    ff_output = block.ff(norm_hidden_states)
+    ff_output = feed_forward(block.ff, norm_hidden_states, _ops)
     # fp16 clips the text stream after its residual; an IP-adapter adds after the image one.
     nxt = _link.next_block() if ip_attn_output is None and hidden_states.dtype != torch.float16 else None
     hidden_states, img_next = close_block(_ops, hidden_states, gate_mlp, ff_output,
@@ -196,7 +223,7 @@ def dual_block_forward(
     encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
-    context_ff_output = block.ff_context(norm_encoder_hidden_states)
+    context_ff_output = feed_forward(block.ff_context, norm_encoder_hidden_states, _ops)
     encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, c_gate_mlp, context_ff_output,
                                                   None if nxt is None else ada_zero_opening(nxt.norm1_context, temb))
     if encoder_hidden_states.dtype == torch.float16:
@@ -229,14 +256,25 @@ def single_block_forward(
     if opened is None:
         opened = _ada_zero_single(block.norm, temb).run(hidden_states, _ops)
     norm_hidden_states, gate = opened
-    mlp = block.proj_mlp(norm_hidden_states)
+    proj_mlp = _single_mlp_gemm_gelu(block)
+    if proj_mlp is not None:
+        # proj_out's input buffer: the GEMM-GELU writes its MLP columns, the attention its own
+        B, S, _ = norm_hidden_states.shape
+        width = block.proj_out.in_features - proj_mlp.out_features
+        cat = norm_hidden_states.new_empty((B, S, block.proj_out.in_features))
+        _ops.linear_gelu_tanh(norm_hidden_states, proj_mlp.weight, proj_mlp.bias, cat[:, :, width:])
+    else:
+        mlp = block.proj_mlp(norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = block.attn(
         hidden_states=norm_hidden_states,
         image_rotary_emb=image_rotary_emb,
         **joint_attention_kwargs,
     )
-    cat = single_attn_mlp_cat(attn_output, mlp, _ops)
+    if proj_mlp is not None:
+        cat[:, :, :width].copy_(attn_output.flatten(2, 3) if attn_output.dim() == 4 else attn_output)
+    else:
+        cat = single_attn_mlp_cat(attn_output, mlp, _ops)
     nxt = _link.next_block() if residual.dtype != torch.float16 else None  # fp16 clips after the residual
     hidden_states, opened_next = close_block(_ops, residual, gate, block.proj_out(cat),
                                              None if nxt is None else _ada_zero_single(nxt.norm, temb))
@@ -318,7 +356,8 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=dual_block_applies,
         description="dual block: adaLN-Zero, gate+residual+norm2+modulate, FF gate residual "
-                    "(+ the next block's adaLN-Zero across the boundary)",
+                    "(+ the next block's adaLN-Zero across the boundary; DITFUSE_GEMM_GELU=1: the FF's "
+                    "first projection + tanh-GELU as one GEMM)",
         chained=True,
     ),
     Site(
@@ -329,7 +368,8 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=single_block_applies,
         description="single block: adaLN-Zero-Single, attention copy + GELU into proj_out's input in one kernel, "
-                    "gate residual (+ the next block's adaLN-Zero-Single across the boundary)",
+                    "gate residual (+ the next block's adaLN-Zero-Single across the boundary; DITFUSE_GEMM_GELU=1: "
+                    "proj_mlp + GELU as one GEMM writing proj_out's input)",
         chained=True,
     ),
     flux_attention_site("flux"),

@@ -1,0 +1,215 @@
+"""A bf16 GEMM with the tanh-GELU in its epilogue: ``F.gelu(F.linear(x, weight, bias),
+approximate="tanh")`` in one kernel, optionally written into a strided slice of a buffer (the FLUX
+single block's ``cat([attn, gelu(proj_mlp(n))], dim=2)``).
+
+Eager runs two kernels: cuBLAS's GEMM, whose epilogue adds the bias to the fp32 accumulator and
+rounds once to bf16 (``out = r16(acc + bias)``), then ATen's tanh-GELU, which reads that bf16
+value, computes in fp32 and rounds once more. Between the two, the ``[M, N]`` pre-activation makes
+a round trip through memory: at FLUX.1's shapes 4-5 ms of a 1024² step (issue 13).
+
+This kernel keeps the two roundings where eager has them: ``y = r16(gelu32(r16(acc + bias)))``
+with the GELU being :func:`ditfuse.kernels.activation.gelu_tanh_triton._gelu_f32`, bit for bit
+ATen's. What makes it *equal* to eager is the accumulator: for bf16 on sm_90 both cuBLAS and this
+kernel build each output element as one chain of tensor-core MMAs over K, from k = 0 upwards, into
+one fp32 accumulator (the products are exact; each MMA adds its 16 products and the accumulator
+in the hardware's fixed way). That holds as long as cuBLAS's kernel for the problem does not split
+K (split-K, stream-K, or K slices across warp groups) and runs the same MMA instructions: an
+observation about cuBLAS's choice per GEMM shape, not a construction. So the op is
+``per_signature`` under the bit-exact gate: the first call of each problem (M, N, K, layout) is
+compared with the live eager chain, and a mismatch sends that problem to eager for good, with a
+log line. bench/probes/probe_gemm_exact.py measures the equality and the speed at FLUX.1's shapes.
+
+Only bf16: fp32 F.linear does not use bf16 tensor-core MMAs, and fp16 GEMMs may reduce in fp16
+(``allow_fp16_reduced_precision_reduction``). Under ``TRITON_INTERPRET=1`` (CPU tests) the MMA is a
+numpy fp32 matmul (other summation order), so CPU results agree with eager to an ulp of the
+pre-activation; the CPU tests check the epilogue bitwise on inputs whose sums are exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..activation.gelu_tanh_triton import TANH_PTX, _gelu_f32
+from ..common.host import cdiv, device_reason, grad_reason, use_custom_op
+from ..common.launch import launch
+from ..common.rounding import INTERPRET, round_to, rround
+from ..errors import UnsupportedInput
+
+# Tile (BM, BN, BK), programs grouped along M (GROUP_M) so a group's weight tiles stay in L2,
+# pipeline stages, warps. bench/probes/probe_gemm_exact.py sweeps the candidates.
+_BM, _BN, _BK, _GROUP_M, _STAGES, _WARPS = 128, 256, 64, 8, 3, 8
+_INTERPRET_TILE = (32, 32, 32)  # the interpreter runs each program in Python: few, small tiles
+
+
+@triton.jit
+def _linear_gelu_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr,
+    M, N,
+    sxm, swn, som,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    EXACT: tl.constexpr,
+    DTYPE: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    I64: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+    rm = pid_m * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rk = tl.arange(0, BK)
+    if I64:
+        rm = rm.to(tl.int64)
+        rn = rn.to(tl.int64)
+    a_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :]
+    b_ptrs = w_ptr + rn[None, :] * swn + rk[:, None]  # weight is [N, K]: B = weight^T, K-major
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # k = 0 upwards into one accumulator: cuBLAS's chain (module docstring)
+    for k in range(0, K, BK):
+        kmask = rk + k < K
+        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
+        if INTERPRET:  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BK
+        b_ptrs += BK
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if EXACT:
+        # the GEMM's store rounds; the GELU reads that value back in fp32
+        acc = rround(acc, DTYPE)
+    y = _gelu_f32(acc, True, TANH_PTX)
+    mask = (rm[:, None] < M) & (rn[None, :] < N)
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :], round_to(y, DTYPE), mask=mask)
+
+
+def _rows(t: torch.Tensor) -> int | None:
+    """The uniform row stride of ``t``'s leading dims seen as one dim of rows (last dim
+    contiguous), or None when they cannot be: ``buf[:, :, D:]`` of a contiguous ``[B, S, Dt]``
+    buffer has rows every ``Dt`` elements."""
+    if t.dim() < 2 or t.stride(-1) != 1:
+        return None
+    row = t.stride(-2)
+    expect = row * t.shape[-2]
+    for d in range(t.dim() - 3, -1, -1):
+        if t.shape[d] != 1 and t.stride(d) != expect:
+            return None
+        expect *= t.shape[d]
+    return row
+
+
+def _unsupported_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                        out: torch.Tensor | None = None) -> str | None:
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return "x and weight must be tensors"
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        return "bias must be a tensor or None"
+    if out is not None and not isinstance(out, torch.Tensor):
+        return "out must be a tensor or None"
+    if x.dtype != torch.bfloat16:
+        return f"dtype {x.dtype}: bf16 only (fp32 GEMMs run other math, fp16 ones may reduce in fp16)"
+    tensors = [t for t in (x, weight, bias, out) if t is not None]
+    if any(t.dtype != x.dtype for t in tensors):
+        return "weight, bias and out must have x's dtype (F.linear would promote or reject)"
+    if x.dim() < 2:
+        return f"x {tuple(x.shape)}: at least [M, K]"
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1] or not weight.is_contiguous():
+        return f"weight {tuple(weight.shape)} is not a contiguous [N, K] with K = {x.shape[-1]}"
+    N = weight.shape[0]
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or not bias.is_contiguous()):
+        return f"bias {tuple(bias.shape)} is not a contiguous [{N}]"
+    if not x.is_contiguous():
+        return "x is not contiguous (F.linear would copy it first or take another GEMM path)"
+    if out is not None:
+        if tuple(out.shape) != (*x.shape[:-1], N):
+            return f"out {tuple(out.shape)} is not {(*x.shape[:-1], N)}"
+        if _rows(out) is None:
+            return "out's leading dims are not evenly strided rows with a contiguous last dim"
+        if out.data_ptr() < x.data_ptr() + x.numel() * x.element_size() and \
+                x.data_ptr() < out.data_ptr() + (out.stride(0) * out.shape[0]) * out.element_size():
+            return "out overlaps x"
+    if x.numel() == 0 or N == 0:
+        return "an empty problem"
+    if x.shape[-1] % 8:
+        return f"K = {x.shape[-1]} is not a multiple of 8 (cuBLAS pads such rows: another kernel)"
+    reason = device_reason(*tensors) or grad_reason(*tensors)
+    if reason:
+        return reason
+    if torch.is_autocast_enabled(x.device.type):
+        return "autocast is on (eager would run another chain)"
+    return None
+
+
+def can_use_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                             out: torch.Tensor | None = None) -> bool:
+    """True when :func:`linear_gelu_tanh` takes these arguments. Rejected (False): non-tensors;
+    a dtype other than bf16 in any of them; x not at least 2-D or not contiguous; weight not a
+    contiguous ``[N, K]`` matching x's last dim, K not a multiple of 8; a bias not a contiguous
+    ``[N]``; ``out`` not of shape ``x.shape[:-1] + (N,)``, not evenly strided rows with a
+    contiguous last dim, or overlapping x; an empty problem; tensors on different devices or on
+    the CPU without TRITON_INTERPRET=1; grad required with grad mode on; autocast on. (Whether
+    cuBLAS's bits are met for a problem is the gate's first-sight check.)"""
+    return _unsupported_reason(x, weight, bias, out) is None
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
+            exact: bool = True) -> None:
+    K = x.shape[-1]
+    N = weight.shape[0]
+    M = x.numel() // K
+    som = _rows(out)
+    bm, bn, bk = _INTERPRET_TILE if INTERPRET else (_BM, _BN, _BK)
+    i64 = max(M * K, M * som, N * K) >= 2 ** 31
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    launch(_linear_gelu_kernel, grid,
+           x, weight, weight if bias is None else bias, out,
+           M, N,
+           K, weight.stride(0), som,
+           K=K, HAS_BIAS=bias is not None, EXACT=exact, DTYPE=tl.bfloat16,
+           BM=bm, BN=bn, BK=bk, GROUP_M=_GROUP_M, I64=i64,
+           num_stages=_STAGES, num_warps=_WARPS, enable_fp_fusion=False, enable_reflect_ftz=False)
+
+
+@torch.library.custom_op("ditfuse::linear_gelu_tanh", mutates_args=("out",))
+def _linear_gelu_tanh_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         out: torch.Tensor) -> None:
+    _launch(x, weight, bias, out)
+
+
+@_linear_gelu_tanh_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    return None
+
+
+def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = r16(gelu_tanh(r16(x @ weight^T + bias)))``: bitwise equal to torch 2.11 CUDA
+    ``F.gelu(F.linear(x, weight, bias), approximate="tanh")`` wherever cuBLAS's kernel for the
+    problem chains K as this one does (module docstring; the gate checks each problem at first
+    sight).
+
+    x: ``[..., K]`` contiguous bf16; weight: ``[N, K]`` (an ``nn.Linear``'s); bias: ``[N]`` or
+    None. ``out``: None (a new contiguous ``[..., N]`` is returned) or a same-shape bf16 tensor
+    whose rows are evenly strided, e.g. ``buf[:, :, D:]`` of the FLUX single block's
+    ``[B, S, D + 4D]`` proj_out input: written in place and returned. Runs as the custom op
+    ``ditfuse::linear_gelu_tanh`` under torch.compile. Raises :class:`UnsupportedInput` exactly
+    where :func:`can_use_linear_gelu_tanh` is False."""
+    reason = _unsupported_reason(x, weight, bias, out)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if use_custom_op():
+        torch.ops.ditfuse.linear_gelu_tanh(x, weight, bias, out)
+    else:
+        _launch(x, weight, bias, out)
+    return out
