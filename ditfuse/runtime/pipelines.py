@@ -9,6 +9,9 @@ embedding, HunyuanVideo 1.5's ``guider`` component, or nowhere: Qwen-Image guide
 video, the frame-count rule and whether the call takes the frame rate: LTX-Video's
 ``frame_rate``), and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
 says this for one class; :data:`PIPELINE_SPECS` lists every class ``generate`` / ``serve`` know.
+Some arguments depend on the checkpoint as well as the class (Wan 2.2 A14B's second guidance scale,
+a first-last-frame checkpoint's last image): the row names the argument and a function of the
+loaded pipeline says what this checkpoint takes (:class:`Capabilities`).
 
 A directory holding a class not listed loads as a text-to-image pipeline called the FLUX way
 (``guidance_scale``, a negative prompt through ``true_cfg_scale``), with a log line saying so.
