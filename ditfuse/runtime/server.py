@@ -944,6 +944,12 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
                else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
         if spec.size_from_image is not None:
             how += ", whose aspect sets the output size (a named size must be one the pipeline makes)"
+        from .pipelines import LAST_IMAGE_NONE, LAST_IMAGE_REQUIRED
+
+        last = getattr(engine.loaded, "capabilities", None)
+        if last is not None and last.last_image != LAST_IMAGE_NONE:
+            how += (", and last_input_reference (the last frame)" if last.last_image == LAST_IMAGE_REQUIRED
+                    else "; last_input_reference (the last frame) is optional")
         print(f"input images: {how} (up to {MAX_INPUT_BYTES >> 20} MiB, 4096x4096 px); "
               f"request bodies up to {limit} bytes")
     print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)
