@@ -136,8 +136,40 @@ def build_tiny_wan_i2v() -> Any:
                                extra=tiny_clip_image_parts)
 
 
+def build_tiny_wan_flf2v() -> Any:
+    """Wan 2.1 first-last-frame-to-video in miniature (Wan2.1-FLF2V-14B-720P's layout, served by
+    ``WanImageToVideoPipeline`` with ``last_image``): :func:`build_tiny_wan_i2v`'s pipeline and
+    weights, whose transformer also has the FLF2V image position embedding
+    (``pos_embed_seq_len`` = two images' CLIP tokens: the call encodes the first and the last image
+    and the image embedder folds their tokens into one sequence per video). The embedding is
+    drawn from its own seed after the build (diffusers initialises it to zeros, which would leave
+    the two images' tokens unmarked). Such a checkpoint needs a last image on every call. Random
+    weights: its videos are noise."""
+    from diffusers import WanImageToVideoPipeline, WanTransformer3DModel
+
+    flf2v = dict(tiny_i2v_transformer_config(TINY_WAN_TRANSFORMER), pos_embed_seq_len=2 * TINY_CLIP_TOKENS)
+    pipe = build_tiny_wan_like(WanImageToVideoPipeline, lambda: WanTransformer3DModel(**flf2v),
+                               extra=tiny_clip_image_parts)
+    draw_flf2v_pos_embed(pipe.transformer)
+    return pipe
+
+
+def draw_flf2v_pos_embed(transformer: Any) -> None:
+    """Give a tiny first-last-frame transformer's image position embedding (zeros as diffusers
+    builds it) random values from its own seed (``TINY_WAN_SEED + 2``), leaving every other weight."""
+    import torch
+
+    pos = transformer.condition_embedder.image_embedder.pos_embed
+    gen = torch.Generator().manual_seed(TINY_WAN_SEED + 2)
+    with torch.no_grad():
+        pos.copy_(torch.randn(pos.shape, generator=gen, dtype=pos.dtype))
+
+
 # The tiny I2V pipelines' CLIP width (their transformers' image_dim).
 TINY_CLIP_WIDTH = 16
+# The image tokens its encoder gives per image: a 32-px crop in 8-px patches (16) and the class
+# token (tiny_clip_image_parts).
+TINY_CLIP_TOKENS = (32 // 8) ** 2 + 1
 # Wan 2.1 I2V's (and Wan 2.2 I2V-A14B's) transformer input on the Wan 2.1 VAE: 16 noise channels,
 # the 4-channel first-frame mask and the image's 16 latent channels.
 WAN21_I2V_IN_CHANNELS = 16 + 4 + 16

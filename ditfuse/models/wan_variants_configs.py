@@ -208,7 +208,7 @@ SKYREELS_I2V_FLOW_SHIFT = 5.0
 SKYREELS_TINY_I2V_PIPELINE = wan_configs.tiny_i2v_transformer_config(SKYREELS_TINY_PIPELINE)
 
 
-def build_tiny_i2v_pipeline() -> Any:
+def build_tiny_i2v_pipeline(flf2v: bool = False) -> Any:
     """A complete diffusers ``SkyReelsV2ImageToVideoPipeline`` with **random weights** (its videos
     are noise), built offline: :func:`build_tiny_pipeline`'s tokenizer, text encoder and VAE (the
     same weights), a UniPC scheduler of the same config at :data:`SKYREELS_I2V_FLOW_SHIFT` (the
@@ -221,17 +221,34 @@ def build_tiny_i2v_pipeline() -> Any:
     embedders, the output head); what image-to-video adds (the 36-channel patch embedding, the
     image embedder, the cross-attentions' added k/v and their norm) is drawn from its own seed,
     as are the CLIP encoder's weights, after the text-to-video parts, which they leave as they are.
+
+    ``flf2v``: the transformer also has the first-last-frame image position embedding
+    (``pos_embed_seq_len``: two images' CLIP tokens), drawn from its own seed after the build
+    (``wan_configs.draw_flf2v_pos_embed``); every other weight is the same. Such a checkpoint takes
+    the call's ``last_image``, and needs it (:func:`build_tiny_flf2v_pipeline`).
     """
     import torch
     from diffusers import SkyReelsV2ImageToVideoPipeline, UniPCMultistepScheduler
 
     t2v = build_tiny_pipeline()
     torch.manual_seed(wan_configs.TINY_WAN_SEED + 1)
-    transformer = SKYREELS_V2.load_class()(**SKYREELS_TINY_I2V_PIPELINE).eval()
+    cfg = dict(SKYREELS_TINY_I2V_PIPELINE)
+    if flf2v:  # a zero-initialised parameter: the random draws below are the I2V build's
+        cfg["pos_embed_seq_len"] = 2 * wan_configs.TINY_CLIP_TOKENS
+    transformer = SKYREELS_V2.load_class()(**cfg).eval()
     own = transformer.state_dict()
     shared = {k: v for k, v in t2v.transformer.state_dict().items() if k in own and own[k].shape == v.shape}
     transformer.load_state_dict(shared, strict=False)
     image_parts = wan_configs.tiny_clip_image_parts()
     scheduler = UniPCMultistepScheduler.from_config(t2v.scheduler.config, flow_shift=SKYREELS_I2V_FLOW_SHIFT)
+    if flf2v:
+        wan_configs.draw_flf2v_pos_embed(transformer)
     return SkyReelsV2ImageToVideoPipeline(tokenizer=t2v.tokenizer, text_encoder=t2v.text_encoder, vae=t2v.vae,
                                           scheduler=scheduler, transformer=transformer, **image_parts)
+
+
+def build_tiny_flf2v_pipeline() -> Any:
+    """:func:`build_tiny_i2v_pipeline` with the first-last-frame image position embedding: a
+    ``SkyReelsV2ImageToVideoPipeline`` whose every call takes a first and a last image. Random
+    weights: its videos are noise."""
+    return build_tiny_i2v_pipeline(flf2v=True)

@@ -41,6 +41,9 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--guidance", type=float, default=None, dest="guidance", help="guidance scale (default: the pipeline's: FLUX.1 3.5, SD3 7.0, Wan / Z-Image / Chroma 5.0, "
                         "HunyuanVideo 6.0 (its distilled guidance embedding), SkyReels-V2 6.0, HunyuanVideo 1.5 its guider's; "
                         "Qwen-Image takes none)")
+    p.add_argument("--guidance-scale-2", type=float, default=None, dest="guidance_scale_2",
+                   help="Wan 2.2 A14B (two experts): the low-noise expert's guidance scale (default: --guidance's); "
+                        "other checkpoints refuse it")
     p.add_argument("--seed", type=int, default=0, help="seed of output 0; output i uses seed + i")
     p.add_argument("--n", type=int, default=1, help="outputs to generate (out.png -> out-0.png, out-1.png, ...)")
     p.add_argument("--quality", default="lossless", help="lossless (bit-exact kernels only, default) or high")
@@ -58,6 +61,10 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
                         "image the clip starts from; image-editing models (tiny-flux-kontext): the image to edit. "
                         "Without --size the output takes its aspect ratio at the model's default area (HunyuanVideo "
                         "1.5: the aspect bucket nearest the image's)")
+    p.add_argument("--last-image", type=Path, default=None, dest="last_image",
+                   help="first-last-frame-to-video: the image the clip ends on, resized to the clip's size as --image "
+                        "is (checkpoints that take one: Wan 2.2 I2V-A14B (tiny-wan22-a14b-i2v), Wan2.1-FLF2V-14B "
+                        "(required there))")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")

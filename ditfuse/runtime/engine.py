@@ -234,6 +234,13 @@ def run_batch(
     }
     if spec.guidance == GUIDANCE_KWARG:
         kwargs["guidance_scale"] = p0.guidance_scale
+    capabilities = getattr(loaded, "capabilities", None)
+    if p0.guidance_scale_2 is not None:
+        # Wan 2.2 A14B's low-noise expert; the request parsers refused it for any other checkpoint
+        refused = spec.check_request({"guidance_scale_2"}, capabilities)
+        if refused:
+            raise ValueError(refused[1])
+        kwargs[spec.guidance_2_kwarg] = p0.guidance_scale_2
     negatives = any(p.negative_prompt for p, _ in full)
     if spec.negative == NEGATIVE_TRUE_CFG:
         if p0.uses_true_cfg:
@@ -279,6 +286,17 @@ def run_batch(
             kwargs[spec.image_kwarg] = [opened[p.image_sha256] for p, _ in full]
         else:
             kwargs[spec.image_kwarg] = image_for_call(p0)
+    # -- first-last-frame: the one last image of the call (equal signatures: equal fingerprints).
+    # It goes as it is, as the first image does: the pipeline resizes both to height x width with
+    # its video_processor (no pipeline with a last image derives its size from the image).
+    for p, _ in slots:
+        why = spec.check_last_image(capabilities, p.last_image is not None)
+        if why is not None:
+            raise ValueError(why)
+    if p0.last_image is not None:
+        from .inputs import open_image as open_last
+
+        kwargs[spec.last_image_kwarg] = open_last(p0.last_image, p0.last_image_sha256)
     # -------------------------------------------------------------------------------------------
     kwargs.update(loaded.call_kwargs)
     steps_counted = None
@@ -298,6 +316,9 @@ def run_batch(
         dropped = [k for k in kwargs if k not in accepted]
         if "negative_prompt" in dropped:
             raise ValueError(f"{type(pipe).__name__} does not take a negative_prompt")
+        for k in (spec.guidance_2_kwarg, spec.last_image_kwarg):
+            if k is not None and k in dropped:  # what a request asked for is never dropped silently
+                raise ValueError(f"{type(pipe).__name__} does not take {k}")
         for k in dropped:
             kwargs.pop(k)
     # no_grad, as diffusers' pipelines themselves: under inference_mode every tensor is an

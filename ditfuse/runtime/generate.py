@@ -17,6 +17,10 @@ directory of an image-to-video pipeline class) needs ``--image`` (LTX-Video's co
 it, text-to-image). Either way the output takes the image's aspect ratio when no ``--size`` is
 given (a pipeline that derives its size from the image, HunyuanVideo 1.5 I2V: the size it makes,
 and a ``--size`` it cannot make exits 2), and its metadata carries the image's pixel SHA-256.
+``--last-image`` adds the image the clip ends on (first-last-frame-to-video, on a checkpoint that
+takes one: Wan 2.2 I2V-A14B, Wan2.1-FLF2V-14B; exit 2 elsewhere), sized as the first.
+``--guidance-scale-2`` is Wan 2.2 A14B's low-noise expert's guidance scale (exit 2 on a checkpoint
+without two experts).
 
 ``--gpus N`` (or ``--devices``) spreads the one generation over N devices with diffusers' context
 parallelism: the command re-runs itself under torchrun, one process per device, and rank 0 prints
@@ -112,7 +116,19 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             return args.out
         return Path("out.mp4") if info.kind == "video" else Path("out.png")
 
-    decoded: dict[Any, tuple[Any, str]] = {}  # --image, decoded and fingerprinted once
+    decoded: dict[Any, tuple[Any, str]] = {}  # --image / --last-image, decoded and fingerprinted once
+
+    def read_image(path: Any, param: str, flag: str) -> tuple[Any, str]:
+        from .inputs import decode_image, pixel_sha256
+
+        if path not in decoded:  # make_params runs twice for a preset (before and after loading)
+            try:
+                data = Path(path).expanduser().read_bytes()
+            except OSError as e:
+                raise ParamError(param, f"{flag} {str(path)!r}: {e.strerror or e}") from None
+            img = decode_image(data, param)
+            decoded[path] = (img, pixel_sha256(img))
+        return decoded[path]
 
     def make_params(info: Any) -> SamplingParams:
         """``info``: a Preset or LoadedModel (geometry, defaults, kind)."""
@@ -134,23 +150,25 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         why = spec.check_image(image_path is not None)
         if why is not None:
             raise ParamError("image", f"{why} (--image PATH)" if image_path is None else why)
+        # a Preset (before loading) has no capabilities: the checkpoint's checks wait for the load
+        capabilities = getattr(info, "capabilities", None)
+        last_path = getattr(args, "last_image", None)
+        why = spec.check_last_image(capabilities, last_path is not None)
+        if why is not None:
+            raise ParamError("last_image", why if last_path is not None else f"{why} (--last-image PATH)")
         image = image_sha = default_size = None
         if image_path is not None:
-            from .inputs import decode_image, default_size_for_image, pixel_sha256
+            from .inputs import default_size_for_image
 
-            if image_path not in decoded:  # make_params runs twice for a preset (before and after loading)
-                try:
-                    data = Path(image_path).expanduser().read_bytes()
-                except OSError as e:
-                    raise ParamError("image", f"--image {str(image_path)!r}: {e.strerror or e}") from None
-                img = decode_image(data, "image")
-                decoded[image_path] = (img, pixel_sha256(img))
-            image, image_sha = decoded[image_path]
+            image, image_sha = read_image(image_path, "image", "--image")
             default_size = default_size_for_image(info, image)
+        last_sha = None if last_path is None else read_image(last_path, "last_image", "--last-image")[1]
         true_cfg = getattr(args, "true_cfg_scale", None)
-        named = {f for f, v in (("guidance_scale", args.guidance), ("true_cfg_scale", true_cfg),
-                                ("negative_prompt", args.negative_prompt)) if v is not None}
-        refused = spec.check_request(named)
+        guidance_2 = getattr(args, "guidance_scale_2", None)
+        named = {f for f, v in (("guidance_scale", args.guidance), ("guidance_scale_2", guidance_2),
+                                ("true_cfg_scale", true_cfg), ("negative_prompt", args.negative_prompt))
+                 if v is not None}
+        refused = spec.check_request(named, capabilities)
         if refused:
             raise ParamError(*refused)
         steps = args.steps if args.steps is not None else (info.default_steps or spec.default_steps)
@@ -163,6 +181,7 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             size=args.size,
             num_inference_steps=steps,
             guidance_scale=guidance,
+            guidance_scale_2=guidance_2,
             seed=args.seed,
             n=args.n,
             quality=args.quality,
@@ -177,11 +196,17 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
 
             fit_image_to_size(info, image, params.width, params.height)  # a size it cannot make: exit 2
             params = params.with_(image=str(Path(image_path).expanduser().resolve()), image_sha256=image_sha)
+        if last_path is not None:
+            params = params.with_(last_image=str(Path(last_path).expanduser().resolve()), last_image_sha256=last_sha)
         if video:
             params = params.with_(num_frames=resolve_num_frames(
                 seconds=seconds, num_frames=frames, fps=info.fps,
                 frame_multiple=info.frame_multiple, default_frames=info.default_frames,
             ))
+            if last_path is not None and params.num_frames < 2:
+                # the call puts the last image after num_frames - 2 empty frames
+                raise ParamError("frames", f"a clip with a last image has at least 2 frames "
+                                           f"({info.frame_multiple + 1} or more), got {params.num_frames}")
         return params
 
     from .params import resolve_num_frames
@@ -312,11 +337,15 @@ def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: fl
     n, h, w = clip.shape[:3]
     print(
         f"sampling: {params.size}, {params.num_frames} frames ({seconds_for_frames(params.num_frames, loaded.fps)} s "
-        f"at {loaded.fps} fps), {steps} steps, guidance {params.guidance_scale:g}, seed {params.seed}, "
+        f"at {loaded.fps} fps), {steps} steps, guidance {params.guidance_scale:g}"
+        f"{'' if params.guidance_scale_2 is None else f' (low-noise expert {params.guidance_scale_2:g})'}, "
+        f"seed {params.seed}, "
         f"quality {params.quality.value}"
     )
     if params.image is not None:
         print(f"image: {params.image} (pixels sha256 {params.image_sha256})")
+    if params.last_image is not None:
+        print(f"last image: {params.last_image} (pixels sha256 {params.last_image_sha256})")
     print("timings:")
     print(f"  load + accelerate : {t_loaded - t_start:8.3f} s")
     if stamps:

@@ -104,6 +104,14 @@ class SamplingParams:
     # takes one image per call, requests share a batch only with equal fingerprints.
     image: str | None = None
     image_sha256: str | None = None
+    # Wan 2.2 A14B: the low-noise expert's guidance scale (the call's guidance_scale_2); None: the
+    # request named none, and guidance_scale goes to both experts.
+    guidance_scale_2: float | None = None
+    # First-last-frame-to-video: the image the clip ends on, as ``image`` / ``image_sha256`` are the
+    # one it starts from. One last image conditions a whole call: requests share a batch only with
+    # equal fingerprints.
+    last_image: str | None = None
+    last_image_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -116,6 +124,7 @@ class SamplingParams:
         height: int | None = None,
         num_inference_steps: int = 28,
         guidance_scale: float = 3.5,
+        guidance_scale_2: float | None = None,
         seed: int | None = None,
         n: int = 1,
         quality: "str | Quality | None" = None,
@@ -143,6 +152,7 @@ class SamplingParams:
             h = check_side("height", height, size_multiple) if height is not None else default_size[1]
         steps = _check_int("num_inference_steps", num_inference_steps, 1, MAX_STEPS)
         guidance = _check_float("guidance_scale", guidance_scale, 0.0, 100.0)
+        guidance_2 = None if guidance_scale_2 is None else _check_float("guidance_scale_2", guidance_scale_2, 0.0, 100.0)
         tcfg = _check_float("true_cfg_scale", true_cfg_scale, 0.0, 100.0)
         count = _check_int("n", n, 1, MAX_N)
         if seed is None:
@@ -163,6 +173,7 @@ class SamplingParams:
             height=h,
             num_inference_steps=steps,
             guidance_scale=guidance,
+            guidance_scale_2=guidance_2,
             seed=seed,
             n=count,
             quality=q,
@@ -185,7 +196,8 @@ class SamplingParams:
     def signature(self, model: str, by_image: bool = True) -> tuple:
         """Requests with equal signatures can share a batch (one pipeline call). ``by_image``:
         the input image's fingerprint is part of it (a pipeline whose call takes one image;
-        ``PipelineSpec.batch_signature`` decides)."""
+        ``PipelineSpec.batch_signature`` decides). The call takes one guidance_scale_2 and one
+        last image, so their values are always in it (None where a request names none)."""
         return (
             model,
             self.width,
@@ -197,6 +209,8 @@ class SamplingParams:
             self.true_cfg_scale if self.uses_true_cfg else 1.0,
             self.num_frames,
             self.image_sha256 if by_image else self.image_sha256 is not None,
+            self.guidance_scale_2,
+            self.last_image_sha256,
         )
 
     def with_(self, **changes: Any) -> "SamplingParams":
@@ -219,6 +233,10 @@ class SamplingParams:
             meta["num_frames"] = str(self.num_frames)
         if self.image_sha256 is not None:
             meta["image_sha256"] = self.image_sha256
+        if self.guidance_scale_2 is not None:
+            meta["guidance_scale_2"] = repr(self.guidance_scale_2)
+        if self.last_image_sha256 is not None:
+            meta["last_image_sha256"] = self.last_image_sha256
         if model is not None:
             meta["model"] = model
         return meta

@@ -9,6 +9,9 @@ embedding, HunyuanVideo 1.5's ``guider`` component, or nowhere: Qwen-Image guide
 video, the frame-count rule and whether the call takes the frame rate: LTX-Video's
 ``frame_rate``), and whether they report steps (``callback_on_step_end``). A :class:`PipelineSpec`
 says this for one class; :data:`PIPELINE_SPECS` lists every class ``generate`` / ``serve`` know.
+Some arguments depend on the checkpoint as well as the class (Wan 2.2 A14B's second guidance scale,
+a first-last-frame checkpoint's last image): the row names the argument and a function of the
+loaded pipeline says what this checkpoint takes (:class:`Capabilities`).
 
 A directory holding a class not listed loads as a text-to-image pipeline called the FLUX way
 (``guidance_scale``, a negative prompt through ``true_cfg_scale``), with a log line saying so.
@@ -153,6 +156,62 @@ def _hunyuanvideo15_prepare(pipe: Any) -> None:
         vae.enable_slicing()
 
 
+# Whether a loaded checkpoint takes a last image (first-last-frame-to-video): Capabilities.last_image.
+LAST_IMAGE_NONE = "none"  # refused (the reason in Capabilities.last_image_why)
+LAST_IMAGE_OPTIONAL = "optional"  # the call conditions on the first image alone, or on both
+LAST_IMAGE_REQUIRED = "required"  # the checkpoint is trained on two images and cannot run on one
+
+
+def _wan_guidance_2(pipe: Any) -> str | None:
+    # diffusers' Wan calls take guidance_scale_2 only with boundary_ratio (check_inputs raises
+    # otherwise): the scale of transformer_2, which denoises the steps below the boundary. Without
+    # both the call would refuse it or have no second expert to give it to.
+    if getattr(pipe.config, "boundary_ratio", None) is not None and getattr(pipe, "transformer_2", None) is not None:
+        return None
+    return ("this checkpoint has one transformer (no boundary_ratio and transformer_2): guidance_scale_2 is the "
+            "low-noise expert's scale of Wan 2.2's two-expert A14B checkpoints")
+
+
+def _wan_last_image(pipe: Any) -> tuple[str, str]:
+    # What WanImageToVideoPipeline / SkyReelsV2ImageToVideoPipeline (diffusers 0.42.1) do with
+    # last_image, by checkpoint layout:
+    # - expand_timesteps (Wan 2.2 TI2V-5B's image mode): prepare_latents conditions on the first
+    #   frame only and drops last_image without a word, so a request with one is refused.
+    # - no image encoder tokens (image_dim None: Wan 2.2 I2V-A14B): the last image's latents fill
+    #   the last frame and its mask; optional.
+    # - CLIP tokens (Wan 2.1 I2V, SkyReels-V2 I2V): the call encodes [image, last_image] as two rows
+    #   of CLIP tokens, which only a first-last-frame transformer (Wan2.1-FLF2V-14B-720P:
+    #   pos_embed_seq_len = 2 x 257) folds into one sequence per video; a plain I2V transformer fails
+    #   on the batch mismatch, and an FLF2V one fails on a single image. So an FLF2V checkpoint
+    #   requires the last image and an I2V one refuses it.
+    if getattr(pipe.config, "expand_timesteps", False):
+        return LAST_IMAGE_NONE, ("Wan 2.2 TI2V-5B's image mode conditions on the first frame only (diffusers' call "
+                                 "ignores last_image when expand_timesteps is set)")
+    transformer = pipe.transformer if getattr(pipe, "transformer", None) is not None else pipe.transformer_2
+    cfg = transformer.config
+    if getattr(cfg, "image_dim", None) is None:
+        return LAST_IMAGE_OPTIONAL, ""
+    if getattr(cfg, "pos_embed_seq_len", None) is None:
+        return LAST_IMAGE_NONE, ("this image-to-video checkpoint's transformer reads one image's CLIP tokens (no "
+                                 "pos_embed_seq_len); a last image needs a first-last-frame checkpoint such as "
+                                 "Wan2.1-FLF2V-14B-720P")
+    return LAST_IMAGE_REQUIRED, ("this first-last-frame checkpoint's transformer reads two images' CLIP tokens "
+                                 "(pos_embed_seq_len): it needs a last image as well as the first")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What one loaded checkpoint accepts where its class's row leaves it to the checkpoint (Wan's
+    second guidance scale, a last image): read from the pipeline at load
+    (:meth:`PipelineSpec.capabilities`) and kept on the LoadedModel, so the server process of
+    ``serve --gpus N``, which holds no pipeline, checks requests as the workers' pipelines would."""
+
+    guidance_2: bool = False  # the call takes guidance_scale_2 (spec.guidance_2_kwarg)
+    guidance_2_why: str = ""  # why not, for the refusal
+    last_image: str = LAST_IMAGE_NONE  # LAST_IMAGE_NONE / _OPTIONAL / _REQUIRED
+    last_image_why: str = ""  # why refused or required
+
+
 @dataclass(frozen=True)
 class PipelineSpec:
     """How to call one diffusers pipeline class (see the module docstring)."""
@@ -226,6 +285,17 @@ class PipelineSpec:
     # serve --gpus N's server process sizes requests without holding the pipeline). None: they
     # get the pipeline.
     sizing: Callable[[Any], Any] | None = None
+    # The call argument that takes a second guidance scale (Wan 2.2 A14B's guidance_scale_2: the
+    # low-noise expert's), and a module-level function of the loaded pipeline giving None when this
+    # checkpoint takes it, else why not (one expert). None: the class takes none.
+    guidance_2_kwarg: str | None = None
+    guidance_2_rule: Callable[[Any], str | None] | None = None
+    # Image-to-video: the call argument that takes a last image (first-last-frame-to-video: the
+    # clip ends on it), and a module-level function of the loaded pipeline giving (LAST_IMAGE_*,
+    # why) for the checkpoint. One last image conditions the whole call, as the first does. None:
+    # the class takes none.
+    last_image_kwarg: str | None = None
+    last_image_rule: Callable[[Any], tuple[str, str]] | None = None
 
     @property
     def is_video(self) -> bool:
@@ -250,6 +320,34 @@ class PipelineSpec:
                     f"needs a pipeline that takes one ({with_image})")
         return None
 
+    def capabilities(self, pipe: Any) -> Capabilities:
+        """What the loaded ``pipe`` accepts of what this row leaves to the checkpoint."""
+        guidance_2, guidance_2_why = False, f"{self.label} ({self.name}) takes no guidance_scale_2"
+        if self.guidance_2_kwarg is not None:
+            why = self.guidance_2_rule(pipe) if self.guidance_2_rule is not None else None
+            guidance_2, guidance_2_why = why is None, why or ""
+        last, last_why = LAST_IMAGE_NONE, f"{self.label} ({self.name}) takes no last image"
+        if self.last_image_kwarg is not None:
+            last, last_why = self.last_image_rule(pipe) if self.last_image_rule is not None else (LAST_IMAGE_OPTIONAL, "")
+        return Capabilities(guidance_2=guidance_2, guidance_2_why=guidance_2_why, last_image=last,
+                            last_image_why=last_why)
+
+    def check_last_image(self, capabilities: "Capabilities | None", given: bool) -> str | None:
+        """Why a request with (``given``) or without a last image cannot run on a checkpoint of
+        these ``capabilities``, else None. ``capabilities`` None (a preset not loaded yet): only
+        what the row says is checked."""
+        if given and self.last_image_kwarg is None:
+            with_last = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.last_image_kwarg is not None)
+            return (f"{self.label} ({self.name}) takes no last image (first-last-frame-to-video needs "
+                    f"{with_last})")
+        if capabilities is None or self.last_image_kwarg is None:
+            return None
+        if given and capabilities.last_image == LAST_IMAGE_NONE:
+            return f"{self.label} ({self.name}) takes no last image here: {capabilities.last_image_why}"
+        if not given and capabilities.last_image == LAST_IMAGE_REQUIRED:
+            return f"{self.label} ({self.name}): {capabilities.last_image_why}"
+        return None
+
     @property
     def takes_true_cfg(self) -> bool:
         return self.negative == NEGATIVE_TRUE_CFG
@@ -268,9 +366,18 @@ class PipelineSpec:
             return float(pipe.guider.guidance_scale)
         return self.default_guidance
 
-    def check_request(self, fields: "set[str] | frozenset[str]") -> tuple[str, str] | None:
-        """``(field, why)`` when a request naming ``fields`` cannot run on this pipeline, else
-        None. Only the fields a caller set explicitly count: a default never makes a request fail."""
+    def check_request(self, fields: "set[str] | frozenset[str]",
+                      capabilities: "Capabilities | None" = None) -> tuple[str, str] | None:
+        """``(field, why)`` when a request naming ``fields`` cannot run on this pipeline (and, given
+        the loaded checkpoint's ``capabilities``, on that checkpoint), else None. Only the fields a
+        caller set explicitly count: a default never makes a request fail."""
+        if "guidance_scale_2" in fields:
+            if self.guidance_2_kwarg is None:
+                return "guidance_scale_2", (f"{self.label} ({self.name}) takes no guidance_scale_2 (one guidance "
+                                            "scale: guidance_scale)")
+            if capabilities is not None and not capabilities.guidance_2:
+                return "guidance_scale_2", (f"{self.label} ({self.name}) takes no guidance_scale_2 here: "
+                                            f"{capabilities.guidance_2_why}")
         if "guidance_scale" in fields and self.guidance is None:
             return "guidance_scale", (f"{self.label} ({self.name}) takes no guidance_scale: its classifier-free "
                                       "guidance is negative_prompt with true_cfg_scale above 1")
@@ -321,19 +428,25 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # (5 s), or 24 fps for Wan 2.2 TI2V-5B (_wan_fps). Sides in multiples of the VAE's factor
         # times the patch (16; 32 on TI2V-5B's 16x VAE). Wan 2.2 A14B's two experts are the
         # pipeline's own business (transformer / transformer_2 by step); guidance_scale goes to
-        # both (the call's guidance_scale_2 defaults to it), as diffusers' call without it.
+        # both unless a request names guidance_scale_2 (transformer_2's: the call's
+        # guidance_scale_2, which defaults to guidance_scale), taken only by two-expert checkpoints.
         PipelineSpec("WanPipeline", "Wan", kind="video", default_steps=50, default_guidance=5.0,
-                     default_size=(832, 480), size_multiple=_wan_multiple, fps=_wan_fps, default_frames=81),
+                     default_size=(832, 480), size_multiple=_wan_multiple, fps=_wan_fps, default_frames=81,
+                     guidance_2_kwarg="guidance_scale_2", guidance_2_rule=_wan_guidance_2),
         # Wan 2.1 / 2.2 image-to-video (WanImageToVideoPipeline): every default from diffusers
         # 0.42.1's __call__ signature (50 steps, guidance 5.0 with CFG above 1, 832x480, 81 frames
         # at Wan's 16 fps). A request's image is resized to the clip's size (video_processor); a
         # request naming no size gets the image's aspect ratio at the default's area (diffusers'
         # I2V example does the same). Wan 2.1 I2V encodes the image with CLIP as well (one image
         # per call: image_embeds.repeat(batch_size)); Wan 2.2 A14B / TI2V-5B use only its latents
-        # (the same ones for every video of a call). Frame rate and sides as WanPipeline's.
+        # (the same ones for every video of a call). Frame rate and sides as WanPipeline's, and its
+        # guidance_scale_2 (I2V-A14B). A last image (last_image: the clip ends on it, resized to the
+        # clip's size by the same video_processor as the first) where the checkpoint takes one
+        # (_wan_last_image: optional on I2V-A14B, required on Wan2.1-FLF2V-14B, refused elsewhere).
         PipelineSpec("WanImageToVideoPipeline", "Wan image-to-video", kind="video", default_steps=50,
                      default_guidance=5.0, default_size=(832, 480), size_multiple=_wan_multiple, fps=_wan_fps,
-                     default_frames=81, image_kwarg="image"),
+                     default_frames=81, image_kwarg="image", guidance_2_kwarg="guidance_scale_2",
+                     guidance_2_rule=_wan_guidance_2, last_image_kwarg="last_image", last_image_rule=_wan_last_image),
         # HunyuanVideo 1.5 text-to-video: its guidance scale lives on the guider component; 24 fps,
         # 121 frames (5 s) by default.
         PipelineSpec("HunyuanVideo15Pipeline", "HunyuanVideo 1.5", kind="video", guidance=GUIDANCE_GUIDER,
@@ -416,10 +529,12 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # whole call (check_inputs takes one PIL image or tensor; its CLIP tokens are repeated
         # over the batch, image_embeds.repeat(batch_size), and its latents too), so only requests
         # on the same image share one. A request naming no size gets the image's aspect ratio at
-        # the default's area, as for Wan. The call's last_image (first-last-frame) is not taken.
+        # the default's area, as for Wan. The call's last_image (first-last-frame) as Wan 2.1's: only a
+        # transformer with a position embedding for two images' CLIP tokens takes it (_wan_last_image).
         PipelineSpec("SkyReelsV2ImageToVideoPipeline", "SkyReels-V2 image-to-video", kind="video",
                      default_steps=50, default_guidance=5.0, default_size=(960, 544),
-                     size_multiple=_skyreels_v2_multiple, fps=24, default_frames=97, image_kwarg="image"),
+                     size_multiple=_skyreels_v2_multiple, fps=24, default_frames=97, image_kwarg="image",
+                     last_image_kwarg="last_image", last_image_rule=_wan_last_image),
     )
 }
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .pipelines import PipelineSpec, spec_for, unknown_pipeline_note
+from .pipelines import Capabilities, PipelineSpec, spec_for, unknown_pipeline_note
 
 log = logging.getLogger("ditfuse.runtime")
 
@@ -266,6 +266,20 @@ PRESET_TABLE.update({p.name: p for p in (
     _tiny_wan22_preset("tiny-wan22-a14b-i2v", "build_tiny_wan22_a14b_i2v", "WanImageToVideoPipeline",
                        "Wan 2.2 I2V-A14B two-expert image-to-video", 16, 16),
 )})
+# First-last-frame-to-video: tiny-wan-i2v's and tiny-skyreels-v2-i2v's pipelines and weights whose
+# transformers also have the image position embedding of two images' CLIP tokens
+# (Wan2.1-FLF2V-14B-720P's layout): every request brings a first and a last image (the call
+# encodes both with CLIP; an I2V transformer without that embedding cannot take a last image).
+PRESET_TABLE.update({p.name: p for p in (
+    replace(PRESET_TABLE["tiny-wan-i2v"], name="tiny-wan-flf2v",
+            builder="ditfuse.models.wan_configs:build_tiny_wan_flf2v",
+            note="tiny-wan-flf2v has random weights: its videos are noise (it exercises the Wan first-last-frame "
+                 "image-to-video pipeline, not video quality)"),
+    replace(PRESET_TABLE["tiny-skyreels-v2-i2v"], name="tiny-skyreels-v2-flf2v",
+            builder="ditfuse.models.wan_variants_configs:build_tiny_flf2v_pipeline",
+            note="tiny-skyreels-v2-flf2v has random weights: its videos are noise (it exercises the SkyReels-V2 "
+                 "first-last-frame image-to-video pipeline, not video quality)"),
+)})
 PRESETS = tuple(PRESET_TABLE)
 # (default size, size multiple) per preset, known without loading it.
 PRESET_GEOMETRY = {name: (p.default_size, p.size_multiple) for name, p in PRESET_TABLE.items()}
@@ -298,6 +312,9 @@ class LoadedModel:
     # the spec's size functions read of it (spec.sizing(pipe)), kept where the pipeline is not (the
     # server process of serve --gpus N); None: they read ``pipe``.
     sizing: Any = None
+    # What this checkpoint accepts where the row leaves it to the checkpoint (a second guidance
+    # scale, a last image): spec.capabilities(pipe), kept where the pipeline is not (serve --gpus N).
+    capabilities: Capabilities = field(default_factory=Capabilities)
 
     @property
     def is_video(self) -> bool:
@@ -584,6 +601,7 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
             default_guidance=p.default_guidance if p.default_guidance is not None else spec.guidance_for(pipe),
             spec=spec,
             sizing=spec.sizing(pipe) if spec.sizing is not None else None,
+            capabilities=spec.capabilities(pipe),
         )
     path = Path(model).expanduser()
     if not path.is_dir():
@@ -618,6 +636,7 @@ def _load_model(model: str, device: str | None, dtype: str | Any | None) -> Load
         default_guidance=spec.guidance_for(pipe),
         spec=spec,
         sizing=spec.sizing(pipe) if spec.sizing is not None else None,
+        capabilities=spec.capabilities(pipe),
     )
     if spec.is_video:
         loaded.fps = spec.fps_for(pipe)

@@ -3,7 +3,8 @@
 Routes
     POST /v1/images/generations   OpenAI request schema (model, prompt, n, size, response_format,
                                   quality) plus seed, num_inference_steps, guidance_scale,
-                                  negative_prompt, true_cfg_scale, output_format.
+                                  guidance_scale_2 (Wan 2.2 A14B), negative_prompt,
+                                  true_cfg_scale, output_format.
     POST /v1/images/edits         image-editing models (FluxKontextPipeline): the same fields plus
                                   the image to edit (multipart ``image``, as the openai client's
                                   ``images.edit`` sends it, or JSON ``{"image_url": data URL}``).
@@ -82,7 +83,8 @@ EDITS_PATH = "/v1/images/edits"
 # and ignored, as it only tags the end user for OpenAI's abuse monitoring), then ditfuse's
 # documented extensions. Anything else is a 400 naming the field.
 OPENAI_FIELDS = ("model", "prompt", "n", "size", "quality", "response_format", "output_format", "user")
-EXTENSION_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale", "width", "height")
+EXTENSION_FIELDS = ("seed", "num_inference_steps", "guidance_scale", "guidance_scale_2", "negative_prompt",
+                    "true_cfg_scale", "width", "height")
 REQUEST_FIELDS = frozenset(OPENAI_FIELDS + EXTENSION_FIELDS)
 # OpenAI image parameters that ditfuse does not implement: named as such in the 400's message.
 UNSUPPORTED_OPENAI_FIELDS = frozenset(
@@ -90,7 +92,7 @@ UNSUPPORTED_OPENAI_FIELDS = frozenset(
 )
 # Fields of a multipart POST /v1/images/edits that are numbers (form values arrive as text).
 _INT_FIELDS = ("n", "seed", "num_inference_steps", "width", "height")
-_FLOAT_FIELDS = ("guidance_scale", "true_cfg_scale")
+_FLOAT_FIELDS = ("guidance_scale", "guidance_scale_2", "true_cfg_scale")
 # The key in the ASGI scope under which the layers of one request leave what the access log and
 # the request counter need (error code, quality, batch sizes); a dict shared by reference.
 SCOPE_KEY = "ditfuse.request"
@@ -103,11 +105,16 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 def default_max_body_bytes(engine: Any) -> int:
     """The body limit a server gets when it names none: 1 MiB, plus room for one input image
-    (runtime/inputs.MAX_INPUT_BYTES, base64 included) on an image-to-video model."""
+    (runtime/inputs.MAX_INPUT_BYTES, base64 included) on an image-to-video model, and for a second
+    one where the checkpoint takes a last image."""
     from .inputs import MAX_INPUT_BYTES
+    from .pipelines import LAST_IMAGE_NONE
 
-    takes_image = engine.loaded.spec.takes_image
-    return DEFAULT_MAX_BODY_BYTES + (MAX_INPUT_BYTES * 4 // 3 if takes_image else 0)
+    images = int(engine.loaded.spec.takes_image)
+    capabilities = getattr(engine.loaded, "capabilities", None)
+    if images and capabilities is not None and capabilities.last_image != LAST_IMAGE_NONE:
+        images += 1
+    return DEFAULT_MAX_BODY_BYTES + images * (MAX_INPUT_BYTES * 4 // 3)
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -194,7 +201,8 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
     quality = parse_quality(body.get("quality"), engine.default_quality)
     loaded = engine.loaded
     spec = loaded.spec
-    refused = spec.check_request({k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if body.get(k) is not None})
+    refused = spec.check_request({k for k in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "negative_prompt")
+                                  if body.get(k) is not None}, getattr(loaded, "capabilities", None))
     if refused:
         raise ParamError(*refused)
     if image is None and spec.check_image(False) is not None:
@@ -211,7 +219,7 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
         kwargs["num_inference_steps"] = loaded.default_steps
     if loaded.default_guidance is not None:
         kwargs["guidance_scale"] = loaded.default_guidance
-    for key in ("num_inference_steps", "guidance_scale", "true_cfg_scale"):
+    for key in ("num_inference_steps", "guidance_scale", "guidance_scale_2", "true_cfg_scale"):
         if body.get(key) is not None:
             kwargs[key] = body[key]
     n = body.get("n")
@@ -936,6 +944,12 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
                if spec.is_video else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
         if spec.size_from_image is not None:
             how += ", whose aspect sets the output size (a named size must be one the pipeline makes)"
+        from .pipelines import LAST_IMAGE_NONE, LAST_IMAGE_REQUIRED
+
+        last = getattr(engine.loaded, "capabilities", None)
+        if last is not None and last.last_image != LAST_IMAGE_NONE:
+            how += (", and last_input_reference (the last frame)" if last.last_image == LAST_IMAGE_REQUIRED
+                    else "; last_input_reference (the last frame) is optional")
         print(f"input images: {how} (up to {MAX_INPUT_BYTES >> 20} MiB, 4096x4096 px); "
               f"request bodies up to {limit} bytes")
     print(f"serving on http://{args.host}:{args.port}  ({routes})", flush=True)

@@ -12,9 +12,12 @@ delete / download_content / create_and_poll``)
 
 Request fields: ``prompt`` (required), ``model``, ``size`` ("WxH"), ``seconds``,
 ``input_reference``, plus ditfuse's ``quality``, ``seed``, ``num_frames``, ``steps`` (alias
-``num_inference_steps``), ``guidance_scale``, ``negative_prompt``, ``true_cfg_scale``
+``num_inference_steps``), ``guidance_scale``, ``guidance_scale_2`` (Wan 2.2 A14B's low-noise
+expert; a 400 on any checkpoint without two experts), ``negative_prompt``, ``true_cfg_scale``
 (HunyuanVideo: its negative prompt runs true CFG only with ``true_cfg_scale`` > 1; a 400 for a
-pipeline without it). Anything else is a 400 naming the field.
+pipeline without it), ``last_input_reference`` (first-last-frame-to-video: the image the clip ends
+on, sent as ``input_reference`` is; a 400 where the checkpoint takes none). Anything else is a 400
+naming the field.
 
 Image-to-video (a pipeline whose row has ``image_kwarg``: WanImageToVideoPipeline,
 LTXImageToVideoPipeline, HunyuanVideo15ImageToVideoPipeline, SkyReelsV2ImageToVideoPipeline;
@@ -24,7 +27,8 @@ presets ``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-i2v``, ``tiny-
     ``{"image_url": "data:image/png;base64,..."}`` (the server fetches no URLs; ``file_id`` needs a
     files API it does not have). The image is decoded (runtime/inputs.py), kept as
     ``<data dir>/inputs/<job id>.png`` until the job is deleted, and fingerprinted (SHA-256 of
-    its pixels, the job's ``image_sha256``). Wan (and SkyReels-V2, HunyuanVideo 1.5) conditions
+    its pixels, the job's ``image_sha256``); a ``last_input_reference`` likewise, as
+    ``<job id>-last.png`` (``last_image_sha256``). Wan (and SkyReels-V2, HunyuanVideo 1.5) conditions
     a whole call on one image, so its jobs share a batch only with the same image; LTX-Video takes one image per prompt, so its jobs
     batch whatever their images. A job that names no ``size`` gets the image's aspect ratio at
     the model's default area; on a pipeline that derives its size from the image
@@ -92,8 +96,13 @@ logger = logging.getLogger("ditfuse.videos")
 
 ALLOWED_FIELDS = (
     "prompt", "model", "size", "seconds", "input_reference", "quality", "seed", "num_frames", "steps",
-    "num_inference_steps", "guidance_scale", "negative_prompt", "true_cfg_scale",
+    "num_inference_steps", "guidance_scale", "guidance_scale_2", "negative_prompt", "true_cfg_scale",
+    "last_input_reference",
 )
+# The request fields that carry an image (an upload, or {"image_url": data URL}).
+IMAGE_FIELDS = ("input_reference", "last_input_reference")
+# A job's last image is kept as <job id>-last.png beside its first (<job id>.png).
+LAST_SUFFIX = "-last"
 POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
@@ -126,34 +135,35 @@ def _float_field(name: str, value: Any) -> Any:
     return value
 
 
-def input_image(value: Any) -> Any:
-    """``input_reference`` as the RGB image it carries: uploaded bytes (read_fields), or a
-    ``{"image_url": data URL}`` object (a JSON body, or the ``input_reference[image_url]`` form
-    field). ParamError for anything else."""
+def input_image(value: Any, param: str = "input_reference") -> Any:
+    """An image field (``input_reference``, ``last_input_reference``: ``param``) as the RGB image
+    it carries: uploaded bytes (read_fields), or a ``{"image_url": data URL}`` object (a JSON body,
+    or the ``<param>[image_url]`` form field). ParamError on ``param`` for anything else."""
     from .inputs import data_url_bytes, decode_image
 
     if isinstance(value, (bytes, bytearray)):
-        return decode_image(bytes(value))
+        return decode_image(bytes(value), param)
     if isinstance(value, str):  # a plain data URL, for hand-written JSON
-        return decode_image(data_url_bytes(value))
+        return decode_image(data_url_bytes(value, param), param)
     if isinstance(value, dict):
         if value.get("file_id") is not None:
-            raise ParamError("input_reference", "input_reference.file_id is not supported (this server has no files "
-                                                "API): upload the image, or send image_url as a base64 data URL")
+            raise ParamError(param, f"{param}.file_id is not supported (this server has no files "
+                                    "API): upload the image, or send image_url as a base64 data URL")
         unknown = set(value) - {"image_url", "file_id"}
         if unknown or "image_url" not in value:
-            raise ParamError("input_reference", "input_reference must be an uploaded image file or an object "
-                                                "{\"image_url\": \"data:image/png;base64,...\"}")
-        return decode_image(data_url_bytes(value["image_url"]))
-    raise ParamError("input_reference", f"input_reference must be an uploaded image file or an object with "
-                                        f"image_url, got {type(value).__name__}")
+            raise ParamError(param, f"{param} must be an uploaded image file or an object "
+                                    "{\"image_url\": \"data:image/png;base64,...\"}")
+        return decode_image(data_url_bytes(value["image_url"], param), param)
+    raise ParamError(param, f"{param} must be an uploaded image file or an object with "
+                            f"image_url, got {type(value).__name__}")
 
 
 def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[SamplingParams, str]:
     """Validate a create body into SamplingParams (``num_frames`` set) and the ``seconds`` string
     the job reports. Raises ParamError (400) / APIError. With ``input_reference`` the params hold
     the image's fingerprint, and the decoded image in ``extra["input_image"]`` for the caller to
-    store (``image`` is set once it has a path: :meth:`VideoJobs.create`)."""
+    store (``image`` is set once it has a path: :meth:`VideoJobs.create`); with
+    ``last_input_reference`` the last image's, in ``extra["last_image"]`` (``last_image``)."""
     for key in fields:
         if key not in ALLOWED_FIELDS:
             raise ParamError(key, f"unknown field {key!r}; allowed fields: {', '.join(ALLOWED_FIELDS)}")
@@ -161,16 +171,23 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
     model = fields.get("model")
     if model is not None and model not in (engine.model_name, "ditfuse"):
         raise APIError(404, f"model {model!r} is not served here; this server runs {engine.model_name!r}", "model", "model_not_found")
+    capabilities = getattr(loaded, "capabilities", None)
     refused = loaded.spec.check_request(
-        {k for k in ("guidance_scale", "true_cfg_scale", "negative_prompt") if fields.get(k) is not None})
+        {k for k in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "negative_prompt")
+         if fields.get(k) is not None}, capabilities)
     if refused:
         raise ParamError(*refused)
+    how = ": an uploaded image file, or {\"image_url\": \"data:image/png;base64,...\"})"
     given = fields.get("input_reference") is not None
     why = loaded.spec.check_image(given)
     if why is not None:
-        how = " (input_reference: an uploaded image file, or {\"image_url\": \"data:image/png;base64,...\"})"
-        raise ParamError("input_reference", why if given else why + how)
+        raise ParamError("input_reference", why if given else f"{why} (input_reference{how}")
+    given_last = fields.get("last_input_reference") is not None
+    why = loaded.spec.check_last_image(capabilities, given_last)
+    if why is not None:
+        raise ParamError("last_input_reference", why if given_last else f"{why} (last_input_reference{how}")
     image = None if fields.get("input_reference") is None else input_image(fields["input_reference"])
+    last = None if not given_last else input_image(fields["last_input_reference"], "last_input_reference")
     if fields.get("steps") is not None and fields.get("num_inference_steps") is not None:
         raise ParamError("steps", "give steps or num_inference_steps, not both")
     steps = fields.get("steps", fields.get("num_inference_steps"))
@@ -200,6 +217,12 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
         kwargs["num_inference_steps"] = steps
     if guidance is not None:
         kwargs["guidance_scale"] = guidance
+    if fields.get("guidance_scale_2") is not None:
+        kwargs["guidance_scale_2"] = _float_field("guidance_scale_2", fields["guidance_scale_2"])
+    if last is not None and frames < 2:
+        # the call puts the last image after num_frames - 2 empty frames
+        raise ParamError("num_frames", f"a clip with a last image has at least 2 frames ({loaded.frame_multiple}k+1: "
+                                       f"{loaded.frame_multiple + 1} or more), got {frames}")
     size = fields.get("size")
     default_size = loaded.default_size
     if image is not None:
@@ -221,6 +244,10 @@ def parse_video_request(fields: dict[str, Any], engine: Engine) -> tuple[Samplin
 
         fit_image_to_size(loaded, image, params.width, params.height)  # a size it cannot make: 400
         params = params.with_(image_sha256=pixel_sha256(image), extra={"input_image": image})
+    if last is not None:
+        from .inputs import pixel_sha256
+
+        params = params.with_(last_image_sha256=pixel_sha256(last), extra={**params.extra, "last_image": last})
     return params, seconds_for_frames(frames, loaded.fps)
 
 
@@ -235,19 +262,20 @@ async def read_fields(request: Request) -> dict[str, Any]:
             raise APIError(400, f"request body is not a valid form: {e}", code="invalid_form") from None
         fields: dict[str, Any] = {}
         for key, value in form.multi_items():
-            if key in ("input_reference[image_url]", "input_reference[file_id]"):
+            field_name, bracket, sub = key.partition("[")
+            if field_name in IMAGE_FIELDS and bracket and sub in ("image_url]", "file_id]"):
                 # the openai client's form encoding of an {"image_url": ...} / {"file_id": ...} object
-                ref = fields.setdefault("input_reference", {})
-                sub = key[len("input_reference["):-1]
+                ref = fields.setdefault(field_name, {})
+                sub = sub[:-1]
                 if not isinstance(ref, dict) or sub in ref:
-                    raise ParamError("input_reference", "input_reference is given more than once")
+                    raise ParamError(field_name, f"{field_name} is given more than once")
                 ref[sub] = value
                 continue
             if key in fields:
                 raise ParamError(key, f"field {key!r} is given more than once")
             if not isinstance(value, str):  # an uploaded file
                 try:
-                    if key != "input_reference":
+                    if key not in IMAGE_FIELDS:
                         raise ParamError(key, f"{key} must be a text field, not a file")
                     fields[key] = await value.read()
                 finally:
@@ -311,7 +339,8 @@ class VideoJobs:
 
     @property
     def inputs_dir(self) -> Path:
-        """Input images of image-to-video jobs, ``<job id>.png``, kept until the job is deleted."""
+        """Input images of image-to-video jobs, ``<job id>.png`` (and a last image's
+        ``<job id>-last.png``), kept until the job is deleted."""
         return self.data_dir / "inputs"
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -398,7 +427,7 @@ class VideoJobs:
         if self.inputs_dir.is_dir():  # an input image whose job row is gone (or a half-written one)
             rows = self.store.ids()
             for f in self.inputs_dir.iterdir():
-                if f.name.startswith(".") or f.stem not in rows:
+                if f.name.startswith(".") or f.stem.removesuffix(LAST_SUFFIX) not in rows:
                     f.unlink(missing_ok=True)
 
     def _expires(self, finished_at: int) -> int | None:
@@ -429,7 +458,8 @@ class VideoJobs:
         for suffix in (".mp4", ".webp"):
             (self.files_dir / f"{job_id}{suffix}").unlink(missing_ok=True)
         if not outputs_only:
-            (self.inputs_dir / f"{job_id}.png").unlink(missing_ok=True)
+            for suffix in ("", LAST_SUFFIX):
+                (self.inputs_dir / f"{job_id}{suffix}.png").unlink(missing_ok=True)
 
     # -- jobs --------------------------------------------------------------------------------
 
@@ -443,13 +473,21 @@ class VideoJobs:
             raise EngineClosed("server is shutting down")
         params, seconds = await asyncio.to_thread(parse_video_request, fields, self.engine)
         job_id = f"video_{uuid.uuid4().hex}"
-        image = params.extra.get("input_image")
-        if image is not None:
-            from .inputs import save_png
+        stored: dict[str, str] = {}
+        for key, param, suffix in (("input_image", "image", ""), ("last_image", "last_image", LAST_SUFFIX)):
+            image = params.extra.get(key)
+            if image is not None:
+                from .inputs import save_png
 
-            path = self.inputs_dir / f"{job_id}.png"
-            await asyncio.to_thread(save_png, image, path)
-            params = params.with_(image=str(path), extra={})
+                path = self.inputs_dir / f"{job_id}{suffix}.png"
+                try:
+                    await asyncio.to_thread(save_png, image, path)
+                except BaseException:
+                    self._unlink_files(job_id)  # the first image, when the last one failed
+                    raise
+                stored[param] = str(path)
+        if params.extra:
+            params = params.with_(**stored, extra={})
         if self._closing or self.store is None:  # shutdown began while the image was written
             from .engine import EngineClosed
 
@@ -597,8 +635,10 @@ class VideoJobs:
             "num_frames": p["num_frames"],
             "num_inference_steps": p["num_inference_steps"],
             "guidance_scale": p["guidance_scale"],
+            "guidance_scale_2": p.get("guidance_scale_2"),
             "fps": self.engine.loaded.fps,
             "image_sha256": p.get("image_sha256"),
+            "last_image_sha256": p.get("last_image_sha256"),
         }
 
     def content_path(self, job_id: str, variant: str | None) -> tuple[Path, str]:
