@@ -12,11 +12,12 @@ warpgroups) or uses another instruction shape. This probe measures it instead of
 
 Per shape (FLUX.1-dev, 1024x1024, B=1; M = tokens, K -> N the projection):
 - the cuBLAS kernel ``F.linear`` picks (torch.profiler);
-- per Triton config: mismatches against ``F.linear(x, w, b)`` (count, max |ulp|), CUDA-graph ms,
-  TFLOP/s, and against cuBLAS's ms;
+- per Triton config (plain: the production kernel of kernels/linear/linear_gelu_triton.py at that
+  tile; tma: a persistent TMA-fed variant with the same K chain): mismatches against
+  ``F.linear(x, w, b)`` (count, max |ulp|), CUDA-graph ms, TFLOP/s, and cuBLAS's ms over it;
 - for the 3072 -> 12288 projections: the fused GEMM + tanh-GELU epilogue against eager's
-  ``F.gelu(F.linear(x, w, b), approximate="tanh")`` (mismatches, ms) and against cuBLAS + our
-  bit-exact GELU kernel.
+  ``F.gelu(F.linear(x, w, b), approximate="tanh")``: mismatches, and eager's two kernels' ms over
+  the fused one's.
 
     PYTHONPATH=. python bench/probes/probe_gemm_exact.py [--out DIR] [--quick]
 """
@@ -34,7 +35,8 @@ import triton.language as tl
 
 from bench.probes.common import write_csv
 from ditfuse.kernels.activation.gelu_tanh_triton import TANH_PTX, _gelu_f32
-from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
+from ditfuse.kernels.common.rounding import round_to, rround
+from ditfuse.kernels.linear import linear_gelu_triton as lg
 
 # (name, M, K, N, gelu epilogue candidate)
 SHAPES = [
@@ -60,47 +62,6 @@ CONFIGS = [
     (128, 128, 64, 8, 4, 8),
     (256, 128, 64, 8, 3, 8),
 ]
-
-
-@triton.jit
-def _linear_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr,
-    M, N, K: tl.constexpr,
-    sxm, sxk, swn, swk, som, son,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    GELU: tl.constexpr, DTYPE: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_n
-    gid = pid // group
-    first_m = gid * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % gsize
-    pid_n = (pid % group) // gsize
-    rm = pid_m * BM + tl.arange(0, BM)
-    rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
-    a_ptrs = x_ptr + rm[:, None] * sxm + rk[None, :] * sxk
-    b_ptrs = w_ptr + rn[None, :] * swn + rk[:, None] * swk  # W is [N, K]: B = W^T, K-major
-    acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k in range(0, K, BK):
-        kmask = rk + k < K
-        a = tl.load(a_ptrs, mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=(rn[None, :] < N) & kmask[:, None], other=0.0)
-        if INTERPRET:  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6)
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        a_ptrs += BK * sxk
-        b_ptrs += BK * swk
-    bias = tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
-    y = acc + bias[None, :]
-    if GELU:
-        # eager: the GEMM's store rounds, then GELU reads that bf16 value in fp32
-        y = _gelu_f32(rround(y, DTYPE), True, TANH_PTX)
-    mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * som + rn[None, :] * son, round_to(y, DTYPE), mask=mask)
 
 
 @triton.jit
@@ -159,16 +120,8 @@ def triton_linear_tma(x, w, b, out, cfg, gelu=False):
 
 
 def triton_linear(x, w, b, out, cfg, gelu=False):
-    BM, BN, BK, GM, stages, warps = cfg
-    M, K = x.shape
-    N = w.shape[0]
-    grid = (triton.cdiv(M, BM) * triton.cdiv(N, BN),)
-    _linear_kernel[grid](
-        x, w, b, out, M, N, K,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
-        BM=BM, BN=BN, BK=BK, GROUP_M=GM, GELU=gelu, DTYPE=tl.bfloat16,
-        num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
-    )
+    """The production kernel (kernels/linear/linear_gelu_triton.py) at tile ``cfg``."""
+    lg._launch(x, w, b, out, gelu=gelu, tile=cfg)
     return out
 
 

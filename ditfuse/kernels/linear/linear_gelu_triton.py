@@ -50,6 +50,7 @@ def _linear_gelu_kernel(
     sxm, swn, som,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    GELU: tl.constexpr,
     EXACT: tl.constexpr,
     DTYPE: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -84,12 +85,13 @@ def _linear_gelu_kernel(
         b_ptrs += BK
     if HAS_BIAS:
         acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if EXACT:
-        # the GEMM's store rounds; the GELU reads that value back in fp32
-        acc = rround(acc, DTYPE)
-    y = _gelu_f32(acc, True, TANH_PTX)
+    if GELU:
+        if EXACT:
+            # the GEMM's store rounds; the GELU reads that value back in fp32
+            acc = rround(acc, DTYPE)
+        acc = _gelu_f32(acc, True, TANH_PTX)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
-    tl.store(out_ptr + rm[:, None] * som + rn[None, :], round_to(y, DTYPE), mask=mask)
+    tl.store(out_ptr + rm[:, None] * som + rn[None, :], round_to(acc, DTYPE), mask=mask)
 
 
 def _rows(t: torch.Tensor) -> int | None:
@@ -162,21 +164,25 @@ def can_use_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            exact: bool = True) -> None:
+            *, gelu: bool = True, exact: bool = True, tile: tuple[int, ...] | None = None) -> None:
+    """Launch (no checks). ``gelu=False`` stores ``r16(acc + bias)`` alone (F.linear's bits: the
+    probe's accumulator check); ``tile`` = (BM, BN, BK, GROUP_M, stages, warps) for the probe's
+    sweep, None for the production tile."""
     K = x.shape[-1]
     N = weight.shape[0]
     M = x.numel() // K
     som = _rows(out)
-    bm, bn, bk = _INTERPRET_TILE if INTERPRET else (_BM, _BN, _BK)
+    bm, bn, bk, group_m, stages, warps = tile or (*(_INTERPRET_TILE if INTERPRET else (_BM, _BN, _BK)),
+                                                  _GROUP_M, _STAGES, _WARPS)
     i64 = max(M * K, M * som, N * K) >= 2 ** 31
     grid = (cdiv(M, bm) * cdiv(N, bn),)
     launch(_linear_gelu_kernel, grid,
            x, weight, weight if bias is None else bias, out,
            M, N,
            K, weight.stride(0), som,
-           K=K, HAS_BIAS=bias is not None, EXACT=exact, DTYPE=tl.bfloat16,
-           BM=bm, BN=bn, BK=bk, GROUP_M=_GROUP_M, I64=i64,
-           num_stages=_STAGES, num_warps=_WARPS, enable_fp_fusion=False, enable_reflect_ftz=False)
+           K=K, HAS_BIAS=bias is not None, GELU=gelu, EXACT=exact, DTYPE=tl.bfloat16,
+           BM=bm, BN=bn, BK=bk, GROUP_M=group_m, I64=i64,
+           num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False)
 
 
 @torch.library.custom_op("ditfuse::linear_gelu_tanh", mutates_args=("out",))
