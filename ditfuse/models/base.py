@@ -219,6 +219,21 @@ def gelu_projection(module: object) -> torch.nn.Linear | None:
     return module.proj
 
 
+def feed_forward(ff, x: torch.Tensor, _ops: OpSet) -> torch.Tensor:
+    """diffusers' FeedForward on ``x``; with ``DITFUSE_GEMM_GELU=1`` and a plain tanh-GELU first
+    layer, that layer is one GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``) and
+    the rest of ``ff.net`` (dropout, output projection) runs as diffusers' modules."""
+    from diffusers.models.attention import FeedForward
+
+    proj = gelu_projection(ff.net[0]) if plain_module(ff, FeedForward) else None
+    if proj is None:
+        return ff(x)
+    x = _ops.linear_gelu_tanh(x, proj.weight, proj.bias)
+    for module in ff.net[1:]:
+        x = module(x)
+    return x
+
+
 def linear_cat_applies(x_a: torch.Tensor, x_b: torch.Tensor, n: int) -> bool:
     """A site's pre-check before calling ``layout.linear_cat`` (so the op only sees inputs it
     takes): the switch is on, and the op's own shape rule (batch 1, aligned rows) holds."""
@@ -709,7 +724,7 @@ def capture_admission_batches(
 
 __all__ = [
     "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
-    "capture_admission_batches", "gelu_projection", "gemm_gelu_enabled", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
+    "capture_admission_batches", "feed_forward", "gelu_projection", "gemm_gelu_enabled", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
     "linear_cat_applies",
     "site_hooks", "TIERS",
 ]

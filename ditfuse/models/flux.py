@@ -25,7 +25,7 @@ from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import (ada_zero, ada_zero_opening, dual_block_applies, norm_out_forward,  # noqa: F401 (re-exported)
                     norm_out_site, single_block_applies)
-from .base import Adapter, Site, gelu_projection, gemm_gelu_enabled, linear_cat_applies, plain_linear, plain_module
+from .base import Adapter, Site, feed_forward, gemm_gelu_enabled, linear_cat_applies, plain_linear, plain_module
 from .handoff import NO_LINK, Link, Opening, close_block
 from .pos_cache import embedder_site, transformer_scope
 
@@ -40,21 +40,6 @@ def single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSe
     if attn_output.dim() == 4:
         attn_output = attn_output.flatten(2, 3)
     return _ops.gelu_tanh_cat(attn_output, mlp)
-
-
-def feed_forward(ff, x: torch.Tensor, _ops: OpSet) -> torch.Tensor:
-    """diffusers' FeedForward on ``x``; with ``DITFUSE_GEMM_GELU=1`` and a plain tanh-GELU first
-    layer, that layer is one GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``) and
-    the rest of ``ff.net`` (dropout, output projection) runs as diffusers' modules."""
-    from diffusers.models.attention import FeedForward
-
-    proj = gelu_projection(ff.net[0]) if plain_module(ff, FeedForward) else None
-    if proj is None:
-        return ff(x)
-    x = _ops.linear_gelu_tanh(x, proj.weight, proj.bias)
-    for module in ff.net[1:]:
-        x = module(x)
-    return x
 
 
 def _single_mlp_gemm_gelu(block) -> torch.nn.Linear | None:
