@@ -38,6 +38,8 @@ from ditfuse.kernels.activation.gelu_tanh_triton import TANH_PTX, _gelu_f32
 from ditfuse.kernels.common.rounding import round_to, rround
 from ditfuse.kernels.linear import linear_gelu_triton as lg
 
+_TANH: tl.constexpr = tl.constexpr(TANH_PTX)  # a jitted function reads only constexpr globals
+
 # (name, M, K, N, gelu epilogue candidate)
 SHAPES = [
     ("dual img qkv/out", 4096, 3072, 3072, False),
@@ -91,7 +93,7 @@ def _linear_tma_kernel(
         bias = tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)
         y = acc + bias[None, :]
         if GELU:
-            y = _gelu_f32(rround(y, DTYPE), True, TANH_PTX)
+            y = _gelu_f32(rround(y, DTYPE), True, _TANH)
         c_desc.store([pid_m * BM, pid_n * BN], round_to(y, DTYPE))
 
 

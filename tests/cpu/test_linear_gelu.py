@@ -213,3 +213,29 @@ def test_flux_kernel_through_the_gate_is_bitwise_diffusers(monkeypatch):
     assert_bitwise_equal(got, want, name="flux with the GEMM-GELU behind the gate")
     seen = gate.report().calls.get("linear.linear_gelu_tanh", {})
     assert sum(seen.values()) >= 5, seen
+
+
+# -- the sm_90 code (compiled on the CPU) -----------------------------------------------------------
+
+
+def test_sm90_code_is_a_wgmma_chain_without_spills():
+    """The kernel compiles for the GPU at its production tile (the interpreter runs code the GPU
+    compiler rejects), its K loop lowers to ``wgmma ... k16`` MMAs with an fp32 accumulator (the
+    chain its equality with cuBLAS rests on), and nothing spills."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tests.support.linear_gelu_codegen"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    facts = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(facts) == 4, out.stdout
+    for f in facts:
+        assert f["mma"] and all(m.startswith("m64n") and m.endswith("k16.f32.bf16.bf16") for m in f["mma"]), f
+        assert f["wgmma"] > 0 and f["local_bytes"] == 0, f
+    with_gelu = [f for f in facts if f["gelu"]]
+    assert all(f["fma_rn"] > 0 for f in with_gelu), "the GELU's explicit fma (kKappa * x^3 + x) is missing"

@@ -41,6 +41,7 @@ from ..errors import UnsupportedInput
 # pipeline stages, warps. bench/probes/probe_gemm_exact.py sweeps the candidates.
 _BM, _BN, _BK, _GROUP_M, _STAGES, _WARPS = 128, 256, 64, 8, 3, 8
 _INTERPRET_TILE = (32, 32, 32)  # the interpreter runs each program in Python: few, small tiles
+_TANH: tl.constexpr = tl.constexpr(TANH_PTX)  # a jitted function reads only constexpr globals
 
 
 @triton.jit
@@ -89,7 +90,7 @@ def _linear_gelu_kernel(
         if EXACT:
             # the GEMM's store rounds; the GELU reads that value back in fp32
             acc = rround(acc, DTYPE)
-        acc = _gelu_f32(acc, True, TANH_PTX)
+        acc = _gelu_f32(acc, True, _TANH)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None] * som + rn[None, :], round_to(acc, DTYPE), mask=mask)
 
