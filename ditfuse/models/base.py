@@ -223,6 +223,8 @@ def feed_forward(ff, x: torch.Tensor, _ops: OpSet) -> torch.Tensor:
     """diffusers' FeedForward on ``x``; with ``DITFUSE_GEMM_GELU=1`` and a plain tanh-GELU first
     layer, that layer is one GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``) and
     the rest of ``ff.net`` (dropout, output projection) runs as diffusers' modules."""
+    if not gemm_gelu_enabled():  # first: the default path pays one environment lookup
+        return ff(x)
     from diffusers.models.attention import FeedForward
 
     proj = gelu_projection(ff.net[0]) if plain_module(ff, FeedForward) else None

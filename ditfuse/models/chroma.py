@@ -41,7 +41,7 @@ from ..kernels.activation import GELU_TANH_CAT
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from .adaln import dual_block_applies, plain_layernorm, single_block_applies
-from .base import Adapter, Site
+from .base import Adapter, Site, feed_forward
 from .flux import flux_attention_site, ids_scope_site, single_attn_mlp_cat
 from .handoff import Opening
 from .per_forward import IdentityCache
@@ -105,7 +105,7 @@ def dual_block_forward(block, original, hidden_states: torch.Tensor, encoder_hid
     hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
         hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
     )
-    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, block.ff(norm_hidden_states))
+    hidden_states = _ops.gate_residual(hidden_states, gate_mlp, feed_forward(block.ff, norm_hidden_states, _ops))
     if ip_attn_output is not None:
         hidden_states = hidden_states + ip_attn_output
 
@@ -113,7 +113,7 @@ def dual_block_forward(block, original, hidden_states: torch.Tensor, encoder_hid
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
     encoder_hidden_states = _ops.gate_residual(encoder_hidden_states, c_gate_mlp,
-                                               block.ff_context(norm_encoder_hidden_states))
+                                               feed_forward(block.ff_context, norm_encoder_hidden_states, _ops))
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states

@@ -34,7 +34,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST
 from .adaln import ada_zero, ada_zero_opening, dual_block_applies, norm_out_site
-from .base import Adapter, Site, attention_site, diffusers_rmsnorms
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms, feed_forward
 from .handoff import NO_LINK, Link, close_block
 from .per_forward import IdentityCache
 
@@ -76,8 +76,8 @@ def block_forward(
     encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps)
 
-    ff_output = block.ff(norm_hidden_states)
-    context_ff_output = block.ff_context(norm_encoder_hidden_states)
+    ff_output = feed_forward(block.ff, norm_hidden_states, _ops)
+    context_ff_output = feed_forward(block.ff_context, norm_encoder_hidden_states, _ops)
     nxt = _link.next_block()
     hidden_states, img_next = close_block(_ops, hidden_states, gate_mlp, ff_output,
                                           None if nxt is None else ada_zero_opening(nxt.norm1, temb))

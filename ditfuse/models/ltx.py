@@ -67,7 +67,7 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import LAYERNORM_MODULATE, RMS_NORM_DIFFUSERS_SCALE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
-from .base import Adapter, Site, diffusers_rmsnorms
+from .base import Adapter, Site, diffusers_rmsnorms, feed_forward
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
 _TL = "diffusers.models.transformers.transformer_ltx"
@@ -123,7 +123,7 @@ def block_forward(
     norm_hidden_states = _ops.rms_norm_diffusers_scale(hidden_states, block.norm2.weight, scale_mlp,
                                                        block.norm2.eps) + shift_mlp
 
-    ff_output = block.ff(norm_hidden_states)
+    ff_output = feed_forward(block.ff, norm_hidden_states, _ops)
     return _gate_residual(_ops, hidden_states, gate_mlp, ff_output)
 
 

@@ -32,7 +32,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
 from .adaln import norm_out_site, plain_layernorm
-from .base import (Adapter, Site, attention_site, diffusers_rmsnorms, linear_cat_applies, linear_module,
+from .base import (Adapter, Site, attention_site, diffusers_rmsnorms, feed_forward, linear_cat_applies, linear_module,
                    plain_linear)
 from .handoff import NO_LINK, Link, Opening, close_block
 
@@ -223,10 +223,10 @@ def block_forward(
         encoder_hidden_states, txt_gate1, txt_attn_output, txt_scale2, txt_shift2, block.txt_norm2.eps
     )
     nxt = _link.next_block() if hidden_states.dtype != torch.float16 else None  # fp16 clips after the residuals
-    hidden_states, img_next = close_block(_ops, hidden_states, img_gate2, block.img_mlp(img_modulated2),
+    hidden_states, img_next = close_block(_ops, hidden_states, img_gate2, feed_forward(block.img_mlp, img_modulated2, _ops),
                                           None if nxt is None else _opening(nxt, "img", temb, modulate_index))
     encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, txt_gate2,
-                                                  block.txt_mlp(txt_modulated2),
+                                                  feed_forward(block.txt_mlp, txt_modulated2, _ops),
                                                   None if nxt is None else _opening(nxt, "txt", temb))
 
     if encoder_hidden_states.dtype == torch.float16:

@@ -31,7 +31,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
 from .adaln import ada_zero, ada_zero_applies, ada_zero_opening, norm_out_site, plain_layernorm
-from .base import Adapter, Site, attention_site, diffusers_rmsnorms
+from .base import Adapter, Site, attention_site, diffusers_rmsnorms, feed_forward
 from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -202,7 +202,7 @@ def joint_block_forward(
         hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
             hidden_states, gate_msa, attn_output, scale_mlp, shift_mlp, block.norm2.eps
         )
-    ff_output = block.ff(norm_hidden_states)
+    ff_output = feed_forward(block.ff, norm_hidden_states, _ops)
     nxt = _link.next_block() if hidden_states.dtype != torch.float16 else None
     if nxt is not None and nxt._chunk_size is not None:
         nxt = None  # the next block runs diffusers' forward
@@ -214,7 +214,7 @@ def joint_block_forward(
     encoder_hidden_states, norm_encoder_hidden_states = _ops.gate_residual_layernorm_modulate(
         encoder_hidden_states, c_gate_msa, context_attn_output, c_scale_mlp, c_shift_mlp, block.norm2_context.eps
     )
-    context_ff_output = block.ff_context(norm_encoder_hidden_states)
+    context_ff_output = feed_forward(block.ff_context, norm_encoder_hidden_states, _ops)
     txt_opening = None if nxt is None or nxt.context_pre_only else ada_zero_opening(nxt.norm1_context, temb)
     encoder_hidden_states, txt_next = close_block(_ops, encoder_hidden_states, c_gate_mlp, context_ff_output,
                                                   txt_opening)

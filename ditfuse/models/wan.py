@@ -27,7 +27,7 @@ from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
-from .base import Adapter, Site
+from .base import Adapter, Site, feed_forward
 from .handoff import NO_LINK, Link, Opening, close_block
 
 DIFFUSERS_VERSIONS = ("0.42.1",)
@@ -110,7 +110,7 @@ def block_forward(
     )
 
     # 3. Feed-forward
-    ff_output = block.ffn(norm_hidden_states)
+    ff_output = feed_forward(block.ffn, norm_hidden_states, _ops)
     nxt = _link.next_block()
     hidden_states, opened_next = close_block(_ops, hidden_states, c_gate_msa, ff_output,
                                              None if nxt is None else _opening(nxt, temb, _chunks))

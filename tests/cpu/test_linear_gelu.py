@@ -239,3 +239,32 @@ def test_sm90_code_is_a_wgmma_chain_without_spills():
         assert f["wgmma"] > 0 and f["local_bytes"] == 0, f
     with_gelu = [f for f in facts if f["gelu"]]
     assert all(f["fma_rn"] > 0 for f in with_gelu), "the GELU's explicit fma (kKappa * x^3 + x) is missing"
+
+
+# (family, layer counts, size, extra make_inputs kwargs, calls per forward at batch 1)
+OTHER_FAMILIES = [
+    ("chroma", (2, 1), "64x48", {}, 4),  # ff and ff_context per dual block (single blocks: proj_mlp)
+    ("sd3", (3,), "64x48", {}, 5),  # ff per block, ff_context except the last (context_pre_only)
+    ("qwenimage", (2,), "64x48", {}, 4),  # img_mlp and txt_mlp per block
+    ("wan", (2,), "32x16x5", {}, 2),  # ffn per block
+    ("ltx", (2,), "64x32x9", {}, 2),  # ff per block
+    ("hunyuanvideo15", (2,), "64x48x5", dict(byt5_tokens=7, image_tokens=5), 4),  # ff and ff_context
+]
+
+
+@pytest.mark.parametrize("family,layers,size,kw,calls", OTHER_FAMILIES, ids=[f[0] for f in OTHER_FAMILIES])
+@pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
+def test_other_families_feed_forwards(family, layers, size, kw, calls, on, spy, monkeypatch):
+    """Every adapter whose blocks run diffusers' FeedForward with a tanh-GELU routes it through
+    models.base.feed_forward: under DITFUSE_GEMM_GELU=1 one GEMM-GELU per FeedForward (its output
+    projection stays diffusers' Linear), bitwise diffusers on the reference chains; off, none."""
+    monkeypatch.setenv("DITFUSE_DISABLE", "all")
+    if on:
+        monkeypatch.setenv("DITFUSE_GEMM_GELU", "1")
+    fam = families.get(family)
+    torch.manual_seed(0)
+    m = fam.load_class()(**fam.config("tiny", layers)).to(torch.bfloat16).eval().requires_grad_(False)
+    inp = fam.make_inputs(m, 1, size, device="cpu", dtype=torch.bfloat16, txt_tokens=7, **kw)
+    got, want = _run(m, inp)
+    assert_bitwise_equal(got, want, name=f"{family} GEMM-GELU {'on' if on else 'off'}")
+    assert len(spy) == (calls if on else 0), spy
