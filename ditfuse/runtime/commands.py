@@ -58,13 +58,19 @@ def _generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", type=Path, default=None,
                    help="image-to-video models (tiny-wan-i2v, tiny-ltx-i2v, tiny-hunyuanvideo15-i2v, tiny-skyreels-v2-i2v; "
                         "required; tiny-ltx-condition: optional, at frame 0): the "
-                        "image the clip starts from; image-editing models (tiny-flux-kontext): the image to edit. "
+                        "image the clip starts from; image-editing models (tiny-flux-kontext; tiny-flux-fill with --mask): the image to "
+                        "edit. "
                         "Without --size the output takes its aspect ratio at the model's default area (HunyuanVideo "
                         "1.5: the aspect bucket nearest the image's)")
     p.add_argument("--last-image", type=Path, default=None, dest="last_image",
                    help="first-last-frame-to-video: the image the clip ends on, resized to the clip's size as --image "
                         "is (checkpoints that take one: Wan 2.2 I2V-A14B (tiny-wan22-a14b-i2v), Wan2.1-FLF2V-14B "
                         "(required there))")
+    p.add_argument("--mask", type=Path, default=None,
+                   help="inpainting models (tiny-flux-fill, a FluxFillPipeline directory; required there): where to "
+                        "repaint --image, an image of its size. With an alpha channel, OpenAI's convention: fully "
+                        "transparent pixels (alpha 0) are repainted; without one (black and white), diffusers': white "
+                        "is repainted, black kept")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     p.add_argument("--dtype", default="auto", help="auto (bf16 on cuda, fp32 on cpu), bf16, fp16, fp32")
     p.add_argument("--no-accelerate", action="store_true", help="run plain diffusers (for comparison)")

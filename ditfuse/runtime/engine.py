@@ -266,6 +266,8 @@ def run_batch(
     # signatures: equal pixel fingerprints) -------------------------------------------------------
     for p, _ in slots:
         why = spec.check_image(p.image is not None)
+        if why is None and (p.image is not None or p.mask is not None):
+            why = spec.check_mask(p.mask is not None)
         if why is not None:
             raise ValueError(why)
     if spec.area_kwarg is not None:
@@ -278,14 +280,27 @@ def run_batch(
             # the image fitted so that it makes the request's size (checked); others the image
             return fit_image_to_size(loaded, open_image(p.image, p.image_sha256), p.width, p.height)
 
+        def mask_for_call(p: SamplingParams) -> Any:
+            # in diffusers' convention (white = repaint); the pipeline resizes it with the image
+            from .inputs import open_mask
+
+            return open_mask(p.mask, p.mask_sha256)
+
         if spec.image_per_sample:
             opened: dict[str | None, Any] = {}
+            masks: dict[str | None, Any] = {}
             for p, _ in full:
                 if p.image_sha256 not in opened:
                     opened[p.image_sha256] = image_for_call(p)
+                if spec.mask_kwarg is not None and p.mask_sha256 not in masks:
+                    masks[p.mask_sha256] = mask_for_call(p)
             kwargs[spec.image_kwarg] = [opened[p.image_sha256] for p, _ in full]
+            if spec.mask_kwarg is not None:
+                kwargs[spec.mask_kwarg] = [masks[p.mask_sha256] for p, _ in full]
         else:
             kwargs[spec.image_kwarg] = image_for_call(p0)
+            if spec.mask_kwarg is not None:  # equal signatures: the one mask of every slot
+                kwargs[spec.mask_kwarg] = mask_for_call(p0)
     # -- first-last-frame: the one last image of the call (equal signatures: equal fingerprints).
     # It goes as it is, as the first image does: the pipeline resizes both to height x width with
     # its video_processor (no pipeline with a last image derives its size from the image).
@@ -316,7 +331,7 @@ def run_batch(
         dropped = [k for k in kwargs if k not in accepted]
         if "negative_prompt" in dropped:
             raise ValueError(f"{type(pipe).__name__} does not take a negative_prompt")
-        for k in (spec.guidance_2_kwarg, spec.last_image_kwarg):
+        for k in (spec.guidance_2_kwarg, spec.last_image_kwarg, spec.mask_kwarg):
             if k is not None and k in dropped:  # what a request asked for is never dropped silently
                 raise ValueError(f"{type(pipe).__name__} does not take {k}")
         for k in dropped:

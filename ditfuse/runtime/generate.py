@@ -14,7 +14,10 @@ image-to-video model (``tiny-wan-i2v``, ``tiny-ltx-i2v``, ``tiny-hunyuanvideo15-
 directory of an image-to-video pipeline class) needs ``--image`` (LTX-Video's condition pipeline,
 ``tiny-ltx-condition``, takes one optionally: its first frame); an image-editing model
 (``tiny-flux-kontext``, a FluxKontextPipeline directory) takes one: the picture to edit (without
-it, text-to-image). Either way the output takes the image's aspect ratio when no ``--size`` is
+it, text-to-image); an inpainting model (``tiny-flux-fill``, a FluxFillPipeline directory) needs
+``--image`` and ``--mask``: where to repaint, an image of the same size (with an alpha channel, its
+fully transparent pixels, as OpenAI's ``images.edit`` mask; without one, its white pixels, as
+diffusers' ``mask_image``; runtime/inputs.mask_from_image). Either way the output takes the image's aspect ratio when no ``--size`` is
 given (a pipeline that derives its size from the image, HunyuanVideo 1.5 I2V: the size it makes,
 and a ``--size`` it cannot make exits 2), and its metadata carries the image's pixel SHA-256.
 ``--last-image`` adds the image the clip ends on (first-last-frame-to-video, on a checkpoint that
@@ -116,19 +119,22 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             return args.out
         return Path("out.mp4") if info.kind == "video" else Path("out.png")
 
-    decoded: dict[Any, tuple[Any, str]] = {}  # --image / --last-image, decoded and fingerprinted once
+    # --image / --last-image / --mask, decoded and fingerprinted once
+    decoded: dict[Any, tuple[Any, str]] = {}
 
     def read_image(path: Any, param: str, flag: str) -> tuple[Any, str]:
-        from .inputs import decode_image, pixel_sha256
+        """``path``'s image (RGB; for ``param`` "mask" the mask in diffusers' convention) and the
+        SHA-256 of its pixels."""
+        from .inputs import decode_image, decode_mask, pixel_sha256
 
-        if path not in decoded:  # make_params runs twice for a preset (before and after loading)
+        if (param, path) not in decoded:  # make_params runs twice for a preset (before and after loading)
             try:
                 data = Path(path).expanduser().read_bytes()
             except OSError as e:
                 raise ParamError(param, f"{flag} {str(path)!r}: {e.strerror or e}") from None
-            img = decode_image(data, param)
-            decoded[path] = (img, pixel_sha256(img))
-        return decoded[path]
+            img = decode_mask(data, param) if param == "mask" else decode_image(data, param)
+            decoded[param, path] = (img, pixel_sha256(img))
+        return decoded[param, path]
 
     def make_params(info: Any) -> SamplingParams:
         """``info``: a Preset or LoadedModel (geometry, defaults, kind)."""
@@ -150,6 +156,11 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
         why = spec.check_image(image_path is not None)
         if why is not None:
             raise ParamError("image", f"{why} (--image PATH)" if image_path is None else why)
+        mask_path = getattr(args, "mask", None)
+        if mask_path is not None or image_path is not None:
+            why = spec.check_mask(mask_path is not None)
+            if why is not None:
+                raise ParamError("mask", f"{why} (--mask PATH)" if mask_path is None else f"--mask: {why}")
         # a Preset (before loading) has no capabilities: the checkpoint's checks wait for the load
         capabilities = getattr(info, "capabilities", None)
         last_path = getattr(args, "last_image", None)
@@ -163,6 +174,12 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             image, image_sha = read_image(image_path, "image", "--image")
             default_size = default_size_for_image(info, image)
         last_sha = None if last_path is None else read_image(last_path, "last_image", "--last-image")[1]
+        mask_sha = None
+        if mask_path is not None:
+            from .inputs import check_mask_size
+
+            mask, mask_sha = read_image(mask_path, "mask", "--mask")
+            check_mask_size(mask, image, "mask")
         true_cfg = getattr(args, "true_cfg_scale", None)
         guidance_2 = getattr(args, "guidance_scale_2", None)
         named = {f for f, v in (("guidance_scale", args.guidance), ("guidance_scale_2", guidance_2),
@@ -196,6 +213,9 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
 
             fit_image_to_size(info, image, params.width, params.height)  # a size it cannot make: exit 2
             params = params.with_(image=str(Path(image_path).expanduser().resolve()), image_sha256=image_sha)
+        if mask_sha is not None:
+            # the user's file: the engine converts it again when it opens it (inputs.open_mask)
+            params = params.with_(mask=str(Path(mask_path).expanduser().resolve()), mask_sha256=mask_sha)
         if last_path is not None:
             params = params.with_(last_image=str(Path(last_path).expanduser().resolve()), last_image_sha256=last_sha)
         if video:
@@ -282,6 +302,8 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
     )
     if params.image is not None:
         print(f"image: {params.image} (pixels sha256 {params.image_sha256})")
+    if params.mask is not None:
+        print(f"mask: {params.mask} (repainted where white once converted; its pixels sha256 {params.mask_sha256})")
     print("timings:")
     print(f"  load + accelerate : {t_loaded - t_start:8.3f} s")
     if stamps:

@@ -31,6 +31,55 @@ def decode_image(data: bytes, param: str = "input_reference") -> Any:
     """``data`` (PNG, JPEG, WebP, ... anything PIL reads) as an RGB PIL image; an animated file
     gives its first frame, an alpha channel is dropped (the pipelines take RGB). ParamError on
     ``param`` for an empty, oversized or undecodable upload."""
+    return _decode(data, param).convert("RGB")
+
+
+def decode_mask(data: bytes, param: str = "mask") -> Any:
+    """An uploaded inpainting mask as the pipeline takes it: :func:`decode_image`'s checks, then
+    :func:`mask_from_image`."""
+    return mask_from_image(_decode(data, param), param)
+
+
+def mask_from_image(image: Any, param: str = "mask") -> Any:
+    """An inpainting mask in diffusers' convention (a grayscale "L" image, white = repaint, black =
+    keep: FluxFillPipeline's ``mask_image``) from a mask as a user sends it:
+
+    - an image with an alpha channel (RGBA, LA, a palette or colour key with transparency) follows
+      OpenAI's ``images.edit``: its fully transparent pixels (alpha == 0) are the ones to edit.
+      They become 255, every other pixel 0, whatever its colour.
+    - an image without one (black and white, grayscale, RGB) is taken as diffusers takes it:
+      converted to grayscale as it is; the pipeline binarizes it at half intensity after resizing
+      it (white = repaint).
+
+    ParamError on ``param`` for a mask that marks nothing to repaint (no pixel with alpha 0, or no
+    pixel at half intensity or above): the pipeline would only redraw the image, and an opaque
+    black-and-white mask saved with an alpha channel, the usual mix-up of the two conventions,
+    would otherwise pass unnoticed."""
+    if image.has_transparency_data:
+        alpha = image.convert("RGBA").getchannel("A")
+        mask = alpha.point(lambda a: 255 if a == 0 else 0)
+        if mask.getextrema()[1] == 0:
+            raise ParamError(param, f"{param} marks nothing to edit: it has an alpha channel, and no pixel is fully "
+                                    "transparent (alpha 0), which is where an image is edited (OpenAI's convention); "
+                                    "a mask without an alpha channel edits where it is white")
+        return mask
+    mask = image.convert("L")
+    if mask.getextrema()[1] < 128:
+        raise ParamError(param, f"{param} marks nothing to edit: it has no alpha channel, and no pixel is white (at "
+                                "half intensity or above), which is where such a mask is repainted (diffusers' "
+                                "convention); with an alpha channel, fully transparent pixels are edited")
+    return mask
+
+
+def check_mask_size(mask: Any, image: Any, param: str = "mask") -> None:
+    """ParamError unless ``mask`` has ``image``'s size (OpenAI: "the same dimensions as image")."""
+    if mask.size != image.size:
+        raise ParamError(param, f"{param} is {mask.width}x{mask.height} pixels; it must be the size of the image "
+                                f"({image.width}x{image.height})")
+
+
+def _decode(data: bytes, param: str) -> Any:
+    """``data`` as a loaded PIL image in its own mode (see :func:`decode_image`)."""
     from PIL import Image, UnidentifiedImageError
 
     if not data:
@@ -43,7 +92,8 @@ def decode_image(data: bytes, param: str = "input_reference") -> Any:
             if w * h > MAX_INPUT_PIXELS:
                 raise ParamError(param, f"{param} is {w}x{h} pixels; at most {MAX_INPUT_PIXELS} pixels are accepted")
             im.load()
-            return im.convert("RGB")
+            # a copy detached from the file (the animated formats' frame 0, whatever PIL keeps open)
+            return im.copy()
     except ParamError:
         raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
@@ -89,17 +139,29 @@ def save_png(image: Any, path: Path) -> None:
 def open_image(path: str | Path, sha256: str | None = None) -> Any:
     """The RGB image at ``path``; with ``sha256``, ValueError unless its pixels still have that
     fingerprint."""
+    return _open_checked(path, sha256, lambda im: im.convert("RGB"), "input image")
+
+
+def open_mask(path: str | Path, sha256: str | None = None) -> Any:
+    """The inpainting mask at ``path`` in diffusers' convention (:func:`mask_from_image` of the file:
+    a mask the server stored is already converted, and converts to itself; ``generate --mask``
+    passes the user's file); with ``sha256``, ValueError unless the converted pixels still have that
+    fingerprint."""
+    return _open_checked(path, sha256, mask_from_image, "mask")
+
+
+def _open_checked(path: str | Path, sha256: str | None, convert: Any, what: str) -> Any:
     from PIL import Image
 
     try:
         with Image.open(path) as im:
             im.load()
-            rgb = im.convert("RGB")
+            out = convert(im)
     except FileNotFoundError:
-        raise ValueError(f"the request's input image {str(path)!r} is gone") from None
-    if sha256 is not None and pixel_sha256(rgb) != sha256:
-        raise ValueError(f"the request's input image {str(path)!r} changed after the request was made")
-    return rgb
+        raise ValueError(f"the request's {what} {str(path)!r} is gone") from None
+    if sha256 is not None and pixel_sha256(out) != sha256:
+        raise ValueError(f"the request's {what} {str(path)!r} changed after the request was made")
+    return out
 
 
 def size_for_image(width: int, height: int, default_size: tuple[int, int], multiple: int) -> tuple[int, int]:

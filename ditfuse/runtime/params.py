@@ -112,6 +112,12 @@ class SamplingParams:
     # equal fingerprints.
     last_image: str | None = None
     last_image_sha256: str | None = None
+    # Inpainting requests only (FLUX.1 Fill): the mask of ``image``, already in diffusers'
+    # convention (white = repaint: inputs.mask_from_image), as a file, and the SHA-256 of its
+    # pixels. It travels with the image: where the pipeline takes one image per call, requests share
+    # a batch only with equal image and mask fingerprints.
+    mask: str | None = None
+    mask_sha256: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
@@ -195,9 +201,9 @@ class SamplingParams:
 
     def signature(self, model: str, by_image: bool = True) -> tuple:
         """Requests with equal signatures can share a batch (one pipeline call). ``by_image``:
-        the input image's fingerprint is part of it (a pipeline whose call takes one image;
-        ``PipelineSpec.batch_signature`` decides). The call takes one guidance_scale_2 and one
-        last image, so their values are always in it (None where a request names none)."""
+        the input image's and its mask's fingerprints are part of it (a pipeline whose call takes
+        one image; ``PipelineSpec.batch_signature`` decides). The call takes one guidance_scale_2
+        and one last image, so their values are always in it (None where a request names none)."""
         return (
             model,
             self.width,
@@ -211,6 +217,7 @@ class SamplingParams:
             self.image_sha256 if by_image else self.image_sha256 is not None,
             self.guidance_scale_2,
             self.last_image_sha256,
+            self.mask_sha256 if by_image else self.mask_sha256 is not None,
         )
 
     def with_(self, **changes: Any) -> "SamplingParams":
@@ -233,6 +240,8 @@ class SamplingParams:
             meta["num_frames"] = str(self.num_frames)
         if self.image_sha256 is not None:
             meta["image_sha256"] = self.image_sha256
+        if self.mask_sha256 is not None:
+            meta["mask_sha256"] = self.mask_sha256
         if self.guidance_scale_2 is not None:
             meta["guidance_scale_2"] = repr(self.guidance_scale_2)
         if self.last_image_sha256 is not None:

@@ -296,6 +296,13 @@ class PipelineSpec:
     # the class takes none.
     last_image_kwarg: str | None = None
     last_image_rule: Callable[[Any], tuple[str, str]] | None = None
+    # Inpainting (FLUX.1 Fill): the call argument that takes the mask of the input image, in
+    # diffusers' convention (white = repaint, black = keep; the runtime converts OpenAI's
+    # alpha-channel masks to it: inputs.mask_from_image). Every request on such a pipeline must
+    # bring one with its image, the size of its image; it is passed the way the image is (one per
+    # prompt where image_per_sample, else one per call: then part of the batch signature). None:
+    # the call takes no mask, and a request with one is refused.
+    mask_kwarg: str | None = None
 
     @property
     def is_video(self) -> bool:
@@ -304,6 +311,10 @@ class PipelineSpec:
     @property
     def takes_image(self) -> bool:
         return self.image_kwarg is not None
+
+    @property
+    def takes_mask(self) -> bool:
+        return self.mask_kwarg is not None
 
     def batch_signature(self, params: Any, model: str) -> tuple:
         """The key under which requests may share one call of this pipeline: the params'
@@ -318,6 +329,20 @@ class PipelineSpec:
             with_image = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_image)
             return (f"{self.label} ({self.name}) is text-only and takes no input image; an input image "
                     f"needs a pipeline that takes one ({with_image})")
+        return None
+
+    def check_mask(self, given: bool) -> str | None:
+        """Why a request with (``given``) or without a mask cannot run here, else None. A mask
+        comes only with an input image (the caller checks that with :meth:`check_image`)."""
+        if given and not self.takes_mask:
+            with_mask = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_mask)
+            how = ("edits the whole image from the prompt" if self.takes_image and not self.is_video
+                   else "takes no image to inpaint")
+            return (f"mask is not supported by {self.label} ({self.name}): it {how}; a mask needs an inpainting "
+                    f"pipeline ({with_mask})")
+        if not given and self.takes_mask:
+            return (f"{self.label} ({self.name}) inpaints: the request needs a mask with its image (where to repaint: "
+                    "transparent pixels of an image with an alpha channel, else white pixels)")
         return None
 
     def capabilities(self, pipe: Any) -> Capabilities:
@@ -410,6 +435,19 @@ PIPELINE_SPECS: dict[str, PipelineSpec] = {
         # (_auto_resize, as diffusers does by default).
         PipelineSpec("FluxKontextPipeline", "FLUX.1 Kontext", negative=NEGATIVE_TRUE_CFG, default_steps=28,
                      default_guidance=3.5, image_kwarg="image", image_optional=True, area_kwarg="max_area"),
+        # FLUX.1 Fill (inpainting / outpainting): every default from diffusers 0.42.1's
+        # FluxFillPipeline.__call__ signature: 50 steps, guidance_scale 30.0 (the distilled
+        # guidance embedding; FLUX.1 Fill dev is guidance-distilled and the call has no
+        # negative_prompt / true_cfg_scale), height / width default_sample_size (128) x the VAE's 8
+        # = 1024, sides in 16s (2x2 packed latents). It takes an image and its mask_image (white =
+        # repaint), both resized to height x width by its processors. One image and mask per
+        # prompt (lists): with one image for a batch, _encode_vae_image and the masked image's
+        # latent sample draw from generator[0] only (the first image's noise comes after that draw,
+        # the others' not), so an image would depend on its place in the batch; as lists every
+        # generator draws the same for its own image, and requests on different images and masks
+        # share a call. strength stays at its 1.0 (the latents start from pure noise).
+        PipelineSpec("FluxFillPipeline", "FLUX.1 Fill", negative=None, default_steps=50, default_guidance=30.0,
+                     image_kwarg="image", image_per_sample=True, mask_kwarg="mask_image"),
         # Qwen-Image: guidance_scale exists only for guidance-distilled checkpoints; CFG is
         # negative_prompt + true_cfg_scale (diffusers' default 4.0, used only with a negative prompt).
         PipelineSpec("QwenImagePipeline", "Qwen-Image", guidance=None, negative=NEGATIVE_TRUE_CFG,

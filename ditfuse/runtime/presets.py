@@ -189,6 +189,18 @@ PRESET_TABLE["tiny-flux-kontext"] = replace(
          "editing pipeline, not image quality)",
     pipeline="FluxKontextPipeline",
 )
+# FLUX.1 Fill (inpainting): tiny-flux's text encoders, VAE, scheduler and geometry around a
+# transformer that reads the masked image and the mask too (build_tiny_flux_fill); 50 steps and
+# guidance 30 by default, as FluxFillPipeline's own call
+PRESET_TABLE["tiny-flux-fill"] = replace(
+    PRESET_TABLE[TINY_FLUX],
+    name="tiny-flux-fill",
+    builder="ditfuse.runtime.presets:build_tiny_flux_fill",
+    version=1,
+    note="tiny-flux-fill has random weights: its images are noise (it exercises the FLUX.1 Fill inpainting "
+         "pipeline, not image quality)",
+    pipeline="FluxFillPipeline",
+)
 # LTX-Video image-to-video: tiny-ltx's parts and geometry as an LTXImageToVideoPipeline
 PRESET_TABLE["tiny-ltx-i2v"] = replace(
     PRESET_TABLE["tiny-ltx"],
@@ -496,6 +508,27 @@ def build_tiny_flux_kontext():
         "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "transformer")})
 
 
+def build_tiny_flux_fill():
+    """tiny-flux's parts and weights as a diffusers ``FluxFillPipeline`` (FLUX.1 Fill: inpainting and
+    outpainting), with its own transformer: tiny-flux's layout, but each token also carries the
+    packed latents of the masked image and the packed mask, as FLUX.1 Fill's (in_channels 384 =
+    64 + 64 + 256), and the output stays the noise latents' 64. With tiny-flux's VAE (16 latent
+    channels, vae_scale_factor 8) and 2x2 packing the sizes are the real model's: latents 16 x 4
+    = 64, masked-image latents 64, the mask's 8 x 8 pixels per latent pixel x 4 = 256 (the call's
+    prepare_mask_latents). Random weights from seed ``_TINY_SEED``: its images are noise."""
+    import torch
+    from diffusers import FluxFillPipeline, FluxTransformer2DModel
+
+    t2i = build_tiny_flux()
+    latent = t2i.vae.config.latent_channels * 4  # 2x2 packed
+    mask = t2i.vae_scale_factor ** 2 * 4  # a latent pixel's 8x8 mask pixels, 2x2 packed
+    torch.manual_seed(_TINY_SEED)
+    config = {k: v for k, v in t2i.transformer.config.items() if not k.startswith("_")}
+    transformer = FluxTransformer2DModel(**{**config, "in_channels": 2 * latent + mask, "out_channels": latent}).eval()
+    return FluxFillPipeline(transformer=transformer, **{name: getattr(t2i, name) for name in (
+        "scheduler", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")})
+
+
 def preset_path(name: str) -> Path:
     p = PRESET_TABLE[name]
     return cache_dir() / "presets" / f"{p.name}-v{p.version}"
@@ -675,6 +708,8 @@ def model_help() -> str:
             what = "videos" if p.kind == "video" else "images"
         elif p.kind == "video":
             what = "videos, or videos from an image" if spec.image_optional else "videos from an image"
+        elif spec.takes_mask:
+            what = "inpainted images (an image and a mask)"
         else:
             what = "images or edits" if spec.image_optional else "edited images"
         groups.setdefault(what, []).append(name)

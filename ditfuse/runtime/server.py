@@ -5,9 +5,11 @@ Routes
                                   quality) plus seed, num_inference_steps, guidance_scale,
                                   guidance_scale_2 (Wan 2.2 A14B), negative_prompt,
                                   true_cfg_scale, output_format.
-    POST /v1/images/edits         image-editing models (FluxKontextPipeline): the same fields plus
-                                  the image to edit (multipart ``image``, as the openai client's
-                                  ``images.edit`` sends it, or JSON ``{"image_url": data URL}``).
+    POST /v1/images/edits         image-editing models (FluxKontextPipeline; FluxFillPipeline, which
+                                  inpaints): the same fields plus the image to edit (multipart
+                                  ``image``, as the openai client's ``images.edit`` sends it, or
+                                  JSON ``{"image_url": data URL}``), and for inpainting its ``mask``
+                                  (the same ways; OpenAI's convention: alpha 0 = edit here).
     GET  /v1/models               the one model this server runs.
     GET  /health                  liveness/readiness (never needs the API key); with worker
                                   processes (``--gpus N``) also each worker's device, state, tier.
@@ -73,6 +75,7 @@ from .engine import Engine, EngineError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import EngineMetrics
 from .params import ParamError, SamplingParams
+from .pipelines import PIPELINE_SPECS
 
 access_logger = logging.getLogger("ditfuse.access")
 server_logger = logging.getLogger("ditfuse.server")
@@ -106,13 +109,15 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20
 def default_max_body_bytes(engine: Any) -> int:
     """The body limit a server gets when it names none: 1 MiB, plus room for one input image
     (runtime/inputs.MAX_INPUT_BYTES, base64 included) on an image-to-video model, and for a second
-    one where the checkpoint takes a last image."""
+    one where the checkpoint takes a last image, or the pipeline a mask."""
     from .inputs import MAX_INPUT_BYTES
     from .pipelines import LAST_IMAGE_NONE
 
     images = int(engine.loaded.spec.takes_image)
     capabilities = getattr(engine.loaded, "capabilities", None)
     if images and capabilities is not None and capabilities.last_image != LAST_IMAGE_NONE:
+        images += 1
+    if engine.loaded.spec.takes_mask:
         images += 1
     return DEFAULT_MAX_BODY_BYTES + images * (MAX_INPUT_BYTES * 4 // 3)
 
@@ -185,10 +190,11 @@ def is_json_content_type(value: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> SamplingParams:
+def parse_generation_request(body: Any, engine: Engine, image: Any = None, mask: Any = None) -> SamplingParams:
     """Validate an images/generations body (or, with ``image``, an images/edits one: the decoded
-    input image) into SamplingParams (raises ParamError / APIError). With an image the params carry
-    its fingerprint; the caller stores it and sets ``image`` to the file."""
+    input image, and ``mask``, its inpainting mask already converted by inputs.mask_from_image) into
+    SamplingParams (raises ParamError / APIError). With an image (and a mask) the params carry their
+    fingerprints; the caller stores them and sets ``image`` (``mask``) to the files."""
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     check_fields(body)
@@ -211,8 +217,17 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
         raise APIError(400, f"{engine.model_name!r} ({spec.name}) generates from an image, and "
                             f"/v1/images/generations takes none: {where}", "model", "model_needs_image")
     if image is not None and spec.check_image(True) is not None:
+        editing = ", ".join(s.name for s in PIPELINE_SPECS.values() if s.takes_image and not s.is_video)
         raise APIError(400, f"{engine.model_name!r} ({spec.name}) takes no input image: {EDITS_PATH} needs an "
-                            "image-editing pipeline (FluxKontextPipeline)", "image", "model_takes_no_image")
+                            f"image-editing pipeline ({editing})", "image", "model_takes_no_image")
+    if image is not None:
+        why = spec.check_mask(mask is not None)
+        if why is not None:
+            raise APIError(400, why, "mask", "model_takes_no_mask" if mask is not None else "mask_required")
+    if mask is not None:
+        from .inputs import check_mask_size
+
+        check_mask_size(mask, image)
     # the pipeline's defaults for what the request leaves out (diffusers' own, runtime/pipelines.py)
     kwargs: dict[str, Any] = {"true_cfg_scale": spec.default_true_cfg}
     if loaded.default_steps is not None:
@@ -247,6 +262,8 @@ def parse_generation_request(body: Any, engine: Engine, image: Any = None) -> Sa
 
         fit_image_to_size(loaded, image, params.width, params.height)  # a size it cannot make: 400
         params = params.with_(image_sha256=pixel_sha256(image))
+    if mask is not None:
+        params = params.with_(mask_sha256=pixel_sha256(mask))
     return params
 
 
@@ -283,14 +300,16 @@ def inputs_dir() -> Any:
     return mine
 
 
-async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
+async def read_edit_request(request: Request) -> tuple[dict[str, Any], bytes, bytes | None]:
     """An images/edits body: multipart/form-data (what the openai client sends: ``image`` or
-    ``image[]`` files, text fields) or JSON (``image`` as ``{"image_url": data URL}`` or a data URL
-    string). Returns the other fields (numbers parsed) and the image's bytes."""
+    ``image[]`` files, a ``mask`` file, text fields) or JSON (``image`` and ``mask`` each as
+    ``{"image_url": data URL}`` or a data URL string). Returns the other fields (numbers parsed),
+    the image's bytes and the mask's (None without one)."""
     from .inputs import data_url_bytes
 
     ctype = (request.headers.get("content-type") or "").split(";")[0].strip().lower()
     images: list[Any] = []
+    masks: list[bytes] = []
     body: dict[str, Any] = {}
     if ctype == "multipart/form-data":
         try:
@@ -300,10 +319,9 @@ async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
         for key, value in form.multi_items():
             if not isinstance(value, str):  # an uploaded file
                 try:
-                    if key not in ("image", "image[]"):
-                        raise ParamError(key, f"{key} is not supported" if key == "mask" else
-                                         f"{key} must be a text field, not a file")
-                    images.append(await value.read())
+                    if key not in ("image", "image[]", "mask"):
+                        raise ParamError(key, f"{key} must be a text field, not a file")
+                    (masks if key == "mask" else images).append(await value.read())
                 finally:
                     await value.close()
                 continue
@@ -323,10 +341,11 @@ async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
                     raise ParamError(key, f"{key} must be a number, got {v!r}") from None
     elif is_json_content_type(ctype):
         body = await read_json_object(request)
-        ref = body.pop("image", None)
-        if ref is not None:
-            url = ref.get("image_url") if isinstance(ref, dict) else ref
-            images.append(data_url_bytes(url, "image"))
+        for key, found in (("image", images), ("mask", masks)):
+            ref = body.pop(key, None)
+            if ref is not None:
+                url = ref.get("image_url") if isinstance(ref, dict) else ref
+                found.append(data_url_bytes(url, key))
     else:
         raise APIError(415, f"unsupported Content-Type {ctype or '(none)'!r}; send multipart/form-data (as the "
                             "openai client does) or application/json", code="unsupported_media_type")
@@ -334,7 +353,9 @@ async def read_edit_request(request: Request) -> tuple[dict[str, Any], Any]:
         raise ParamError("image", "image is required: the image to edit, as an uploaded file")
     if len(images) > 1:
         raise ParamError("image", f"{len(images)} images were sent; this server edits one image per request")
-    return body, images[0]
+    if len(masks) > 1:
+        raise ParamError("mask", f"{len(masks)} masks were sent; a request takes one, the size of its image")
+    return body, images[0], masks[0] if masks else None
 
 
 def encode_image(image: Any, params: SamplingParams, index: int, model: str) -> str:
@@ -671,19 +692,31 @@ def create_app(
 
     @app.post(EDITS_PATH)
     async def edits(request: Request) -> JSONResponse:
-        from .inputs import decode_image, save_png
+        from .inputs import decode_image, decode_mask, save_png
 
-        body, data = await read_edit_request(request)
+        body, data, mask_data = await read_edit_request(request)
+        refused = None if mask_data is None else engine.loaded.spec.check_mask(True)
+        if refused is not None:  # before decoding it: whatever the mask holds, this model takes none
+            raise APIError(400, refused, "mask", "model_takes_no_mask")
         # decoding and fingerprinting a large image takes a while: off the event loop
         image = await asyncio.to_thread(decode_image, data, "image")
-        params = await asyncio.to_thread(parse_generation_request, body, engine, image)
-        # The workers read the image from a file (as a video job's); it lives as long as the request.
-        path = inputs_dir() / f"edit-{next(_edit_ids)}-{params.image_sha256[:16]}.png"
-        await asyncio.to_thread(save_png, image, path)
+        mask = None if mask_data is None else await asyncio.to_thread(decode_mask, mask_data, "mask")
+        params = await asyncio.to_thread(parse_generation_request, body, engine, image, mask)
+        # The workers read the image (and mask) from files (as a video job's); they live as long as
+        # the request.
+        edit_id = next(_edit_ids)
+        path = inputs_dir() / f"edit-{edit_id}-{params.image_sha256[:16]}.png"
+        mask_path = None if mask is None else inputs_dir() / f"edit-{edit_id}-mask-{params.mask_sha256[:16]}.png"
         try:
+            await asyncio.to_thread(save_png, image, path)
+            if mask is not None:
+                await asyncio.to_thread(save_png, mask, mask_path)
+                params = params.with_(mask=str(mask_path))
             return await _run_images(request, params.with_(image=str(path)))
         finally:
             path.unlink(missing_ok=True)
+            if mask_path is not None:
+                mask_path.unlink(missing_ok=True)
 
     async def _run_images(request: Request, params: SamplingParams) -> JSONResponse:
         _note(request, quality=params.quality.value, prompt=params.prompt)
@@ -944,6 +977,8 @@ def _serve(args: Any, engine: Engine, summary: str, videos: Any) -> int:
                if spec.is_video else f"{EDITS_PATH} takes the image to edit" + ("" if spec.image_optional else " (required)"))
         if spec.size_from_image is not None:
             how += ", whose aspect sets the output size (a named size must be one the pipeline makes)"
+        if spec.takes_mask:
+            how += " and its mask (required: alpha 0, or white without an alpha channel, is repainted)"
         from .pipelines import LAST_IMAGE_NONE, LAST_IMAGE_REQUIRED
 
         last = getattr(engine.loaded, "capabilities", None)

@@ -31,6 +31,8 @@ def test_table_matches_the_real_pipeline_signatures(name):
     assert ("true_cfg_scale" in params) == spec.takes_true_cfg, name
     assert ("negative_prompt" in params) == (spec.negative is not None), name
     assert ("num_frames" in params) == spec.is_video, name
+    # an inpainting call's mask argument (FLUX.1 Fill's mask_image) is the row's, and only its
+    assert ("mask_image" in params) == (spec.mask_kwarg == "mask_image"), (name, spec.mask_kwarg)
     if spec.guidance == pl.GUIDANCE_GUIDER:
         init = inspect.signature(getattr(diffusers, name).__init__).parameters
         assert "guider" in init, name
