@@ -152,6 +152,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="first two configs only")
+    ap.add_argument("--only", nargs="+", default=None, help="shapes whose name contains one of these")
     args = ap.parse_args()
     from triton.testing import do_bench_cudagraph
 
@@ -159,7 +160,8 @@ def main() -> int:
     dev = "cuda"
     rows = []
     configs = CONFIGS[:2] if args.quick else CONFIGS
-    for name, M, K, N, gelu_case in SHAPES:
+    shapes = [s for s in SHAPES if args.only is None or any(o in s[0] for o in args.only)]
+    for name, M, K, N, gelu_case in shapes:
         # activations of a LayerNorm-ish scale, weights at nn.Linear's init scale
         x = torch.randn(M, K, device=dev, dtype=torch.bfloat16)
         w = (torch.randn(N, K, device=dev, dtype=torch.bfloat16) * K ** -0.5).to(torch.bfloat16)
