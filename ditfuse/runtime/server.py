@@ -174,7 +174,11 @@ def check_fields(body: dict) -> None:
         return
     first = unknown[0]
     names = ", ".join(repr(k) for k in unknown)
-    if first in UNSUPPORTED_OPENAI_FIELDS:
+    if first == "mask":
+        # OpenAI's mask belongs to an edit, beside the image it masks (FLUX.1 Fill takes one there)
+        msg = ("Unsupported parameter: 'mask' is not a generations parameter; send it with its image to "
+               f"POST {EDITS_PATH} (a model that takes masks: FluxFillPipeline).")
+    elif first in UNSUPPORTED_OPENAI_FIELDS:
         msg = f"Unsupported parameter: {first!r} is an OpenAI images parameter that ditfuse does not implement."
     else:
         msg = f"Unknown parameter{'s' if len(unknown) > 1 else ''}: {names}."

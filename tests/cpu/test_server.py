@@ -299,6 +299,14 @@ def test_unknown_field_is_a_400_naming_it(server, extra, param):
     assert "num_inference_steps" in body["message"]  # says what is accepted
 
 
+def test_mask_on_generations_points_to_edits(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        gen(client(server), extra={"mask": "x"})
+    body = e.value.body
+    assert body["param"] == "mask" and body["code"] == "unknown_parameter"
+    assert "/v1/images/edits" in body["message"] and "FluxFillPipeline" in body["message"]
+
+
 def test_documented_fields_are_all_accepted(server):
     body = {
         "model": "tiny-flux", "prompt": "a fox", "n": 1, "quality": "standard", "response_format": "b64_json",
