@@ -209,9 +209,7 @@ def gelu_projection(module: object) -> torch.nn.Linear | None:
     """The projection of a module computing ``F.gelu(proj(x), approximate="tanh")`` that a fast
     forward may run as one GEMM-GELU (``linear.linear_gelu_tanh``): diffusers' ``GELU`` module
     with ``approximate="tanh"`` around a plain ``nn.Linear``, nothing hooking either; None
-    otherwise (and always when :func:`gemm_gelu_enabled` is off)."""
-    if not gemm_gelu_enabled():
-        return None
+    otherwise. Callers ask :func:`gemm_gelu_enabled` first."""
     from diffusers.models.activations import GELU
 
     if not plain_module(module, GELU) or module.approximate != "tanh" or not plain_linear(module.proj):
