@@ -42,7 +42,7 @@ from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from .adaln import dual_block_applies, plain_layernorm, single_block_applies
 from .base import Adapter, Site, feed_forward
-from .flux import flux_attention_site, ids_scope_site, single_attn_mlp_cat
+from .flux import flux_attention_site, ids_scope_site, single_block_mix
 from .handoff import Opening
 from .per_forward import IdentityCache
 from .pos_cache import embedder_site
@@ -125,19 +125,19 @@ def single_block_forward(block, original, hidden_states: torch.Tensor, temb: tor
                          joint_attention_kwargs: dict[str, Any] | None = None, *,
                          _ops: OpSet = LOSSLESS) -> torch.Tensor:
     """ChromaSingleTransformerBlock: fused LN + modulate, attention, ``cat([attn, gelu(mlp)])`` in
-    one kernel, the gated residual."""
+    one kernel (``DITFUSE_GEMM_GELU=1``: the GEMM writes the GELU; flux.single_block_mix), the
+    gated residual."""
     residual = hidden_states
     shift_msa, scale_msa, gate = temb.flatten(1, 2).chunk(3, dim=1)
     norm_hidden_states = _ops.layernorm_modulate(hidden_states, scale_msa, shift_msa, block.norm.norm.eps)
-    mlp = block.proj_mlp(norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = block.attn(
-        hidden_states=norm_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        attention_mask=_joint_mask(attention_mask),
-        **joint_attention_kwargs,
-    )
-    hidden_states = _ops.gate_residual(residual, gate, block.proj_out(single_attn_mlp_cat(attn_output, mlp, _ops)))
+
+    def attention() -> tuple[torch.Tensor]:
+        return (block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                           attention_mask=_joint_mask(attention_mask), **joint_attention_kwargs),)
+
+    hidden_states = _ops.gate_residual(residual, gate, block.proj_out(single_block_mix(block, norm_hidden_states,
+                                                                                        attention, _ops)))
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
     return hidden_states
@@ -227,7 +227,7 @@ SITES = (
         applies=single_block_applies,
         high=False,
         description="single block: pruned adaLN-Zero-Single, attention copy + GELU into proj_out's input in one "
-                    "kernel, gate residual",
+                    "kernel, gate residual (DITFUSE_GEMM_GELU=1: proj_mlp + GELU as one GEMM writing proj_out's input)",
     ),
     flux_attention_site("chroma", high=False),
     Site(

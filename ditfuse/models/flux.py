@@ -13,6 +13,7 @@ says why.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,6 +53,39 @@ def _single_mlp_gemm_gelu(block) -> torch.nn.Linear | None:
     if block.proj_out.in_features <= block.proj_mlp.out_features:
         return None
     return block.proj_mlp
+
+
+def single_block_mix(block, n: torch.Tensor, attention: Callable[[], tuple[torch.Tensor, ...]],
+                     _ops: OpSet) -> torch.Tensor:
+    """proj_out's input in a FLUX.1-style single block (FLUX.1, Chroma, HunyuanVideo):
+    ``cat([cat(attention(), dim=1), act_mlp(proj_mlp(n))], dim=2)``, ``act_mlp`` the tanh GELU
+    (the site's ``applies`` checked it), ``attention()`` the attention output as row pieces
+    ([B, S_i, D] or [B, S_i, H, Dh]) covering n's rows in order.
+
+    Default: ``proj_mlp`` as diffusers' Linear, then one kernel writes the buffer (GELU of the MLP
+    half, copy of the attention half: ``activation.gelu_tanh_cat``). ``DITFUSE_GEMM_GELU=1`` with
+    plain modules: ``proj_mlp`` + GELU as one GEMM writing the buffer's MLP columns
+    (``linear.linear_gelu_tanh``), the attention pieces copied into the rest. Copies are exact, so
+    both are diffusers' bits wherever their ops are. ``proj_mlp`` runs before the attention, as in
+    diffusers."""
+    proj_mlp = _single_mlp_gemm_gelu(block)
+    if proj_mlp is None:
+        mlp = block.proj_mlp(n)
+        pieces = attention()
+        return single_attn_mlp_cat(pieces[0] if len(pieces) == 1 else cat_or_view(pieces, dim=1), mlp, _ops)
+    B, S, _ = n.shape
+    width = block.proj_out.in_features - proj_mlp.out_features
+    buf = n.new_empty((B, S, block.proj_out.in_features))
+    _ops.linear_gelu_tanh(n, proj_mlp.weight, proj_mlp.bias, buf[:, :, width:])
+    row = 0
+    for piece in attention():
+        if piece.dim() == 4:
+            piece = piece.flatten(2, 3)
+        buf[:, row:row + piece.shape[1], :width].copy_(piece)
+        row += piece.shape[1]
+    if row != S:
+        raise RuntimeError(f"single block: the attention returned {row} rows for {S} input rows")
+    return buf
 
 
 # -- AdaLayerNormZeroSingle (AdaLayerNormZero and AdaLayerNormContinuous: models/adaln.py) -------
@@ -230,7 +264,8 @@ def single_block_forward(
     _link: Link = NO_LINK,
 ):
     """FluxSingleTransformerBlock. ``cat([attn, gelu(proj_mlp(n))], dim=2)`` is one kernel
-    (lossless): the attention output is copied and the GELU written into proj_out's input. The
+    (lossless): the attention output is copied and the GELU written into proj_out's input
+    (:func:`single_block_mix`; ``DITFUSE_GEMM_GELU=1``: the GEMM itself writes the GELU). The
     closing gated residual also computes the next single block's adaLN-Zero-Single norm when it
     follows directly (:mod:`ditfuse.models.handoff`)."""
     text_seq_len = encoder_hidden_states.shape[1]
@@ -241,25 +276,13 @@ def single_block_forward(
     if opened is None:
         opened = _ada_zero_single(block.norm, temb).run(hidden_states, _ops)
     norm_hidden_states, gate = opened
-    proj_mlp = _single_mlp_gemm_gelu(block)
-    if proj_mlp is not None:
-        # proj_out's input buffer: the GEMM-GELU writes its MLP columns, the attention its own
-        B, S, _ = norm_hidden_states.shape
-        width = block.proj_out.in_features - proj_mlp.out_features
-        cat = norm_hidden_states.new_empty((B, S, block.proj_out.in_features))
-        _ops.linear_gelu_tanh(norm_hidden_states, proj_mlp.weight, proj_mlp.bias, cat[:, :, width:])
-    else:
-        mlp = block.proj_mlp(norm_hidden_states)
     joint_attention_kwargs = joint_attention_kwargs or {}
-    attn_output = block.attn(
-        hidden_states=norm_hidden_states,
-        image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
-    )
-    if proj_mlp is not None:
-        cat[:, :, :width].copy_(attn_output.flatten(2, 3) if attn_output.dim() == 4 else attn_output)
-    else:
-        cat = single_attn_mlp_cat(attn_output, mlp, _ops)
+
+    def attention() -> tuple[torch.Tensor]:
+        return (block.attn(hidden_states=norm_hidden_states, image_rotary_emb=image_rotary_emb,
+                           **joint_attention_kwargs),)
+
+    cat = single_block_mix(block, norm_hidden_states, attention, _ops)
     nxt = _link.next_block() if residual.dtype != torch.float16 else None  # fp16 clips after the residual
     hidden_states, opened_next = close_block(_ops, residual, gate, block.proj_out(cat),
                                              None if nxt is None else _ada_zero_single(nxt.norm, temb))

@@ -68,7 +68,7 @@ from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT
 from .adaln import dual_block_applies, norm_out_site, single_block_applies
 from .base import Adapter, Site, attention_site, diffusers_rmsnorms
-from .flux import single_attn_mlp_cat
+from .flux import single_block_mix
 from .handoff import NO_LINK, Link, Opening, close_block
 from .hunyuanvideo15 import block_forward as dual_block_forward
 
@@ -112,15 +112,16 @@ def single_block_forward(
     if opened is None:
         opened = _ada_zero_single(block.norm, temb).run(hidden_states, _ops)
     norm_hidden_states, gate = opened
-    mlp = block.proj_mlp(norm_hidden_states)  # act_mlp is applied by gelu_tanh_cat below
-    attn_output, context_attn_output = block.attn(
-        hidden_states=norm_hidden_states[:, :-text_seq_length, :],
-        encoder_hidden_states=norm_hidden_states[:, -text_seq_length:, :],
-        attention_mask=attention_mask,
-        image_rotary_emb=image_rotary_emb,
-    )
-    attn_output = cat_or_view((attn_output, context_attn_output), dim=1)
-    cat = single_attn_mlp_cat(attn_output, mlp, _ops)
+
+    def attention() -> tuple[torch.Tensor, torch.Tensor]:  # (video rows, text rows)
+        return block.attn(
+            hidden_states=norm_hidden_states[:, :-text_seq_length, :],
+            encoder_hidden_states=norm_hidden_states[:, -text_seq_length:, :],
+            attention_mask=attention_mask,
+            image_rotary_emb=image_rotary_emb,
+        )
+
+    cat = single_block_mix(block, norm_hidden_states, attention, _ops)
     nxt = _link.next_block()
     hidden_states, opened_next = close_block(_ops, residual, gate, block.proj_out(cat),
                                              None if nxt is None else _ada_zero_single(nxt.norm, temb))
@@ -238,7 +239,8 @@ SITES = (
         applies=single_block_applies,
         high=False,
         description="single-stream block (video first): adaLN-Zero-Single, attention copy + GELU into proj_out's "
-                    "input in one kernel, gate residual (+ the next block's adaLN-Zero-Single)",
+                    "input in one kernel, gate residual (+ the next block's adaLN-Zero-Single; DITFUSE_GEMM_GELU=1: "
+                    "proj_mlp + GELU as one GEMM writing proj_out's input)",
         chained=True,
     ),
     attention_site(

@@ -243,7 +243,8 @@ def test_sm90_code_is_a_wgmma_chain_without_spills():
 
 # (family, layer counts, size, extra make_inputs kwargs, calls per forward at batch 1)
 OTHER_FAMILIES = [
-    ("chroma", (2, 1), "64x48", {}, 4),  # ff and ff_context per dual block (single blocks: proj_mlp)
+    ("chroma", (2, 1), "64x48", {}, 5),  # ff and ff_context per dual block, proj_mlp per single block
+    ("hunyuanvideo", (2, 1), "64x48x5", {}, 5),  # the same (its refiner's FeedForward is linear-SiLU)
     ("sd3", (3,), "64x48", {}, 5),  # ff per block, ff_context except the last (context_pre_only)
     ("qwenimage", (2,), "64x48", {}, 4),  # img_mlp and txt_mlp per block
     ("wan", (2,), "32x16x5", {}, 2),  # ffn per block
@@ -256,8 +257,10 @@ OTHER_FAMILIES = [
 @pytest.mark.parametrize("on", [True, False], ids=["on", "off"])
 def test_other_families_feed_forwards(family, layers, size, kw, calls, on, spy, monkeypatch):
     """Every adapter whose blocks run diffusers' FeedForward with a tanh-GELU routes it through
-    models.base.feed_forward: under DITFUSE_GEMM_GELU=1 one GEMM-GELU per FeedForward (its output
-    projection stays diffusers' Linear), bitwise diffusers on the reference chains; off, none."""
+    models.base.feed_forward, and every FLUX.1-style single block its proj_mlp through
+    flux.single_block_mix: under DITFUSE_GEMM_GELU=1 one GEMM-GELU per FeedForward (its output
+    projection stays diffusers' Linear) and per single block (written into proj_out's input),
+    bitwise diffusers on the reference chains; off, none."""
     monkeypatch.setenv("DITFUSE_DISABLE", "all")
     if on:
         monkeypatch.setenv("DITFUSE_GEMM_GELU", "1")
