@@ -307,7 +307,7 @@ class BitExactGate:
             self._kernel_failed(op, signature, e)
             self._count(op, "reference")
             return reference(*args, **kwargs)
-        k_out = _clone_outputs(k_out)
+        k_out = _clone_outputs(k_out, args, kwargs)
         r_out = reference(*args, **kwargs)
         self._count(op, "reference")
         mismatch: Mismatch | None = compare_outputs(k_out, r_out, name=op)
@@ -349,11 +349,25 @@ class BitExactGate:
         return r_out
 
 
-def _clone_outputs(out: Any) -> Any:
+def _clone_outputs(out: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    """A copy of the kernel's outputs, taken before the reference overwrites what they alias.
+
+    An output that *is* one of the call's tensor arguments (an ``out=`` buffer the op wrote in
+    place, often a strided slice of a larger buffer) is copied with its strides: ``clone()`` of a
+    non-dense view is contiguous, and the layout check would then see a difference the kernel did
+    not make (the reference writes the same ``out`` and returns it with the slice's strides)."""
+    given = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+    return _clone(out, given)
+
+
+def _clone(out: Any, given: list[torch.Tensor]) -> Any:
     if isinstance(out, torch.Tensor):
-        return out.clone()
+        if not any(out is g for g in given):
+            return out.clone()
+        copy = torch.empty_strided(out.size(), out.stride(), dtype=out.dtype, device=out.device)
+        return copy.copy_(out)
     if isinstance(out, (tuple, list)):
-        return type(out)(_clone_outputs(o) for o in out)
+        return type(out)(_clone(o, given) for o in out)
     return out
 
 

@@ -269,6 +269,36 @@ def test_equal_values_in_another_layout_run_that_signature_eager(g, caplog):
     assert [f.signature for f in rep.fallbacks] == [("transposed",)]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_kernel_writing_its_out_slice_is_verified_with_the_slice_layout(g, batch):
+    """An op that writes an ``out=`` slice of a larger buffer in place and returns it (the
+    GEMM-GELU into the FLUX single block's proj_out input): the gate's copy of the kernel's output
+    keeps the slice's strides, so equal values in the same buffer are not a layout difference
+    (round 26's H100 run: the copy was contiguous and the real-width test fell back)."""
+    def op(x, out):
+        return out.copy_(x * 2 + 1)
+
+    x = torch.randn(batch, 5, 3)
+    buf = torch.zeros(batch, 5, 7)
+    kern = Counting(op)
+    got = g.call("t.out_slice", ("s",), kern, Counting(op), x, buf[:, :, 4:])
+    rep = g.report()
+    assert rep.calls["t.out_slice"].get("layout", 0) == 0 and not rep.fallbacks, rep.fallbacks
+    assert rep.verified["t.out_slice"] == [("s",)]
+    assert got.stride() == buf[:, :, 4:].stride() and torch.equal(buf[:, :, 4:], x * 2 + 1)
+    assert torch.equal(buf[:, :, :4], torch.zeros(batch, 5, 4))
+
+
+def test_a_wrong_out_slice_write_is_still_a_mismatch(g):
+    """Keeping the slice's strides does not hide a kernel that wrote wrong values into it."""
+    x = torch.randn(2, 5, 3)
+    buf = torch.zeros(2, 5, 7)
+    kern = Counting(lambda x, out: out.copy_(x * 2))
+    g.call("t.out_slice_bad", ("s",), kern, Counting(lambda x, out: out.copy_(x * 2 + 1)), x, buf[:, :, 4:])
+    assert g.is_disabled("t.out_slice_bad")
+    assert torch.equal(buf[:, :, 4:], x * 2 + 1)  # the reference wrote last
+
+
 def test_size_one_dims_do_not_count_as_layout(g):
     """A size-1 dim's stride addresses nothing: [1, S, D] with stride 0 vs S*D in dim 0 is the
     same layout."""

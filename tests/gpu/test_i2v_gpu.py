@@ -69,7 +69,9 @@ def test_wan_vae_encode_bitwise(cfg, shape, dtype):
 def _pipeline_bitwise(pipe, call, adapter):
     """``call(pipe)`` accelerated (transformer and VAE) is bitwise ``call(pipe)`` plain, twice;
     every op of the transformer's adapter verified and ran; a per-signature cuDNN refusal of the
-    VAE's channels-last convolutions is the gate doing its job (tests/gpu/test_vae_gpu.py)."""
+    VAE's channels-last convolutions is the gate doing its job (tests/gpu/test_vae_gpu.py), and so
+    is their decline of convolutions with fewer than 32 input channels (tiny-flux's VAE:
+    CL_MIN_IN_CHANNELS, round 24; round 26's H100 run saw it as the only fallback)."""
     base = call(pipe)
     ditfuse.gate.reset()
     h = ditfuse.accelerate(pipe)
@@ -79,8 +81,8 @@ def _pipeline_bitwise(pipe, call, adapter):
         h.unmount()
     for i, o in enumerate(outs):
         assert_bitwise_equal(o, base, f"{adapter.family} i2v pipeline, call {i + 1}")
-    assert_engaged(adapter.ops(), per_signature_ok=("modulate.conv_bias_cl", "modulate.conv_bias_residual_cl",
-                                                    "layout.conv_channels_last"))
+    cl_convs = ("modulate.conv_bias_cl", "modulate.conv_bias_residual_cl")
+    assert_engaged(adapter.ops(), per_signature_ok=(*cl_convs, "layout.conv_channels_last"), declined_ok=cl_convs)
 
 
 def test_tiny_wan_i2v_pipeline_bitwise():
