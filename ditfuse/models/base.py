@@ -198,10 +198,11 @@ def linear_cat_enabled() -> bool:
 
 def gemm_gelu_enabled() -> bool:
     """``DITFUSE_GEMM_GELU=1``: FeedForward / MLP projections followed by a tanh-GELU run as one
-    GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``). Off by default until a GPU
-    run has measured it: the op is gated per GEMM problem, but its equality with cuBLAS is an
-    observation about cuBLAS's kernel choice (kernels/linear/linear_gelu_triton.py), and whether a
-    Triton GEMM plus the saved pass beats cuBLAS plus the GELU pass is a benchmark's to say."""
+    GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``). Off by default: round 26's
+    H100 run found it bitwise equal to cuBLAS + GELU at every FLUX.1 shape but slower (the FLUX.1
+    step 136.9 against 128.3 ms; notes/gemm_epilogue.md): the epilogue's GELU arithmetic is not
+    overlapped with the MMAs. The op stays gated per GEMM problem (its equality with cuBLAS is an
+    observation about cuBLAS's kernel choice, kernels/linear/linear_gelu_triton.py)."""
     return env("DITFUSE_GEMM_GELU", "0").strip() not in ("", "0")
 
 
