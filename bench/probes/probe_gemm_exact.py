@@ -98,6 +98,7 @@ def _linear_tma_kernel(
 
 
 _SMS = None
+CTAS_PER_SM = 1
 
 
 def triton_linear_tma(x, w, b, out, cfg, gelu=False):
@@ -112,10 +113,13 @@ def triton_linear_tma(x, w, b, out, cfg, gelu=False):
     a_desc = TensorDescriptor.from_tensor(x, [BM, BK])
     b_desc = TensorDescriptor.from_tensor(w, [BN, BK])
     c_desc = TensorDescriptor.from_tensor(out, [BM, BN])
-    grid = (min(_SMS, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
+    # CTAS_PER_SM > 1: that many persistent programs per SM, so one program's epilogue can run
+    # while another's MMAs do (if shared memory lets them share the SM)
+    programs = _SMS * CTAS_PER_SM
+    grid = (min(programs, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
     _linear_tma_kernel[grid](
         a_desc, b_desc, b, c_desc, M, N, K,
-        BM=BM, BN=BN, BK=BK, GROUP_M=GM, NUM_SMS=_SMS, GELU=gelu, DTYPE=tl.bfloat16,
+        BM=BM, BN=BN, BK=BK, GROUP_M=GM, NUM_SMS=programs, GELU=gelu, DTYPE=tl.bfloat16,
         num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False,
     )
     return out
@@ -154,13 +158,24 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="first two configs only")
     ap.add_argument("--only", nargs="+", default=None, help="shapes whose name contains one of these")
+    ap.add_argument("--configs", nargs="+", default=None, metavar="BMxBNxBKxGMxSTAGESxWARPS",
+                    help="plain-kernel tiles to run instead of CONFIGS")
+    ap.add_argument("--tma-configs", nargs="+", default=None, metavar="BMxBNxBKxGMxSTAGESxWARPS",
+                    help="TMA-kernel tiles to run instead of TMA_CONFIGS")
+    ap.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1],
+                    help="persistent TMA programs per SM (each value is a variant)")
     args = ap.parse_args()
+    global CTAS_PER_SM
     from triton.testing import do_bench_cudagraph
 
     torch.manual_seed(0)
     dev = "cuda"
     rows = []
-    configs = CONFIGS[:2] if args.quick else CONFIGS
+    def parse(cfgs):
+        return [tuple(int(v) for v in c.split("x")) for c in cfgs]
+
+    configs = parse(args.configs) if args.configs else (CONFIGS[:2] if args.quick else CONFIGS)
+    tma_configs = parse(args.tma_configs) if args.tma_configs else TMA_CONFIGS
     shapes = [s for s in SHAPES if args.only is None or any(o in s[0] for o in args.only)]
     for name, M, K, N, gelu_case in shapes:
         # activations of a LayerNorm-ish scale, weights at nn.Linear's init scale
@@ -175,8 +190,10 @@ def main() -> int:
         cub_gelu_ms = do_bench_cudagraph(lambda: F.gelu(F.linear(x, w, b), approximate="tanh")) if gelu_case else None
         print(f"{name}: M={M} K={K} N={N} cuBLAS {cub_ms:.4f} ms ({flops / cub_ms / 1e9:.0f} TF/s) {kname}", flush=True)
         out = torch.empty_like(ref)
-        variants = [("plain", triton_linear, c) for c in configs] + [("tma", triton_linear_tma, c) for c in TMA_CONFIGS]
-        for kind, fn, cfg in variants:
+        variants = [("plain", triton_linear, c, 1) for c in configs]
+        variants += [("tma" if n == 1 else f"tma{n}", triton_linear_tma, c, n) for c in tma_configs for n in args.ctas_per_sm]
+        for kind, fn, cfg, ctas in variants:
+            CTAS_PER_SM = ctas
             row = dict(shape=name, M=M, K=K, N=N, kind=kind, cfg="x".join(map(str, cfg)), cublas_kernel=kname,
                        cublas_ms=round(cub_ms, 4))
             try:
