@@ -477,7 +477,9 @@ def uncompile_regional(blocks: list[Any]) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", default="flux", help="model family (flux, wan, flux2, flux3, chroma, sd3, qwenimage, qwenimage21, zimage, hunyuanvideo15, hunyuanvideo, ltx)")
+    from ditfuse.models import families
+
+    p.add_argument("--family", default="flux", choices=families.names(), help="model family")
     p.add_argument("--config", default="dev", help="the family's transformer config (dev = its real size)")
     p.add_argument("--load", default="pretrained", choices=["pretrained", "plain"],
                    help="dtypes as from_pretrained(torch_dtype=bf16) leaves them, or all bf16")

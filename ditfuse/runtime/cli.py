@@ -103,6 +103,12 @@ def _run_bench_script(name: str, argv: list[str]) -> int:
     return 0
 
 
+# The families `ditfuse bench` names in its help (the parser stays free of torch, so this is a
+# list, not models.families.names(); tests/cpu/test_cli.py keeps the two equal).
+BENCH_FAMILIES = ("flux", "wan", "flux2", "flux3", "chroma", "sd3", "qwenimage", "qwenimage21", "zimage",
+                  "hunyuanvideo15", "hunyuanvideo", "ltx", "chronoedit", "skyreels_v2", "wan_animate")
+
+
 def _cmd_bench(args: argparse.Namespace) -> int:
     if args.target == "kernels":
         return _run_bench_script("bench_kernels.py", args.rest)
@@ -171,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser(
         "bench",
-        help="benchmarks (GPU, from a source checkout): `ditfuse bench flux|wan|flux2|flux3|chroma|sd3|qwenimage|qwenimage21|zimage|hunyuanvideo15|ltx|vae|kernels`",
+        help=f"benchmarks (GPU, from a source checkout): `ditfuse bench {'|'.join(BENCH_FAMILIES)}|vae|kernels`",
         description="`ditfuse bench FAMILY [args]` runs bench/bench_step.py --family FAMILY (one real-size "
         "transformer step: eager / lossless / +CUDA graph / high / torch.compile, profiler breakdown, CSV + "
         "PNG; `ditfuse bench flux --help` lists its options); `ditfuse bench vae [--model flux|flux2|qwenimage|wan|wan22]` runs "

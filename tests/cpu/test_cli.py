@@ -138,3 +138,10 @@ def test_model_help_lists_every_preset_by_what_it_makes():
     for name, p in PRESET_TABLE.items():
         assert f" {name}," in MODEL_HELP or f" {name};" in MODEL_HELP or f" {name})" in MODEL_HELP, name
     assert "videos from an image: tiny-wan-i2v" in MODEL_HELP and "images or edits: tiny-flux-kontext" in MODEL_HELP
+
+
+def test_bench_help_names_every_family():
+    """The bench subcommand's help lists every model family a step benchmark exists for."""
+    from ditfuse.models import families
+
+    assert set(cli.BENCH_FAMILIES) == set(families.names())
