@@ -32,7 +32,7 @@ from ditfuse.models import wan_variants_configs as wv
 from ditfuse.models.autoencoder_kl_wan import ADAPTER as WAN_VAE_ADAPTER
 from tests.support import video_runtime as vr
 from tests.gpu.test_vae_gpu import WAN_TINY, WAN_VAE, _wan_vae
-from tests.support.engaged import assert_engaged
+from tests.support.engaged import TINY_VAE_CL_CONVS, assert_engaged
 
 DEV = "cuda"
 
@@ -81,8 +81,8 @@ def _pipeline_bitwise(pipe, call, adapter):
         h.unmount()
     for i, o in enumerate(outs):
         assert_bitwise_equal(o, base, f"{adapter.family} i2v pipeline, call {i + 1}")
-    cl_convs = ("modulate.conv_bias_cl", "modulate.conv_bias_residual_cl")
-    assert_engaged(adapter.ops(), per_signature_ok=(*cl_convs, "layout.conv_channels_last"), declined_ok=cl_convs)
+    assert_engaged(adapter.ops(), per_signature_ok=(*TINY_VAE_CL_CONVS, "layout.conv_channels_last"),
+                   declined_ok=TINY_VAE_CL_CONVS)
 
 
 def test_tiny_wan_i2v_pipeline_bitwise():
