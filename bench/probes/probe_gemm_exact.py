@@ -25,6 +25,7 @@ Per shape (FLUX.1-dev, 1024x1024, B=1; M = tokens, K -> N the projection):
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -104,10 +105,9 @@ def _linear_tma_kernel(
 
 
 _SMS = None
-CTAS_PER_SM = 1
 
 
-def triton_linear_tma(x, w, b, out, cfg, gelu=False, fast=False):
+def triton_linear_tma(x, w, b, out, cfg, gelu=False, fast=False, ctas_per_sm=1):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     global _SMS
@@ -119,9 +119,9 @@ def triton_linear_tma(x, w, b, out, cfg, gelu=False, fast=False):
     a_desc = TensorDescriptor.from_tensor(x, [BM, BK])
     b_desc = TensorDescriptor.from_tensor(w, [BN, BK])
     c_desc = TensorDescriptor.from_tensor(out, [BM, BN])
-    # CTAS_PER_SM > 1: that many persistent programs per SM, so one program's epilogue can run
+    # ctas_per_sm > 1: that many persistent programs per SM, so one program's epilogue can run
     # while another's MMAs do (if shared memory lets them share the SM)
-    programs = _SMS * CTAS_PER_SM
+    programs = _SMS * ctas_per_sm
     grid = (min(programs, triton.cdiv(M, BM) * triton.cdiv(N, BN)),)
     _linear_tma_kernel[grid](
         a_desc, b_desc, b, c_desc, M, N, K,
@@ -183,7 +183,6 @@ def main() -> int:
     ap.add_argument("--ctas-per-sm", type=int, nargs="+", default=[1],
                     help="persistent TMA programs per SM (each value is a variant)")
     args = ap.parse_args()
-    global CTAS_PER_SM
     from triton.testing import do_bench_cudagraph
 
     torch.manual_seed(0)
@@ -209,10 +208,10 @@ def main() -> int:
         cub_gelu_ms = do_bench_cudagraph(lambda: F.gelu(F.linear(x, w, b), approximate="tanh")) if gelu_case else None
         print(f"{name}: M={M} K={K} N={N} cuBLAS {cub_ms:.4f} ms ({flops / cub_ms / 1e9:.0f} TF/s) {kname}", flush=True)
         out = torch.empty_like(ref)
-        variants = [("plain", triton_linear, c, 1) for c in configs]
-        variants += [("tma" if n == 1 else f"tma{n}", triton_linear_tma, c, n) for c in tma_configs for n in args.ctas_per_sm]
-        for kind, fn, cfg, ctas in variants:
-            CTAS_PER_SM = ctas
+        variants = [("plain", triton_linear, c) for c in configs]
+        variants += [("tma" if n == 1 else f"tma{n}", functools.partial(triton_linear_tma, ctas_per_sm=n), c)
+                     for c in tma_configs for n in args.ctas_per_sm]
+        for kind, fn, cfg in variants:
             row = dict(shape=name, M=M, K=K, N=N, kind=kind, cfg="x".join(map(str, cfg)), cublas_kernel=kname,
                        cublas_ms=round(cub_ms, 4))
             try:
