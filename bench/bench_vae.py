@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import os
 import statistics
 import sys
@@ -131,11 +132,18 @@ def main(argv: list[str] | None = None) -> int:
             breakdown.append(dict(row, **{k: round(v, 2) for k, v in cats.items()}, **meta))
 
     def timed(fn):
+        # Each provider starts from an empty allocator cache: round 27's H200 run timed the
+        # providers in order with the earlier ones' cached blocks still held, and the GPU idle of
+        # the Wan decode grew run by run (11.0, 21.2, 29.2 ms) with the same kernels.
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         # two warm-ups: the Wan adapter's first decode records eager's layouts (NCDHW), the second
         # is the first channels-last one (the gate verifies each new convolution signature)
         fn()
         fn()
         torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()
         ts = []
         for _ in range(args.steps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -144,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
             b.record()
             b.synchronize()
             ts.append(a.elapsed_time(b))
+        after = torch.cuda.memory_stats()
+        # cudaMalloc / cudaFree inside the timed decodes (each may stall the stream)
+        print("[vae]   timed decodes: " + ", ".join(
+            f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")),
+            flush=True)
         return statistics.median(ts), out
 
     for size in sizes:

@@ -22,7 +22,7 @@ import inspect
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -203,12 +203,21 @@ class CloseOp(_RegisteredOp):
 
 
 class OpSet:
-    """The ops of one quality tier, by name: ``LOSSLESS.layernorm_modulate(...)``."""
+    """The ops of one quality tier, by name: ``LOSSLESS.layernorm_modulate(...)``.
 
-    def __init__(self, quality: Quality, ops: dict[str, Any]) -> None:
+    ``optional``: names of ops whose path a fast forward takes only when its table says so
+    (:meth:`runs`), e.g. the GEMM-GELU, off by default losslessly (slower than cuBLAS + GELU) and
+    run by the quality="high" table of a site that declares it (``Site.high_ops``)."""
+
+    def __init__(self, quality: Quality, ops: dict[str, Any], optional: frozenset[str] = frozenset()) -> None:
         self.quality = quality
+        self.optional = frozenset(optional)
         self._ops = dict(ops)
         self.__dict__.update(self._ops)
+
+    def runs(self, name: str) -> bool:
+        """Whether a fast forward takes optional op ``name``'s path with this table."""
+        return name in self.optional
 
     def __getattr__(self, name: str) -> Any:  # only reached for unknown names
         raise AttributeError(f"no op named {name!r} in the {self.quality.value} op set "
@@ -230,6 +239,29 @@ HIGH = OpSet(Quality.HIGH, {g.descriptor.name: _CLOSE_FOR.get(g.op, g) for g in 
 TIERS = {Quality.LOSSLESS: LOSSLESS, Quality.HIGH: HIGH}
 
 
+_HIGH_TABLES: dict[tuple[frozenset[str], frozenset[str]], OpSet] = {}
+_tables_lock = threading.Lock()
+
+
+def high_table(ops: Iterable[OpDescriptor], optional: Iterable[OpDescriptor] = ()) -> OpSet:
+    """The quality="high" table of a site that declares ``ops`` (and ``optional``, the ops it
+    calls only under quality="high"): the close variant of each declared op that has one -- the
+    ones the site's guards checked for admission -- and the lossless op for everything else, so a
+    helper shared across sites never runs a close kernel a site did not declare. One table per
+    combination, shared."""
+    optional = tuple(optional)
+    declared = frozenset(d.op for d in (*ops, *optional))
+    key = (declared, frozenset(d.name for d in optional))
+    table = _HIGH_TABLES.get(key)
+    if table is None:
+        with _tables_lock:
+            table = _HIGH_TABLES.setdefault(key, OpSet(
+                Quality.HIGH,
+                {g.descriptor.name: (_CLOSE_FOR.get(g.op, g) if g.op in declared else g) for g in GATED.values()},
+                optional=key[1]))
+    return table
+
+
 def close_variant(descriptor: OpDescriptor) -> CloseOp | None:
     """The close op standing in for bit-exact op ``descriptor`` under quality="high", if any."""
     return _CLOSE_FOR.get(descriptor.op)
@@ -241,4 +273,4 @@ def reset_counts() -> None:
 
 
 __all__ = ["GatedOp", "CloseOp", "OpSet", "LOSSLESS", "HIGH", "TIERS", "GATED", "CLOSE", "close_variant",
-           "reset_counts"]
+           "high_table", "reset_counts"]

@@ -271,3 +271,14 @@ def gate_residual_rms_norm_diffusers_scale_fp64(
 
 __all__ += ["rms_norm_diffusers_scale_fp64", "gate_residual_rms_norm_diffusers_fp64",
             "gate_residual_rms_norm_diffusers_scale_fp64"]
+
+
+def linear_gelu_tanh_fp64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gelu_tanh(x @ weight^T + bias)`` in fp64 (``out`` is where the op writes; the math
+    ignores it)."""
+    y = x.double() @ weight.double().t()
+    if bias is not None:
+        y = y + bias.double()
+    return 0.5 * y * (1.0 + torch.tanh((2.0 / torch.pi) ** 0.5 * (y + 0.044715 * y ** 3)))
+__all__ += ["linear_gelu_tanh_fp64"]

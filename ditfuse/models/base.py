@@ -10,7 +10,8 @@ when the fast forward applies to an instance. Nothing else is per family.
 Mounting: one diffusers ``ModelHook`` per module (``ditfuse.<site>``, through
 ``diffusers.hooks.HookRegistry``: named, removable, composes with diffusers' own hooks) whose
 ``new_forward`` calls the site's fast forward with an op table (:mod:`ditfuse.contracts.ops`):
-``LOSSLESS`` when mounted, ``HIGH`` after :meth:`Adapter.set_quality` checked every guard of every
+``LOSSLESS`` when mounted, the site's quality="high" table (``contracts.ops.high_table``: close
+variants of the ops it declares) after :meth:`Adapter.set_quality` checked every guard of every
 site of the model (all or nothing, contracts/quality.py), back to ``LOSSLESS`` on the way down.
 Swapping the table is the only difference between the tiers: there is one fast forward per site.
 The hook goes to the bottom of the module's hook chain (:func:`register_innermost`): it replaces
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from ..contracts import admission
-from ..contracts.ops import HIGH, LOSSLESS, TIERS, OpSet, close_variant
+from ..contracts.ops import LOSSLESS, TIERS, OpSet, close_variant, high_table
 from ..contracts.quality import Guard, MountResult, Quality, check_all
 from ..kernels.spec import OpDescriptor
 from ..kernels.env import env
@@ -72,6 +73,9 @@ class Site:
     calls. ``applies(module)``: None when the fast forward reproduces this instance's
     configuration, else why not (the module then keeps its own forward; the report says why).
     ``high=False``: no quality="high" tier for this site even if its ops have close variants.
+    ``high_ops``: ops the fast forward calls only under quality="high", through their close
+    variants (their lossless form is off by default, e.g. the GEMM-GELU): they join the site's
+    high guards (admission) and its high table's ``optional`` ops, not ``Adapter.ops()``.
     ``chained=True``: the site's modules are the blocks of an ``nn.ModuleList`` that hand off
     across block boundaries (:mod:`ditfuse.models.handoff`); the fast forward also gets
     ``_link``, its :class:`~ditfuse.models.handoff.Link`. ``release(module)``, if given, runs when
@@ -87,6 +91,7 @@ class Site:
     high: bool = True
     description: str = ""
     chained: bool = False
+    high_ops: tuple[OpDescriptor, ...] = ()
     release: Callable[[torch.nn.Module], None] | None = None
 
     @property
@@ -105,7 +110,11 @@ class Site:
         """The close ops this site runs under quality="high" (empty: the site has no high tier)."""
         if not self.high:
             return []
-        return [c for c in (close_variant(d) for d in self.ops) if c is not None]
+        return [c for c in (close_variant(d) for d in (*self.ops, *self.high_ops)) if c is not None]
+
+    def high_table(self) -> OpSet:
+        """The op table this site runs under quality="high" (:func:`ditfuse.contracts.ops.high_table`)."""
+        return high_table(self.ops, self.high_ops)
 
     def high_guards(self) -> list[Guard]:
         """What must hold before this site runs its close ops (see the module docstring)."""
@@ -210,7 +219,7 @@ def gelu_projection(module: object) -> torch.nn.Linear | None:
     """The projection of a module computing ``F.gelu(proj(x), approximate="tanh")`` that a fast
     forward may run as one GEMM-GELU (``linear.linear_gelu_tanh``): diffusers' ``GELU`` module
     with ``approximate="tanh"`` around a plain ``nn.Linear``, nothing hooking either; None
-    otherwise. Callers ask :func:`gemm_gelu_enabled` first."""
+    otherwise. Callers ask :func:`gemm_gelu_runs` first."""
     from diffusers.models.activations import GELU
 
     if not plain_module(module, GELU) or module.approximate != "tanh" or not plain_linear(module.proj):
@@ -218,11 +227,18 @@ def gelu_projection(module: object) -> torch.nn.Linear | None:
     return module.proj
 
 
+def gemm_gelu_runs(_ops: OpSet) -> bool:
+    """A fast forward runs ``linear_gelu_tanh`` with table ``_ops``: the site's quality="high"
+    table declares it (``Site.high_ops``: its close variant) or ``DITFUSE_GEMM_GELU=1``."""
+    return _ops.runs("linear_gelu_tanh") or gemm_gelu_enabled()
+
+
 def feed_forward(ff, x: torch.Tensor, _ops: OpSet) -> torch.Tensor:
-    """diffusers' FeedForward on ``x``; with ``DITFUSE_GEMM_GELU=1`` and a plain tanh-GELU first
-    layer, that layer is one GEMM with the GELU in its epilogue (``linear.linear_gelu_tanh``) and
-    the rest of ``ff.net`` (dropout, output projection) runs as diffusers' modules."""
-    if not gemm_gelu_enabled():  # first: the default path pays one environment lookup
+    """diffusers' FeedForward on ``x``; where :func:`gemm_gelu_runs` and the first layer is a
+    plain tanh-GELU, that layer is one GEMM with the GELU in its epilogue
+    (``_ops.linear_gelu_tanh``) and the rest of ``ff.net`` (dropout, output projection) runs as
+    diffusers' modules."""
+    if not gemm_gelu_runs(_ops):  # first: the default path pays a set lookup and one environment lookup
         return ff(x)
     from diffusers.models.attention import FeedForward
 
@@ -407,7 +423,8 @@ def handoff_counts(model: torch.nn.Module) -> dict[str, int]:
 
 def mounted_high(model: torch.nn.Module) -> list[str]:
     """The sites of ``model`` currently running their quality="high" forward ("path:site")."""
-    return [f"{p}:{h.site.name}" for p, _, h in site_hooks(model) if h.ops is HIGH and h.site.close_ops()]
+    return [f"{p}:{h.site.name}" for p, _, h in site_hooks(model)
+            if h.ops.quality is Quality.HIGH and h.site.close_ops()]
 
 
 # ------------------------------------------------------------------------------ the hook chain
@@ -625,7 +642,7 @@ class Adapter:
             if q is Quality.LOSSLESS:
                 res = MountResult(q)
                 for p, _, h in capable:
-                    if h.ops is HIGH:
+                    if h.ops.quality is Quality.HIGH:
                         res.unmounted.append(f"{p}:{h.site.name}")
                 for _, _, h in hooks:
                     h.ops = LOSSLESS
@@ -634,13 +651,13 @@ class Adapter:
             if failure is not None:
                 res = MountResult(q, failed=failure)
                 for p, _, h in hooks:
-                    if h.ops is HIGH and h.site.close_ops():
+                    if h.ops.quality is Quality.HIGH and h.site.close_ops():
                         res.unmounted.append(f"{p}:{h.site.name}")
                     h.ops = LOSSLESS
                 return res
             res = MountResult(q)
             for p, _, h in capable:
-                h.ops = HIGH
+                h.ops = h.site.high_table()
                 res.mounted.append(f"{p}:{h.site.name}")
             return res
 
@@ -673,6 +690,11 @@ class _Recorder:
         self.quality = Quality.LOSSLESS
         self._out = out
         self._max = max_per_op
+
+    def runs(self, name: str) -> bool:
+        """Every optional path (``OpSet.runs``) runs while recording: a close op's inputs are
+        captured wherever some site's high table would call it."""
+        return True
 
     def __getattr__(self, name: str) -> Any:
         gated = getattr(LOSSLESS, name)
@@ -725,7 +747,7 @@ def capture_admission_batches(
 
 __all__ = [
     "Adapter", "AdapterMount", "AdapterVersionError", "MountedSite", "Site", "SiteHook",
-    "capture_admission_batches", "feed_forward", "gelu_projection", "gemm_gelu_enabled", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
+    "capture_admission_batches", "feed_forward", "gelu_projection", "gemm_gelu_enabled", "gemm_gelu_runs", "half_precision", "handoff_counts", "mounted_high", "no_foreign_hooks", "plain_linear", "plain_module",
     "linear_cat_applies",
     "site_hooks", "TIERS",
 ]

@@ -21,12 +21,13 @@ import torch
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import GELU_TANH_CAT
 from ..kernels.layout.joint_buffers_torch import cat_or_view
+from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ROPE
 from .adaln import (ada_zero, ada_zero_opening, dual_block_applies, norm_out_forward,  # noqa: F401 (re-exported)
                     norm_out_site, single_block_applies)
-from .base import Adapter, Site, feed_forward, gemm_gelu_enabled, linear_cat_applies, plain_linear, plain_module
+from .base import Adapter, Site, feed_forward, gemm_gelu_runs, linear_cat_applies, plain_linear, plain_module
 from .handoff import NO_LINK, Link, Opening, close_block
 from .pos_cache import embedder_site, transformer_scope
 
@@ -43,10 +44,11 @@ def single_attn_mlp_cat(attn_output: torch.Tensor, mlp: torch.Tensor, _ops: OpSe
     return _ops.gelu_tanh_cat(attn_output, mlp)
 
 
-def _single_mlp_gemm_gelu(block) -> torch.nn.Linear | None:
+def _single_mlp_gemm_gelu(block, _ops: OpSet) -> torch.nn.Linear | None:
     """The FLUX single block's ``proj_mlp`` when ``act_mlp(proj_mlp(n))`` may run as one
-    GEMM-GELU written into proj_out's input (``DITFUSE_GEMM_GELU=1``, plain modules, tanh-GELU)."""
-    if not gemm_gelu_enabled() or not plain_linear(block.proj_mlp) or not plain_module(block.act_mlp, torch.nn.GELU):
+    GEMM-GELU written into proj_out's input (:func:`~ditfuse.models.base.gemm_gelu_runs`, plain
+    modules, tanh-GELU)."""
+    if not gemm_gelu_runs(_ops) or not plain_linear(block.proj_mlp) or not plain_module(block.act_mlp, torch.nn.GELU):
         return None
     if block.act_mlp.approximate != "tanh" or not plain_linear(block.proj_out):
         return None
@@ -63,12 +65,13 @@ def single_block_mix(block, n: torch.Tensor, attention: Callable[[], tuple[torch
     ([B, S_i, D] or [B, S_i, H, Dh]) covering n's rows in order.
 
     Default: ``proj_mlp`` as diffusers' Linear, then one kernel writes the buffer (GELU of the MLP
-    half, copy of the attention half: ``activation.gelu_tanh_cat``). ``DITFUSE_GEMM_GELU=1`` with
-    plain modules: ``proj_mlp`` + GELU as one GEMM writing the buffer's MLP columns
-    (``linear.linear_gelu_tanh``), the attention pieces copied into the rest. Copies are exact, so
+    half, copy of the attention half: ``activation.gelu_tanh_cat``). Where ``_ops`` runs the
+    GEMM-GELU (the FLUX.1 site's quality="high" table: its close variant; ``DITFUSE_GEMM_GELU=1``:
+    the exact one) with plain modules: ``proj_mlp`` + GELU as one GEMM writing the buffer's MLP
+    columns (``_ops.linear_gelu_tanh``), the attention pieces copied into the rest. Copies are exact, so
     both are diffusers' bits wherever their ops are. ``proj_mlp`` runs before the attention, as in
     diffusers."""
-    proj_mlp = _single_mlp_gemm_gelu(block)
+    proj_mlp = _single_mlp_gemm_gelu(block, _ops)
     if proj_mlp is None:
         mlp = block.proj_mlp(n)
         pieces = attention()
@@ -364,9 +367,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=dual_block_applies,
         description="dual block: adaLN-Zero, gate+residual+norm2+modulate, FF gate residual "
-                    "(+ the next block's adaLN-Zero across the boundary; DITFUSE_GEMM_GELU=1: the FF's "
-                    "first projection + tanh-GELU as one GEMM)",
+                    "(+ the next block's adaLN-Zero across the boundary; quality=high, or DITFUSE_GEMM_GELU=1 "
+                    "losslessly: the FF's first projection + tanh-GELU as one GEMM)",
         chained=True,
+        high_ops=(LINEAR_GELU_TANH,),
     ),
     Site(
         name="flux.single_block",
@@ -376,9 +380,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=single_block_applies,
         description="single block: adaLN-Zero-Single, attention copy + GELU into proj_out's input in one kernel, "
-                    "gate residual (+ the next block's adaLN-Zero-Single across the boundary; DITFUSE_GEMM_GELU=1: "
-                    "proj_mlp + GELU as one GEMM writing proj_out's input)",
+                    "gate residual (+ the next block's adaLN-Zero-Single across the boundary; quality=high, or "
+                    "DITFUSE_GEMM_GELU=1 losslessly: proj_mlp + GELU as one GEMM writing proj_out's input)",
         chained=True,
+        high_ops=(LINEAR_GELU_TANH,),
     ),
     flux_attention_site("flux"),
     norm_out_site("flux"),

@@ -45,7 +45,10 @@ def test_quality_parse():
 
 
 @pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
-def test_high_runs_close_kernels_and_back_to_lossless_bitwise(flux):
+def test_high_runs_close_kernels_and_back_to_lossless_bitwise(flux, monkeypatch):
+    from ditfuse.kernels.linear import linear_gelu_triton as lg
+
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)  # the tiny model's FeedForwards have few rows
     m, inp, base = flux
     h = ditfuse.accelerate(m)
     try:
@@ -57,7 +60,9 @@ def test_high_runs_close_kernels_and_back_to_lossless_bitwise(flux):
         hi = _run(m, inp)
         used = {op: dict(c.calls) for op, c in ops.CLOSE.items() if c.calls}
         assert set(used) == {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
-                             "rope.qk_rmsnorm_rope_fp32"}, used
+                             "rope.qk_rmsnorm_rope_fp32", "linear.linear_gelu_tanh_fast"}, used
+        # ff and ff_context of the dual block, proj_mlp of the single block
+        assert used["linear.linear_gelu_tanh_fast"] == {"kernel": 3}, used
         assert all(c.get("eager", 0) == 0 and c["kernel"] > 0 for c in used.values()), used
         assert first_mismatch(hi, base) is not None, "high mode changed no bit: the close kernels did not run"
         assert (hi.float() - base.float()).abs().max().item() < 0.05 * base.float().abs().max().item()
@@ -169,18 +174,29 @@ def test_close_op_runs_eager_for_inputs_it_does_not_take():
 
 
 @pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
-def test_capture_admission_batches_and_admission_on_captured(flux):
+def test_capture_admission_batches_and_admission_on_captured(flux, monkeypatch):
+    from ditfuse.kernels.linear import linear_gelu_triton as lg
+
     m, inp, _ = flux
     h = ditfuse.accelerate(m)
     try:
         b = capture_admission_batches(m, inp)
     finally:
         h.unmount()
-    # 4 LN+modulate (norm1, norm1_context, single norm, norm_out), 2 gated residuals, 2 attentions
+    # 4 LN+modulate (norm1, norm1_context, single norm, norm_out), 2 gated residuals, 2 attentions,
+    # 3 GEMM-GELUs (the dual block's two FeedForwards, the single block's proj_mlp: the recording
+    # takes every path some site's high table would)
     assert {op: len(v) for op, v in b.items()} == {
         "norm.layernorm_modulate_fp32": 4, "norm.gate_residual_layernorm_modulate_fp32": 2,
-        "rope.qk_rmsnorm_rope_fp32": 2,
+        "rope.qk_rmsnorm_rope_fp32": 2, "linear.linear_gelu_tanh_fast": 3,
     }
+    gemm = b["linear.linear_gelu_tanh_fast"]
+    assert [a[0].shape[-1] for a, _ in gemm] == [m.inner_dim] * 3
+    # the single block's call wrote into a slice of proj_out's input: recorded as a copy of it
+    assert [kw.get("out", a[3] if len(a) > 3 else None) is not None for a, kw in gemm] == [False, False, True]
+    with pytest.raises(ValueError, match="declined by the kernel"):  # tiny rows: the kernel declines all
+        admission.admit_op("linear.linear_gelu_tanh_fast", gemm, "cpu")
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)
     for op, batches in b.items():
         r = admission.admit_op(op, batches, "cpu")
         assert r.nonfinite_same and r.elements > 0
@@ -194,7 +210,10 @@ def test_capture_needs_a_mounted_model():
 
 @pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 @pytest.mark.parametrize("load", ["pretrained", "plain"])
-def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load):
+def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load, monkeypatch):
+    from ditfuse.kernels.linear import linear_gelu_triton as lg
+
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)  # so that only the site's table can keep it out
     fam = families.get("wan")
     m = fam.build("tiny", device="cpu", load=load)
     inp = fam.make_inputs(m, 1, "32x16x5", device="cpu", txt_tokens=5)
@@ -211,6 +230,9 @@ def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load):
         assert ops.CLOSE["rope.qk_rmsnorm_across_heads_rope_fp32"].calls["kernel"] == 2
         # 2 per block, + block 0's FF residual fused with block 1's norm1 across the boundary
         assert ops.CLOSE["norm.gate_residual_layernorm_modulate_fp32"].calls["kernel"] == 5
+        # Wan's FeedForward goes through models.base.feed_forward like FLUX.1's, but its sites do
+        # not declare the GEMM-GELU (no admission or timing at Wan's shapes): not called
+        assert not ops.CLOSE["linear.linear_gelu_tanh_fast"].calls
         assert first_mismatch(hi, base) is not None
         h.set_quality("lossless")
         assert_bitwise_equal(_run(m, inp), base)

@@ -18,7 +18,7 @@ import ditfuse
 from ditfuse.contracts.ops import LOSSLESS
 from ditfuse.kernels import reference as ref
 from ditfuse.kernels.activation.gelu_tanh_triton import gelu_tanh
-from ditfuse.kernels.compare import assert_bitwise_equal
+from ditfuse.kernels.compare import assert_bitwise_equal, first_mismatch
 from ditfuse.kernels.errors import UnsupportedInput
 from ditfuse.kernels.linear import linear_gelu_triton as lg
 from ditfuse.models import families
@@ -52,6 +52,93 @@ def test_epilogue_bitwise_on_exact_sums(lead, K, N, bias):
     got = lg.linear_gelu_tanh(x, w, b)
     assert got.shape == (*lead, N) and got.is_contiguous()
     assert_bitwise_equal(got, gelu_tanh(pre), name="linear_gelu_tanh vs gelu_tanh(exact GEMM)")
+
+
+@pytest.mark.parametrize("kernel", ["tma", "plain"])
+@pytest.mark.parametrize("lead,K,N", [((1, 1), 64, 80), ((2, 37), 64, 96), ((61,), 96, 32), ((2, 5), 8, 264),
+                                      ((1, 70), 40, 72)],
+                         ids=["M1", "B2-S37", "2d-M61", "K8-N264", "K40-tail"])
+def test_both_bodies_bitwise_on_exact_sums(lead, K, N, kernel):
+    """The persistent TMA body (sm_90; one tile per program under the interpreter) and the cp.async
+    body give the same bits: tiles past M, N and K (zero padding, clipped stores) included."""
+    x, w, b, pre = _exact_problem(lead, K, N)
+    out = torch.full((*lead, N), 5.0, dtype=torch.bfloat16)
+    lg._launch(x, w, b, out, kernel=kernel)
+    assert_bitwise_equal(out, gelu_tanh(pre), name=f"{kernel} body")
+
+
+@pytest.mark.parametrize("kernel", ["tma", "plain"])
+def test_both_bodies_write_a_buffer_slice_only(kernel):
+    x, w, b, pre = _exact_problem((2, 37), 48, 72)
+    buf = torch.full((2, 37, 24 + 72 + 8), 3.0, dtype=torch.bfloat16)
+    lg._launch(x, w, b, buf[:, :, 24:96], kernel=kernel)
+    assert_bitwise_equal(buf[:, :, 24:96], gelu_tanh(pre), name=f"{kernel} slice")
+    assert (buf[:, :, :24] == 3.0).all() and (buf[:, :, 96:] == 3.0).all(), "columns outside the slice were written"
+
+
+def test_body_choice():
+    """TMA wherever it can address the tensors (16-byte bases, a row stride of 8k elements);
+    the cp.async body otherwise."""
+    x, w, b, _ = _exact_problem((2, 9), 32, 48)
+    assert lg._tma_reason(x, w, None) is None
+    assert lg._tma_reason(x, w, torch.empty(2, 9, 48 + 16, dtype=torch.bfloat16)[:, :, 16:]) is None
+    assert "row stride" in lg._tma_reason(x, w, torch.empty(2, 9, 60, dtype=torch.bfloat16)[:, :, 8:56])
+    assert "16-byte" in lg._tma_reason(x, w, torch.empty(2, 9, 51, dtype=torch.bfloat16)[:, :, 3:])
+
+
+def _fast_problem(lead, K, N, seed=0):
+    x, w, b, _ = _exact_problem(lead, K, N, seed=seed)
+    return x, w, b, (x.double() @ w.double().t() + b.double()).float()  # exact in fp32 too
+
+
+@pytest.mark.parametrize("lead,K,N", [((2, 37), 64, 96), ((1, 1), 64, 80), ((61,), 96, 32)])
+def test_fast_is_one_rounding_of_the_fp32_gelu(lead, K, N, monkeypatch):
+    """``linear_gelu_tanh_fast``: the GELU of the unrounded fp32 pre-activation, rounded once.
+    (Under the interpreter the hardware ``tanh.approx`` is libdevice's tanh, so the bits are
+    checkable here; on the GPU the GPU tests measure its error against fp64.)"""
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)
+    x, w, b, pre32 = _fast_problem(lead, K, N)
+    got = lg.linear_gelu_tanh_fast(x, w, b)
+    assert_bitwise_equal(got, gelu_tanh(pre32).to(torch.bfloat16), name="fast = r16(gelu32(acc + bias))")
+    two = gelu_tanh(pre32.to(torch.bfloat16))  # eager's two roundings
+    assert first_mismatch(got, two) is not None, "no element differs from eager: the one rounding did not happen"
+
+
+def test_fast_into_a_slice(monkeypatch):
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)
+    x, w, b, pre32 = _fast_problem((2, 11), 48, 72)
+    buf = torch.full((2, 11, 24 + 72), 3.0, dtype=torch.bfloat16)
+    ret = lg.linear_gelu_tanh_fast(x, w, b, out=buf[:, :, 24:])
+    assert ret.data_ptr() == buf[:, :, 24:].data_ptr() and (buf[:, :, :24] == 3.0).all()
+    assert_bitwise_equal(buf[:, :, 24:], gelu_tanh(pre32).to(torch.bfloat16), name="fast slice")
+
+
+@pytest.mark.parametrize("case", ["few rows", "misaligned out", "out row stride", "fp16", "strided x"])
+def test_fast_declines(case, monkeypatch):
+    x, w, b, _ = _exact_problem((2, 9), 32, 48)
+    out = None
+    if case != "few rows":
+        monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)
+    if case == "misaligned out":
+        out = torch.empty(2, 9, 51, dtype=torch.bfloat16)[:, :, 3:]
+    elif case == "out row stride":
+        out = torch.empty(2, 9, 60, dtype=torch.bfloat16)[:, :, 8:56]
+    elif case == "fp16":
+        x, w, b = x.half(), w.half(), b.half()
+    elif case == "strided x":
+        x = x.transpose(0, 1)
+    assert not lg.can_use_linear_gelu_tanh_fast(x, w, b, out)
+    with pytest.raises(UnsupportedInput):
+        lg.linear_gelu_tanh_fast(x, w, b, out)
+    if case in ("misaligned out", "out row stride"):
+        assert lg.can_use_linear_gelu_tanh(x, w, b, out)  # the exact op's cp.async body takes it
+
+
+def test_fast_rows_threshold():
+    x, w, b, _ = _exact_problem((1, lg.FAST_MIN_ROWS - 1), 8, 16)
+    assert "rows" in lg._fast_reason(x, w, b)
+    x, w, b, _ = _exact_problem((1, lg.FAST_MIN_ROWS), 8, 16)
+    assert lg._fast_reason(x, w, b) is None
 
 
 def test_writes_into_a_buffer_slice_only():
@@ -219,9 +306,10 @@ def test_flux_kernel_through_the_gate_is_bitwise_diffusers(monkeypatch):
 
 
 def test_sm90_code_is_a_wgmma_chain_without_spills():
-    """The kernel compiles for the GPU at its production tile (the interpreter runs code the GPU
-    compiler rejects), its K loop lowers to ``wgmma ... k16`` MMAs with an fp32 accumulator (the
-    chain its equality with cuBLAS rests on), and nothing spills."""
+    """Both kernels (cp.async and persistent TMA, the TMA one with the exact and the close
+    epilogue) compile for the GPU at their production tiles (the interpreter runs code the GPU
+    compiler rejects), their K loops lower to ``wgmma ... k16`` MMAs with an fp32 accumulator
+    (the chain the equality with cuBLAS rests on), and nothing spills."""
     import json
     import os
     import subprocess
@@ -233,12 +321,17 @@ def test_sm90_code_is_a_wgmma_chain_without_spills():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     facts = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert len(facts) == 4, out.stdout
+    assert [f["kernel"] for f in facts] == ["plain"] * 4 + ["tma"] * 2, out.stdout
     for f in facts:
         assert f["mma"] and all(m.startswith("m64n") and m.endswith("k16.f32.bf16.bf16") for m in f["mma"]), f
         assert f["wgmma"] > 0 and f["local_bytes"] == 0, f
+        assert f["shared"] <= 227 * 1024, f  # sm_90's shared memory per block
     with_gelu = [f for f in facts if f["gelu"]]
     assert all(f["fma_rn"] > 0 for f in with_gelu), "the GELU's explicit fma (kKappa * x^3 + x) is missing"
+    exact_tma, fast_tma = facts[4:]
+    assert exact_tma["tma_loads"] > 0 and fast_tma["tma_loads"] > 0, facts[4:]
+    # the exact epilogue is libdevice's tanh written out; the close one is the hardware tanh
+    assert exact_tma["tanh_approx"] == 0 and fast_tma["tanh_approx"] > 0, facts[4:]
 
 
 # (family, layer counts, size, extra make_inputs kwargs, calls per forward at batch 1)

@@ -54,9 +54,48 @@ def facts(gelu: bool = True, bias: bool = True, i64: bool = False) -> dict:
     )
 
 
+def tma_facts(exact: bool = True, gelu: bool = True) -> dict:
+    """The persistent TMA kernel at its production tile (``exact=False``: the close epilogue)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ditfuse.kernels.activation.gelu_tanh_triton import TANH_APPROX, TANH_PTX
+    from ditfuse.kernels.linear import linear_gelu_triton as lg
+
+    k = lg._linear_gelu_tma_kernel
+    names = k.arg_names
+    bm, bn, bk, group_m, stages, warps = lg._TMA_TILE
+    sig = {"a_desc": f"tensordesc<bf16[{bm}, {bk}]>", "b_desc": f"tensordesc<bf16[{bn}, {bk}]>", "b_ptr": "*bf16",
+           "c_desc": f"tensordesc<bf16[{bm}, {bn}]>", "M": "i32", "N": "i32"}
+    cons = dict(K=3072, HAS_BIAS=True, GELU=gelu, EXACT=exact, DTYPE=tl.bfloat16,
+                TANH=TANH_PTX if exact else TANH_APPROX, BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=132)
+    for n in cons:
+        sig[n] = "constexpr"
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ("b_ptr", "N")}
+    src = ASTSource(fn=k, signature=sig, attrs=attrs, constexprs={(names.index(a),): v for a, v in cons.items()})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+                                    enable_reflect_ftz=False))
+    ptx = c.asm["ptx"]
+    regs, lmem, _ = cubin_facts(c)
+    return dict(
+        kernel="tma", exact=exact, gelu=gelu, bias=True, i64=False,
+        mma=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\S+)", ptx))),
+        wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
+        tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        tanh_approx=len(re.findall(r"tanh\.approx\.f32", ptx)),
+        fma_rn=len(re.findall(r"fma\.rn\.f32", ptx)),
+        registers=regs, local_bytes=lmem, shared=c.metadata.shared,
+    )
+
+
 def main() -> None:
     for kw in (dict(), dict(gelu=False), dict(bias=False), dict(i64=True)):
-        print(json.dumps(facts(**kw)), flush=True)
+        print(json.dumps(dict(kernel="plain", **facts(**kw))), flush=True)
+    for kw in (dict(), dict(exact=False)):
+        print(json.dumps(tma_facts(**kw)), flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,10 @@ class ReferenceOps:
 
         return LOSSLESS.quality
 
+    def runs(self, name: str) -> bool:
+        """No optional path (``OpSet.runs``) but by its environment switch, as the lossless table."""
+        return False
+
     def __getattr__(self, name: str) -> Any:
         from ditfuse.kernels import DESCRIPTORS
 

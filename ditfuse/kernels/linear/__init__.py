@@ -12,10 +12,21 @@ LINEAR_GELU_TANH = OpDescriptor(
             "disappear; equal to cuBLAS + GELU where cuBLAS chains K the same way (verified per "
             "GEMM problem at first sight)",
     reference="ditfuse.kernels.reference:linear_gelu_tanh",
+    exact="ditfuse.kernels.exact:linear_gelu_tanh_fp64",
     impls=(triton_impl("linear.linear_gelu_triton", "linear_gelu_tanh"),),
     key=(K("x", dims=(0, -2, -1), rank=True), K("weight", dims=(0,)), K("bias"), K("out")),
     key_note="every GEMM shape (cuBLAS picks its kernel from M, N, K)",
     per_signature=True,
 )
 
-DESCRIPTORS = (LINEAR_GELU_TANH,)
+LINEAR_GELU_TANH_FAST = OpDescriptor(
+    op="linear.linear_gelu_tanh_fast",
+    contract=Contract.CLOSE,
+    replaces="r(gelu(r(linear(x, W, b)))) -> r(gelu32(linear32(x, W, b))) with tanh.approx",
+    summary="the GEMM-GELU with one rounding: the GELU of the fp32 pre-activation (hardware tanh), "
+            "persistent TMA GEMM on sm_90; declines fewer than 1024 rows (eager is faster there)",
+    impls=(triton_impl("linear.linear_gelu_triton", "linear_gelu_tanh_fast"),),
+    lossless=LINEAR_GELU_TANH,
+)
+
+DESCRIPTORS = (LINEAR_GELU_TANH, LINEAR_GELU_TANH_FAST)

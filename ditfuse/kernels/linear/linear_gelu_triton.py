@@ -19,6 +19,19 @@ observation about cuBLAS's choice per GEMM shape, not a construction. So the op 
 compared with the live eager chain, and a mismatch sends that problem to eager for good, with a
 log line. bench/probes/probe_gemm_exact.py measures the equality and the speed at FLUX.1's shapes.
 
+Two kernel bodies run the same K chain. On sm_90 (and under the interpreter) a persistent one fed
+by TMA descriptors (one program per SM walks the output tiles in grouped order): 0.95-1.01x
+cuBLAS's GEMM time at FLUX.1's shapes on the H200 (round 27, probe_gemm_exact_round27_h200.csv).
+Elsewhere (sm_80 / sm_89, or rows TMA cannot address: a base or row stride not 16-byte aligned)
+the cp.async one, 0.72-0.87x cuBLAS.
+
+The close variant :func:`linear_gelu_tanh_fast` (quality="high") is the TMA kernel with one
+rounding: ``y = r16(gelu32(acc + bias))``, the GELU of the unrounded fp32 pre-activation with the
+hardware ``tanh.approx.f32``. On the H200 it ran at 1.05-1.13x eager's GEMM + GELU at the FLUX.1
+image-stream shapes (M >= 4096) with 0.64x eager's RMS and 0.95-0.97x its max error against fp64
+(fewer roundings than eager); at M = 512 (the text stream) 0.96x, so it declines rows below
+:data:`FAST_MIN_ROWS`.
+
 Only bf16: fp32 F.linear does not use bf16 tensor-core MMAs, and fp16 GEMMs may reduce in fp16
 (``allow_fp16_reduced_precision_reduction``). Under ``TRITON_INTERPRET=1`` (CPU tests) the MMA is a
 numpy fp32 matmul (other summation order), so CPU results agree with eager to an ulp of the
@@ -31,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..activation.gelu_tanh_triton import TANH_PTX, _gelu_f32
+from ..activation.gelu_tanh_triton import TANH_APPROX, TANH_PTX, _gelu_f32
 from ..common.host import cdiv, device_reason, grad_reason, use_custom_op
 from ..common.launch import launch
 from ..common.rounding import INTERPRET, round_to, rround
@@ -41,7 +54,6 @@ from ..errors import UnsupportedInput
 # pipeline stages, warps. bench/probes/probe_gemm_exact.py sweeps the candidates.
 _BM, _BN, _BK, _GROUP_M, _STAGES, _WARPS = 128, 256, 64, 8, 3, 8
 _INTERPRET_TILE = (32, 32, 32)  # the interpreter runs each program in Python: few, small tiles
-_TANH: tl.constexpr = tl.constexpr(TANH_PTX)  # a jitted function reads only constexpr globals
 
 
 @triton.jit
@@ -54,6 +66,7 @@ def _linear_gelu_kernel(
     GELU: tl.constexpr,
     EXACT: tl.constexpr,
     DTYPE: tl.constexpr,
+    TANH: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     I64: tl.constexpr,
 ):
@@ -90,9 +103,66 @@ def _linear_gelu_kernel(
         if EXACT:
             # the GEMM's store rounds; the GELU reads that value back in fp32
             acc = rround(acc, DTYPE)
-        acc = _gelu_f32(acc, True, _TANH)
+        acc = _gelu_f32(acc, True, TANH)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None] * som + rn[None, :], round_to(acc, DTYPE), mask=mask)
+
+
+@triton.jit
+def _tma_tile(
+    a_desc, b_desc, b_ptr, c_desc, tile, M, N,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, EXACT: tl.constexpr,
+    DTYPE: tl.constexpr, TANH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Output tile ``tile`` of the TMA kernel (grouped order, as :func:`_linear_gelu_kernel`)."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (tile // group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % group) % gsize
+    pid_n = (tile % group) // gsize
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    # k = 0 upwards into one accumulator (cuBLAS's chain); rows past M and columns past K load
+    # as zeros (the descriptor's padding), adding exact zeros
+    for ki in range((K + BK - 1) // BK):
+        a = a_desc.load([pid_m * BM, ki * BK])
+        b = b_desc.load([pid_n * BN, ki * BK])
+        if INTERPRET:  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b.T, acc)
+    if HAS_BIAS:
+        rn = pid_n * BN + tl.arange(0, BN)
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if GELU:
+        if EXACT:
+            acc = rround(acc, DTYPE)  # the GEMM's store rounds; the GELU reads that value back
+        acc = _gelu_f32(acc, True, TANH)
+    # the descriptor's shape is the output's [M, N]: a tile's store is clipped there (columns
+    # past N of a buffer slice are never written)
+    c_desc.store([pid_m * BM, pid_n * BN], round_to(acc, DTYPE))
+
+
+@triton.jit
+def _linear_gelu_tma_kernel(
+    a_desc, b_desc, b_ptr, c_desc,
+    M, N,
+    K: tl.constexpr, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, EXACT: tl.constexpr,
+    DTYPE: tl.constexpr, TANH: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """Persistent on the GPU: program p computes tiles p, p + PROGRAMS, ... (``flatten``: the
+    next tile's loads are issued while this tile's epilogue runs). The interpreter cannot run a
+    persistent loop over a program id (Triton 3.6), so there each program computes one tile."""
+    if INTERPRET:
+        _tma_tile(a_desc, b_desc, b_ptr, c_desc, tl.program_id(0), M, N, K, HAS_BIAS, GELU, EXACT, DTYPE, TANH,
+                  BM, BN, BK, GROUP_M)
+    else:
+        for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), PROGRAMS, flatten=True):
+            _tma_tile(a_desc, b_desc, b_ptr, c_desc, tile, M, N, K, HAS_BIAS, GELU, EXACT, DTYPE, TANH,
+                      BM, BN, BK, GROUP_M)
 
 
 def _rows(t: torch.Tensor) -> int | None:
@@ -164,15 +234,66 @@ def can_use_linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     return _unsupported_reason(x, weight, bias, out) is None
 
 
+_TMA_TILE = (128, 256, 64, 8, 3, 8)  # the H200 sweep's fastest at every FLUX.1 shape (round 27)
+# Below this many rows the close kernel ran slower than eager's GEMM + GELU (M = 512: 0.96x on the
+# H200, the text stream's FeedForward), so it declines them and eager runs.
+FAST_MIN_ROWS = 1024
+_SMS: dict[int, int] = {}
+
+
+def _programs(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def _tma_reason(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> str | None:
+    """None when the TMA kernel can address these tensors: sm_90 (or the interpreter), every base
+    16-byte aligned, out's row stride a multiple of 8 elements (x and weight are contiguous with
+    K a multiple of 8 by the shared rules)."""
+    if not INTERPRET:
+        major, _ = torch.cuda.get_device_capability(x.device)
+        if major != 9:
+            return f"sm_{major}x: the TMA kernel is built for sm_90"
+    for name, t in (("x", x), ("weight", weight), ("out", out)):
+        if t is not None and t.data_ptr() % 16:
+            return f"{name}'s address is not 16-byte aligned (TMA)"
+    if out is not None and _rows(out) % 8:
+        return f"out's row stride {_rows(out)} is not a multiple of 8 elements (TMA)"
+    return None
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-            *, gelu: bool = True, exact: bool = True, tile: tuple[int, ...] | None = None) -> None:
+            *, gelu: bool = True, exact: bool = True, tile: tuple[int, ...] | None = None,
+            kernel: str | None = None) -> None:
     """Launch (no checks). ``gelu=False`` stores ``r16(acc + bias)`` alone (F.linear's bits: the
-    probe's accumulator check); ``tile`` = (BM, BN, BK, GROUP_M, stages, warps) for the probe's
-    sweep, None for the production tile."""
+    probe's accumulator check); ``exact=False`` is the close epilogue (one rounding, tanh.approx);
+    ``tile`` = (BM, BN, BK, GROUP_M, stages, warps) for the probe's sweep, None for the production
+    tile; ``kernel`` "tma" / "plain" forces a body (tests, probe), None picks TMA where it can."""
     K = x.shape[-1]
     N = weight.shape[0]
     M = x.numel() // K
     som = _rows(out)
+    if kernel is None:
+        kernel = "tma" if _tma_reason(x, weight, out) is None else "plain"
+    tanh = TANH_PTX if exact else TANH_APPROX
+    if kernel == "tma":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bm, bn, bk, group_m, stages, warps = tile or ((*_INTERPRET_TILE, 8, 1, 4) if INTERPRET else _TMA_TILE)
+        tiles = cdiv(M, bm) * cdiv(N, bn)
+        programs = tiles if INTERPRET else min(tiles, _programs(x.device))
+        launch(_linear_gelu_tma_kernel, (programs,),
+               TensorDescriptor(x, [M, K], [K, 1], [bm, bk]),
+               TensorDescriptor(weight, [N, K], [K, 1], [bn, bk]),
+               weight if bias is None else bias,
+               TensorDescriptor(out, [M, N], [som, 1], [bm, bn]),
+               M, N,
+               K=K, HAS_BIAS=bias is not None, GELU=gelu, EXACT=exact, DTYPE=tl.bfloat16, TANH=tanh,
+               BM=bm, BN=bn, BK=bk, GROUP_M=group_m, PROGRAMS=programs,
+               num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False)
+        return
     bm, bn, bk, group_m, stages, warps = tile or (*(_INTERPRET_TILE if INTERPRET else (_BM, _BN, _BK)),
                                                   _GROUP_M, _STAGES, _WARPS)
     i64 = max(M * K, M * som, N * K) >= 2 ** 31
@@ -181,7 +302,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
            x, weight, weight if bias is None else bias, out,
            M, N,
            K, weight.stride(0), som,
-           K=K, HAS_BIAS=bias is not None, GELU=gelu, EXACT=exact, DTYPE=tl.bfloat16,
+           K=K, HAS_BIAS=bias is not None, GELU=gelu, EXACT=exact, DTYPE=tl.bfloat16, TANH=tanh,
            BM=bm, BN=bn, BK=bk, GROUP_M=group_m, I64=i64,
            num_stages=stages, num_warps=warps, enable_fp_fusion=False, enable_reflect_ftz=False)
 
@@ -219,4 +340,56 @@ def linear_gelu_tanh(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         torch.ops.ditfuse.linear_gelu_tanh(x, weight, bias, out)
     else:
         _launch(x, weight, bias, out)
+    return out
+
+
+def _fast_reason(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> str | None:
+    reason = _unsupported_reason(x, weight, bias, out)
+    if reason is not None:
+        return reason
+    rows = x.numel() // x.shape[-1]
+    if rows < FAST_MIN_ROWS:
+        return f"{rows} rows < {FAST_MIN_ROWS}: eager's GEMM + GELU is faster there"
+    return _tma_reason(x, weight, out)
+
+
+def can_use_linear_gelu_tanh_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                                  out: torch.Tensor | None = None) -> bool:
+    """True when :func:`linear_gelu_tanh_fast` takes these arguments: everything
+    :func:`can_use_linear_gelu_tanh` takes, with at least :data:`FAST_MIN_ROWS` rows, on sm_90
+    (or the interpreter), every base 16-byte aligned and out's row stride a multiple of 8."""
+    return _fast_reason(x, weight, bias, out) is None
+
+
+@torch.library.custom_op("ditfuse::linear_gelu_tanh_fast", mutates_args=("out",))
+def _linear_gelu_tanh_fast_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                              out: torch.Tensor) -> None:
+    _launch(x, weight, bias, out, exact=False, kernel="tma")
+
+
+@_linear_gelu_tanh_fast_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    return None
+
+
+def linear_gelu_tanh_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = r16(gelu_tanh32(x @ weight^T + bias))``: the close variant of
+    :func:`linear_gelu_tanh` (quality="high"). The GELU reads the unrounded fp32 pre-activation and
+    uses ``tanh.approx.f32``; one rounding at the store instead of eager's two. Not eager's bits;
+    admitted by the fp64 test (contracts/admission.py): against fp64 it is more accurate than
+    eager in RMS (H200, round 27: 0.64x) and about as accurate at the maximum (0.95-0.97x).
+
+    Arguments as :func:`linear_gelu_tanh`. Raises :class:`UnsupportedInput` where
+    :func:`can_use_linear_gelu_tanh_fast` is False (the close op then runs eager's chain)."""
+    reason = _fast_reason(x, weight, bias, out)
+    if reason is not None:
+        raise UnsupportedInput(reason)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+    if use_custom_op():
+        torch.ops.ditfuse.linear_gelu_tanh_fast(x, weight, bias, out)
+    else:
+        _launch(x, weight, bias, out, exact=False, kernel="tma")
     return out
