@@ -21,7 +21,7 @@ log line. bench/probes/probe_gemm_exact.py measures the equality and the speed a
 
 Two kernel bodies run the same K chain. On sm_90 (and under the interpreter) a persistent one fed
 by TMA descriptors (one program per SM walks the output tiles in grouped order): 0.95-1.01x
-cuBLAS's GEMM time at FLUX.1's shapes on the H200 (round 27, probe_gemm_exact_round27_h200.csv).
+cuBLAS's GEMM time at FLUX.1's shapes on the H200 (round 27, bench/results/probe_gemm_exact_round27_a_h200.csv).
 Elsewhere (sm_80 / sm_89, or rows TMA cannot address: a base or row stride not 16-byte aligned)
 the cp.async one, 0.72-0.87x cuBLAS.
 
