@@ -146,11 +146,37 @@ def _params(tmp_path, last=None, seed: int = 5, **kw) -> SamplingParams:
     return p
 
 
+def _run_read(loaded, p):
+    """``run_batch``'s clip for ``p`` alone, and the latents (noise, mask and the images' VAE
+    latents) its first transformer call read."""
+    from ditfuse.runtime.engine import run_batch
+
+    read = []
+
+    def hook(_mod, args, kwargs):
+        if not read:
+            read.append(kwargs["hidden_states"].clone() if "hidden_states" in kwargs else args[0].clone())
+
+    handle = loaded.pipe.transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        clip = run_batch(loaded, [(p, 0)])[0]
+    finally:
+        handle.remove()
+    return clip, read[0]
+
+
 @pytest.mark.parametrize("name", TAKES_LAST)
 def test_run_batch_is_diffusers_own_call_with_both_images(models, name, tmp_path):
     """The runtime's call is diffusers' own with the request's first and last images (read back
     from their files, the last one of another size: the pipeline resizes both) and seed; another
-    last image makes another clip, and (where the checkpoint may go without) so does none."""
+    last image changes what the transformer reads and, with CLIP, the clip; (where the checkpoint
+    may go without) none makes another clip.
+
+    tiny-wan22-a14b-i2v sees the last image only through its VAE latents, and the tiny random VAE
+    (2 base channels) all but ignores its input: two last images move the transformer's input by
+    ~1e-4 and the decoded frames by ~1 float32 ulp, so whether its uint8 clips differ is a
+    rounding accident (they differ by one value for 1 of 12 seeds). There the check is on the
+    transformer's input."""
     from ditfuse.runtime.engine import run_batch
     from ditfuse.runtime.video_io import frames_to_uint8
 
@@ -158,10 +184,14 @@ def test_run_batch_is_diffusers_own_call_with_both_images(models, name, tmp_path
     with torch.no_grad():
         plain = frames_to_uint8(_call(loaded.pipe, seed=5, last=_last())[0].numpy())
     p = _params(tmp_path, _last())
-    clip = run_batch(loaded, [(p, 0)])[0]
+    clip, read = _run_read(loaded, p)
     assert clip.shape == (5, 48, 64, 3)
     np.testing.assert_array_equal(clip, plain)
-    assert not np.array_equal(run_batch(loaded, [(_params(tmp_path, _last(2)), 0)])[0], clip)
+    clip_2, read_2 = _run_read(loaded, _params(tmp_path, _last(2)))
+    # the first image's latent frame as it was, the last image's (the second) another
+    assert torch.equal(read_2[:, :, 0], read[:, :, 0]) and not torch.equal(read_2[:, :, -1], read[:, :, -1])
+    if name != A14B_I2V:
+        assert not np.array_equal(clip_2, clip)
     if name == A14B_I2V:
         assert not np.array_equal(run_batch(loaded, [(_params(tmp_path), 0)])[0], clip)
     else:  # required: refused before anything runs
