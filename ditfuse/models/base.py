@@ -686,15 +686,17 @@ class _Recorder:
     """An op table that records the arguments of every op with a close variant, then runs the
     lossless op (so the forward computes exactly what it computes when mounted lossless)."""
 
-    def __init__(self, out: dict[str, list[admission.Batch]], max_per_op: int | None) -> None:
+    def __init__(self, out: dict[str, list[admission.Batch]], max_per_op: int | None,
+                 optional: frozenset[str] = frozenset()) -> None:
         self.quality = Quality.LOSSLESS
+        self.optional = optional
         self._out = out
         self._max = max_per_op
 
     def runs(self, name: str) -> bool:
-        """Every optional path (``OpSet.runs``) runs while recording: a close op's inputs are
-        captured wherever some site's high table would call it."""
-        return True
+        """The optional paths of the site's own high table run while recording (``optional``):
+        a close op's inputs are captured where the site would call it under quality="high"."""
+        return name in self.optional
 
     def __getattr__(self, name: str) -> Any:
         gated = getattr(LOSSLESS, name)
@@ -713,12 +715,13 @@ class _Recorder:
 
 
 @contextmanager
-def _tables(model: torch.nn.Module, ops: Any) -> Iterator[None]:
+def _tables(model: torch.nn.Module, ops_for: Callable[[SiteHook], Any]) -> Iterator[None]:
+    """Within the block every site hook of ``model`` runs the table ``ops_for(hook)``."""
     hooks = [h for _, _, h in site_hooks(model)]
     saved = [h.ops for h in hooks]
     try:
         for h in hooks:
-            h.ops = ops
+            h.ops = ops_for(h)
         yield
     finally:
         for h, s in zip(hooks, saved):
@@ -737,7 +740,13 @@ def capture_admission_batches(
     if (inputs is None) == (run is None):
         raise ValueError("give either inputs (for model(**inputs)) or run")
     out: dict[str, list[admission.Batch]] = {}
-    with _tables(model, _Recorder(out, max_per_op)), torch.no_grad():
+    recorders: dict[frozenset[str], _Recorder] = {}
+
+    def recorder(h: SiteHook) -> _Recorder:
+        optional = h.site.high_table().optional if h.site.close_ops() else frozenset()
+        return recorders.setdefault(optional, _Recorder(out, max_per_op, optional))
+
+    with _tables(model, recorder), torch.no_grad():
         if run is not None:
             run()
         else:

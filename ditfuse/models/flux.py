@@ -20,7 +20,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import GELU_TANH_CAT
-from ..kernels.layout.joint_buffers_torch import cat_or_view
+from ..kernels.layout.joint_buffers_torch import cat_or_view, copy_bits
 from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
@@ -84,7 +84,7 @@ def single_block_mix(block, n: torch.Tensor, attention: Callable[[], tuple[torch
     for piece in attention():
         if piece.dim() == 4:
             piece = piece.flatten(2, 3)
-        buf[:, row:row + piece.shape[1], :width].copy_(piece)
+        copy_bits(buf[:, row:row + piece.shape[1], :width], piece)
         row += piece.shape[1]
     if row != S:
         raise RuntimeError(f"single block: the attention returned {row} rows for {S} input rows")

@@ -203,6 +203,21 @@ def test_capture_admission_batches_and_admission_on_captured(flux, monkeypatch):
         assert r.rms_ratio <= 1.5, r  # fewer roundings than eager: no worse on RMS
 
 
+@pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
+def test_capture_takes_only_the_sites_own_optional_paths():
+    """Wan's blocks share models.base.feed_forward with FLUX.1's, but do not declare the
+    GEMM-GELU: its capture records no inputs for the close GEMM-GELU (FLUX.1's does, above)."""
+    fam = families.get("wan")
+    m = fam.build("tiny", device="cpu")
+    inp = fam.make_inputs(m, 1, "32x16x5", device="cpu", txt_tokens=5)
+    h = ditfuse.accelerate(m)
+    try:
+        b = capture_admission_batches(m, inp)
+    finally:
+        h.unmount()
+    assert "linear.linear_gelu_tanh_fast" not in b and "rope.qk_rmsnorm_across_heads_rope_fp32" in b, list(b)
+
+
 def test_capture_needs_a_mounted_model():
     with pytest.raises(ValueError, match="mounted"):
         capture_admission_batches(tiny_flux(), {})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ditfuse.kernels.compare import assert_bitwise_equal
@@ -57,3 +58,36 @@ def test_linear_copies_input():
     assert not linear_copies_input(torch.randn(2, 9, 16))
 
 
+
+
+# -- copy_bits: the single block's attention columns under the GEMM-GELU path ---------------------
+
+
+@pytest.mark.parametrize("case", ["wide B2", "wide B1", "odd width", "misaligned column", "fp32", "int64 view of fp16"])
+def test_copy_bits_moves_every_bit_and_nothing_else(case):
+    from ditfuse.kernels.layout.joint_buffers_torch import copy_bits
+
+    dtype = {"fp32": torch.float32, "int64 view of fp16": torch.float16}.get(case, torch.bfloat16)
+    B, S, W, extra, at = (1 if case == "wide B1" else 2), 9, 24, 40, 0
+    if case == "odd width":
+        W = 6
+    if case == "misaligned column":
+        at = 2  # 4 bytes into the row: the 8-byte view cannot be taken
+    buf = torch.full((B, S, at + W + extra), 3.0, dtype=dtype)
+    src = torch.randn(B, S, W).to(dtype)
+    bits = src.view(torch.int16 if src.element_size() == 2 else torch.int32)
+    bits[0, 0, 0] = 0x7FC1 if src.element_size() == 2 else 0x7FC00001  # a NaN with a payload
+    bits[-1, -1, -1] = -0x8000 if src.element_size() == 2 else -0x80000000  # -0.0
+    dst = buf[:, :, at:at + W]
+    assert copy_bits(dst, src).data_ptr() == dst.data_ptr()
+    view = torch.int16 if src.element_size() == 2 else torch.int32
+    assert torch.equal(dst.view(view), src.view(view)), case
+    assert (buf[:, :, :at] == 3.0).all() and (buf[:, :, at + W:] == 3.0).all(), "wrote outside the slice"
+
+
+def test_copy_bits_casts_like_copy_across_dtypes():
+    from ditfuse.kernels.layout.joint_buffers_torch import copy_bits
+
+    src = torch.randn(2, 5, 16)
+    dst = torch.empty(2, 5, 16, dtype=torch.bfloat16)
+    assert torch.equal(copy_bits(dst, src), src.to(torch.bfloat16))

@@ -1,5 +1,6 @@
 """quality="high" on CUDA: every close kernel passes admission on activations captured from
-real-width FLUX.1-dev and Wan2.1-1.3B models; a high-mode forward is within the admitted bounds
+real-width FLUX.1-dev and Wan2.1-1.3B models (FLUX.1's including the close GEMM-GELU, Wan's not:
+its sites do not declare it); a high-mode forward is within the admitted bounds
 against an fp64 forward; lossless after high is bitwise equal to diffusers again."""
 
 import pytest
@@ -39,7 +40,7 @@ def setup(request):
 def test_close_kernels_admitted(setup):
     name, *_, results = setup
     expected = {"flux": {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
-                         "rope.qk_rmsnorm_rope_fp32"},
+                         "rope.qk_rmsnorm_rope_fp32", "linear.linear_gelu_tanh_fast"},
                 "wan": {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
                         "rope.qk_rmsnorm_across_heads_rope_fp32"}}[name]
     assert set(results) == expected
@@ -70,9 +71,12 @@ def test_high_forward_within_bounds_vs_fp64_and_lossless_after(setup):
         ops.reset_counts()
         with torch.no_grad():
             hi = m(**inp)[0]
+        # the text stream's FeedForward (256 rows) is below the close GEMM-GELU's row threshold:
+        # eager's chain runs it (the image stream's 1024 rows and the single block's MLP do not)
+        declined = {"linear.linear_gelu_tanh_fast": 1} if name == "flux" else {}
         for op in results:
             c = ops.CLOSE[op].calls
-            assert c["kernel"] > 0 and c["eager"] == 0, (op, dict(c))
+            assert c["kernel"] > 0 and c["eager"] == declined.get(op, 0), (op, dict(c))
         e_rms, e_max, e_mean = _err(base, ref64)
         k_rms, k_max, k_mean = _err(hi, ref64)
         print(f"\n{name} forward vs fp64: eager rms {e_rms:.4e} max {e_max:.4e} mean {e_mean:.3e}; "
