@@ -208,12 +208,16 @@ def _args(case):
         x = x[:, :0]
     elif case == "grad":
         w = w.clone().requires_grad_(True)
+    elif case == "out overlaps x":
+        mem = torch.zeros(2 * 9 * 32 + 2 * 9 * 48, dtype=torch.bfloat16)
+        mem[:576].copy_(x.flatten())
+        x, out = mem[:576].view(2, 9, 32), mem[400:400 + 864].view(2, 9, 48)
     return x, w, b, out
 
 
 @pytest.mark.parametrize("case", ["fp32", "fp16", "mixed dtypes", "strided x", "transposed weight", "wrong K",
                                   "K not a multiple of 8", "bias shape", "out shape", "out columns strided",
-                                  "out rows uneven", "1-d x", "empty", "grad"])
+                                  "out rows uneven", "1-d x", "empty", "grad", "out overlaps x"])
 def test_rejections(case):
     x, w, b, out = _args(case)
     reason = lg._unsupported_reason(x, w, b, out)
@@ -364,3 +368,19 @@ def test_other_families_feed_forwards(family, layers, size, kw, calls, on, spy, 
     got, want = _run(m, inp)
     assert_bitwise_equal(got, want, name=f"{family} GEMM-GELU {'on' if on else 'off'}")
     assert len(spy) == (calls if on else 0), spy
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_under_torch_compile_through_the_custom_ops(fast, monkeypatch):
+    """Traced by torch.compile, both ops are opaque custom ops (``ditfuse::linear_gelu_tanh``,
+    ``ditfuse::linear_gelu_tanh_fast``) writing ``out``, with the eager call's bits."""
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)
+    fn = lg.linear_gelu_tanh_fast if fast else lg.linear_gelu_tanh
+    x, w, b, _ = _exact_problem((2, 9), 32, 48)
+    want = fn(x, w, b)
+    buf = torch.zeros(2, 9, 16 + 48, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x, w, b, out: fn(x, w, b, out), backend="eager", fullgraph=True)
+    compiled(x, w, b, buf[:, :, 16:])
+    assert_bitwise_equal(buf[:, :, 16:], want, name="compiled")
+    assert (buf[:, :, :16] == 0).all()
