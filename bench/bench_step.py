@@ -365,7 +365,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         # same lossless path); before torch.compile, whose compilation can run out the phase's time
         # (the FLUX.1 and SD3.5 breakdowns of round 14 were lost that way). The CUDA-graph provider
         # is profiled too: one replay's kernels, to compare with the plain lossless step's.
-        if args.profile and batch == args.batches[0]:
+        if args.profile and batch in (args.profile_batches or args.batches[:1]):
             for prov in ["eager"] + [p for p in ("lossless", "lossless_graph", "high") if p in providers]:
                 handle = None if prov == "eager" else ditfuse.accelerate(
                     model, quality="high" if prov == "high" else "lossless", cuda_graph=(prov == "lossless_graph"))
@@ -493,6 +493,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="override block counts (flux: DUAL SINGLE; wan: BLOCKS)")
     p.add_argument("--providers", nargs="+", default=DEFAULT_PROVIDERS, choices=PROVIDERS)
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--profile-batches", type=int, nargs="+", default=None,
+                   help="batch sizes to profile (default: the first of --batches)")
     p.add_argument("--out-dir", default="bench/results")
     p.add_argument("--tag", default="h200", help="file name suffix")
 
