@@ -392,5 +392,9 @@ def linear_gelu_tanh_fast(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     error; the probe's random inputs 0.64x and 0.95-0.97x).
 
     Arguments as :func:`linear_gelu_tanh`. Raises :class:`UnsupportedInput` where
-    :func:`can_use_linear_gelu_tanh_fast` is False (the close op then runs eager's chain)."""
+    :func:`can_use_linear_gelu_tanh_fast` is False (the close op then runs eager's chain): off
+    sm_90 always, in eager. While torch.compile traces, device addresses and hence TMA's
+    alignment are unknown, so the traced custom op picks the body when it runs: the TMA one on
+    sm_90 when it can address the tensors, else the cp.async body with the same close epilogue
+    (on other GPUs too; not timed)."""
     return _run(_fast_reason(x, weight, bias, out), x, weight, bias, out, exact=False)
