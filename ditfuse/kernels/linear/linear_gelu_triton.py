@@ -58,6 +58,32 @@ _INTERPRET_TILE = (32, 32, 32)  # the interpreter runs each program in Python: f
 
 
 @triton.jit
+def _grouped_tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row block, column block) of output tile ``tile``: tiles walk GROUP_M row blocks per
+    column block, so a group's weight tiles stay in L2."""
+    num_m = tl.cdiv(M, BM)
+    num_n = tl.cdiv(N, BN)
+    group = GROUP_M * num_n
+    first_m = (tile // group) * GROUP_M
+    gsize = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + (tile % group) % gsize, (tile % group) // gsize
+
+
+@triton.jit
+def _epilogue(acc, b_ptr, rn, N, HAS_BIAS: tl.constexpr, GELU: tl.constexpr, EXACT: tl.constexpr,
+              DTYPE: tl.constexpr, TANH: tl.constexpr):
+    """fp32 accumulator -> the value both bodies store (before the store's rounding): + bias, then
+    the GELU (``EXACT``: of the rounded pre-activation, as eager reads it back)."""
+    if HAS_BIAS:
+        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+    if GELU:
+        if EXACT:
+            acc = rround(acc, DTYPE)  # the GEMM's store rounds; the GELU reads that value back
+        acc = _gelu_f32(acc, True, TANH)
+    return acc
+
+
+@triton.jit
 def _linear_gelu_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr,
     M, N,
@@ -71,14 +97,7 @@ def _linear_gelu_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
     I64: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group) % gsize
-    pid_n = (pid % group) // gsize
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     rm = pid_m * BM + tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
     rk = tl.arange(0, BK)
@@ -98,13 +117,7 @@ def _linear_gelu_kernel(
         acc = tl.dot(a, b, acc)
         a_ptrs += BK
         b_ptrs += BK
-    if HAS_BIAS:
-        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if GELU:
-        if EXACT:
-            # the GEMM's store rounds; the GELU reads that value back in fp32
-            acc = rround(acc, DTYPE)
-        acc = _gelu_f32(acc, True, TANH)
+    acc = _epilogue(acc, b_ptr, rn, N, HAS_BIAS, GELU, EXACT, DTYPE, TANH)
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     tl.store(out_ptr + rm[:, None] * som + rn[None, :], round_to(acc, DTYPE), mask=mask)
 
@@ -117,13 +130,7 @@ def _tma_tile(
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Output tile ``tile`` of the TMA kernel (grouped order, as :func:`_linear_gelu_kernel`)."""
-    num_m = tl.cdiv(M, BM)
-    num_n = tl.cdiv(N, BN)
-    group = GROUP_M * num_n
-    first_m = (tile // group) * GROUP_M
-    gsize = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % group) % gsize
-    pid_n = (tile % group) // gsize
+    pid_m, pid_n = _grouped_tile(tile, M, N, BM, BN, GROUP_M)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     # k = 0 upwards into one accumulator (cuBLAS's chain); rows past M and columns past K load
     # as zeros (the descriptor's padding), adding exact zeros
@@ -133,13 +140,7 @@ def _tma_tile(
         if INTERPRET:  # the interpreter's bf16 dot multiplies raw bits (Triton 3.6)
             a, b = a.to(tl.float32), b.to(tl.float32)
         acc = tl.dot(a, b.T, acc)
-    if HAS_BIAS:
-        rn = pid_n * BN + tl.arange(0, BN)
-        acc = acc + tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
-    if GELU:
-        if EXACT:
-            acc = rround(acc, DTYPE)  # the GEMM's store rounds; the GELU reads that value back
-        acc = _gelu_f32(acc, True, TANH)
+    acc = _epilogue(acc, b_ptr, pid_n * BN + tl.arange(0, BN), N, HAS_BIAS, GELU, EXACT, DTYPE, TANH)
     # the descriptor's shape is the output's [M, N]: a tile's store is clipped there (columns
     # past N of a buffer slice are never written)
     c_desc.store([pid_m * BM, pid_n * BN], round_to(acc, DTYPE))
