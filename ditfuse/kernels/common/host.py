@@ -145,6 +145,20 @@ def warp_plan(D: int, M: int, warp: bool | None, unroll: bool = True,
     return warp_rows_per_program(M)
 
 
+_SMS: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device`` (cached per device); 4 elsewhere (the
+    interpreter: a small stand-in for grids sized by SMs)."""
+    if device.type != "cuda":
+        return 4
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]
+
+
 def promote(*dtypes: torch.dtype) -> torch.dtype:
     """The dtype an eager op on tensors of these dtypes stores (torch's type promotion)."""
     out = dtypes[0]

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from ..activation.gelu_tanh_triton import TANH_APPROX, TANH_PTX, _gelu_f32
 from ..common.elementwise import overlap_reason
-from ..common.host import cdiv, device_reason, grad_reason, use_custom_op
+from ..common.host import cdiv, device_reason, grad_reason, sm_count, use_custom_op
 from ..common.launch import launch
 from ..common.rounding import INTERPRET, round_to, rround
 from ..errors import UnsupportedInput
@@ -240,16 +240,6 @@ _TMA_TILE = (128, 256, 64, 8, 3, 8)  # the H200 sweep's fastest at every FLUX.1 
 # Below this many rows the close kernel ran slower than eager's GEMM + GELU (M = 512: 0.96x on the
 # H200, the text stream's FeedForward), so it declines them and eager runs.
 FAST_MIN_ROWS = 1024
-_SMS: dict[int, int] = {}
-
-
-def _programs(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
 def _tma_reason(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> str | None:
     """None when the TMA kernel can address these tensors: sm_90 (or the interpreter), every base
     16-byte aligned, out's row stride a multiple of 8 elements (x and weight are contiguous with
@@ -287,7 +277,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
 
         bm, bn, bk, group_m, stages, warps = tile or ((*_INTERPRET_TILE, 8, 1, 4) if INTERPRET else _TMA_TILE)
         tiles = cdiv(M, bm) * cdiv(N, bn)
-        programs = tiles if INTERPRET else min(tiles, _programs(x.device))
+        programs = tiles if INTERPRET else min(tiles, sm_count(x.device))
         launch(_linear_gelu_tma_kernel, (programs,),
                TensorDescriptor(x, [M, K], [K, 1], [bm, bk]),
                TensorDescriptor(weight, [N, K], [K, 1], [bn, bk]),

@@ -64,7 +64,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from ditfuse.kernels.common.elementwise import load_f32
-from ditfuse.kernels.common.host import cdiv, interpreter_on, next_pow2, use_custom_op
+from ditfuse.kernels.common.host import cdiv, interpreter_on, next_pow2, sm_count, use_custom_op
 from ditfuse.kernels.common.rounding import INTERPRET, round_to, rround
 from ditfuse.kernels.common.welford import rsqrt_approx
 from ditfuse.kernels.common.welford_ops import (
@@ -770,18 +770,6 @@ def _launch(
     return out
 
 
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    i = device.index if device.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]
-
-
 def _channels_innermost(x: torch.Tensor) -> bool:
     return x.dim() >= 3 and x.permute(0, *range(2, x.dim()), 1).is_contiguous()
 
@@ -807,7 +795,7 @@ def _launch_cl(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bi
     BS = max(1, min(next_pow2(S), 8192 // C))
     warps = 8 if BS * C >= 4096 else 4
     ntiles = cdiv(S, BS)
-    target = max(1, (4 * _sm_count(x.device)) // N)
+    target = max(1, (4 * sm_count(x.device)) // N)
     P = min(ntiles, target)
     rpp = cdiv(ntiles, P) * BS
     P = cdiv(S, rpp)
