@@ -71,30 +71,66 @@ def _commit() -> str:
 
 
 def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
-               host: list[float] | None = None) -> tuple[list[float], Any]:
+               host: list[float] | None = None, clocks: dict[str, float] | None = None) -> tuple[list[float], Any]:
     """Step times (ms, CUDA events, one synchronised step at a time). ``host``, if given, gets the
     host time of each step's call (until it returns, before the synchronisation: the enqueue
-    cost; a step whose enqueue time reaches its step time is host-bound)."""
+    cost; a step whose enqueue time reaches its step time is host-bound). ``clocks``, if given,
+    gets what the SM clock and the board power did during the timed steps (bench/gpu_clocks.py:
+    the same kernels run slower at the lower clock a power-capped step gets)."""
     import time as _time
 
     import torch
+
+    ClockSampler = _gpu_clocks().ClockSampler
 
     out = None
     for _ in range(warmup):
         out = fn()
     torch.cuda.synchronize()
     times: list[float] = []
-    for _ in range(steps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        t0 = _time.perf_counter()
-        out = fn()
-        if host is not None:
-            host.append((_time.perf_counter() - t0) * 1e3)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    sampler = ClockSampler(torch.cuda.current_device()) if clocks is not None else None
+    if sampler is not None:
+        sampler.__enter__()
+    try:
+        for _ in range(steps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            t0 = _time.perf_counter()
+            out = fn()
+            if host is not None:
+                host.append((_time.perf_counter() - t0) * 1e3)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+    finally:
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
+            clocks.update(sampler.summary)
+            if sampler.error:
+                print(f"[bench] no clock samples: {sampler.error}", flush=True)
     return times, out
+
+
+def _gpu_clocks() -> Any:
+    """bench/gpu_clocks.py, imported by path (this file runs as a script, through ``ditfuse bench``
+    and imported by the tests)."""
+    import importlib.util
+    import sys
+
+    if "gpu_clocks" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_clocks", Path(__file__).with_name("gpu_clocks.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["gpu_clocks"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["gpu_clocks"]
+
+
+def clock_columns(clocks: dict[str, float]) -> dict[str, Any]:
+    """The step CSV's clock columns (empty where nvidia-smi gave nothing)."""
+    def r(k: str, nd: int = 0) -> Any:
+        return round(clocks[k], nd) if k in clocks else ""
+    return dict(sm_mhz=r("sm_mhz"), sm_mhz_min=r("sm_mhz_min"), power_w=r("power_w"),
+                power_capped_pct=r("power_capped_pct"))
 
 
 def sync_points(fn: Callable[[], Any]) -> str:
@@ -262,16 +298,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         txt = args.txt_tokens if args.txt_tokens is not None else (ehs.shape[1] if hasattr(ehs, "shape") else "")
         with torch.no_grad():
             host: list[float] = []
-            times, ref_out = time_steps(step, args.steps, args.warmup, host)
+            clocks: dict[str, float] = {}
+            times, ref_out = time_steps(step, args.steps, args.warmup, host, clocks)
             ref_out = ref_out.clone()
 
-        def record(prov, times, bitwise, rel, host):
+        def record(prov, times, bitwise, rel, host, clocks):
             rows.append(
                 dict(model=f"{fam.name}-{args.config}", provider=prov, batch=batch, size=size,
                      txt_tokens=txt, median_ms=round(statistics.median(times), 3),
                      min_ms=round(min(times), 3), host_ms=round(statistics.median(host), 3),
                      steps=len(times), bitwise_equal=bitwise,
-                     rel_diff_vs_eager=f"{rel:.3e}", **meta)
+                     rel_diff_vs_eager=f"{rel:.3e}", **clock_columns(clocks), **meta)
             )
             # after every provider: a phase that runs out of time keeps what it measured
             with csv_path.open("w", newline="") as f:
@@ -279,12 +316,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 w.writeheader()
                 w.writerows(rows)
 
-        record("eager", times, True, 0.0, host)
+        record("eager", times, True, 0.0, host, clocks)
         with torch.no_grad():
             syncs = sync_points(step)
         print(f"[bench] B={batch} eager {statistics.median(times):.2f} ms "
               f"(host enqueue {statistics.median(host):.1f} ms, {min(host):.1f}-{max(host):.1f}) "
-              f"syncs={syncs or 0}", flush=True)
+              f"syncs={syncs or 0}; {_gpu_clocks().describe(clocks)}", flush=True)
 
         def measure(prov):
             handle = None
@@ -319,11 +356,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 launches0 = fast_launch.stats()
                 with torch.no_grad():
                     host = []
-                    times, out = time_steps(fn, args.steps, args.warmup, host)
+                    clocks = {}
+                    times, out = time_steps(fn, args.steps, args.warmup, host, clocks)
                     syncs = sync_points(fn) if prov not in COMPILED else "n/a"
                 mm = first_mismatch(out, ref_out)
                 rel = relative_l2(out, ref_out)
-                record(prov, times, mm is None, rel, host)
+                record(prov, times, mm is None, rel, host, clocks)
                 extra = ""
                 if handle is not None:
                     rep = ditfuse.gate.report()
@@ -341,7 +379,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 print(f"[bench] B={batch} {prov} {statistics.median(times):.2f} ms "
                       f"(host enqueue {statistics.median(host):.1f} ms, {min(host):.1f}-{max(host):.1f}) "
                       f"syncs={syncs or 0} bitwise={mm is None} "
-                      f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}", flush=True)
+                      f"rel={rel:.2e} ({time.time() - t1:.0f}s){extra}; {_gpu_clocks().describe(clocks)}", flush=True)
             finally:
                 for k, v in saved_env.items():
                     if v is None:
@@ -385,9 +423,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.cuda.empty_cache()
 
     _plot(rows, out_dir / f"{stem}.png")
-    print("\nprovider          batch  median ms  bitwise  rel diff")
+    print("\nprovider          batch  median ms  bitwise  rel diff   SM MHz  power W  capped %")
     for r in rows:
-        print(f"{r['provider']:<17} {r['batch']:>5}  {r['median_ms']:>9.2f}  {str(r['bitwise_equal']):>7}  {r['rel_diff_vs_eager']}")
+        print(f"{r['provider']:<17} {r['batch']:>5}  {r['median_ms']:>9.2f}  {str(r['bitwise_equal']):>7}  {r['rel_diff_vs_eager']}"
+              f"  {r['sm_mhz']!s:>6}  {r['power_w']!s:>7}  {r['power_capped_pct']!s:>8}")
     for b in breakdown:
         print("breakdown", b["provider"], {k: round(v, 2) for k, v in b.items() if isinstance(v, float)})
     return rows
