@@ -89,6 +89,7 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
     torch.cuda.synchronize()
     times: list[float] = []
     sampler = ClockSampler(torch.cuda.current_device()) if clocks is not None else None
+    before = torch.cuda.memory_stats()
     if sampler is not None:
         sampler.__enter__()
     try:
@@ -108,6 +109,12 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
             clocks.update(sampler.summary)
             if sampler.error:
                 print(f"[bench] no clock samples: {sampler.error}", flush=True)
+    after = torch.cuda.memory_stats()
+    # cudaMalloc / cudaFree inside the timed steps: each may stall the stream (a cudaFree waits for
+    # the device), which a step's GPU idle would show but not explain
+    grew = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+    if any(grew.values()):
+        print("[bench] allocator calls in the timed steps: " + ", ".join(f"{k} +{v}" for k, v in grew.items()), flush=True)
     return times, out
 
 

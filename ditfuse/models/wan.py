@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
@@ -304,8 +305,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_block_applies,
         description="block: norm1 + modulate, gated residual + affine norm2, residual + norm3 + modulate, "
-                    "FF gated residual + the next block's norm1 + modulate (fp32 modulation, as diffusers upcasts)",
+                    "FF gated residual + the next block's norm1 + modulate (fp32 modulation, as diffusers upcasts; "
+                    "quality=high: the FF's first projection + tanh-GELU as one GEMM)",
         chained=True,
+        high_ops=(LINEAR_GELU_TANH,),
     ),
     Site(
         name="wan.attention",

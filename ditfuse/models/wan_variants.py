@@ -67,7 +67,7 @@ _MODEL_PARAMS = ("self", "hidden_states", "timestep", "encoder_hidden_states", "
 def _block_site(family: str, cls: str, forward=wan.block_forward, params=_BLOCK_PARAMS, note: str = "") -> Site:
     return Site(
         name=f"{family}.block", cls=cls, params=params, forward=forward,
-        ops=_WAN['wan.block'].ops, applies=wan._block_applies, chained=True,
+        ops=_WAN['wan.block'].ops, high_ops=_WAN['wan.block'].high_ops, applies=wan._block_applies, chained=True,
         description=f"Wan's block site{note}: " + _WAN['wan.block'].description,
     )
 
