@@ -145,17 +145,22 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         before = torch.cuda.memory_stats()
         ts = []
-        for _ in range(args.steps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            out = fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b))
+        from bench.bench_step import _gpu_clocks
+
+        with _gpu_clocks().ClockSampler(torch.cuda.current_device()) as clocks:
+            for _ in range(args.steps):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                out = fn()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b))
         after = torch.cuda.memory_stats()
-        # cudaMalloc / cudaFree inside the timed decodes (each may stall the stream)
+        # cudaMalloc / cudaFree inside the timed decodes (each may stall the stream); the clock
+        # and power the decodes ran at (the same convolutions run slower at a power-capped clock)
         print("[vae]   timed decodes: " + ", ".join(
-            f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in ("num_device_alloc", "num_device_free", "num_alloc_retries")),
+            f"{k} +{after.get(k, 0) - before.get(k, 0)}" for k in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
+            + f"; {_gpu_clocks().describe(clocks.summary)}" + (f" ({clocks.error})" if clocks.error else ""),
             flush=True)
         return statistics.median(ts), out
 
