@@ -9,8 +9,8 @@ without synchronisation between them; per provider it prints the step time (CUDA
 steps), the SM clock, the power and the share of samples with the power cap engaged.
 
 ``--gemm-duty`` (round 28) asks the causal question directly, without a model: FLUX.1's largest
-GEMM (the dual block's image FF, 4096 x 3072 -> 12288 bf16 with bias) runs ``--gemm-reps`` times
-back to back, then again with a spin kernel of a few µs between GEMMs (``torch.cuda._sleep``: a
+GEMM (the dual block's image FF, 4096 x 3072 -> 12288 bf16 with bias) runs for ``--gemm-seconds``
+back to back (after as long again to heat the GPU), then again with a spin kernel of a few µs between GEMMs (``torch.cuda._sleep``: a
 single-warp kernel that draws little power). If the power cap sets the clock, the GEMM itself runs
 faster when the GPU gets those low-power gaps; each GEMM is timed alone with CUDA events, so the
 gaps are not in its time.
@@ -84,13 +84,17 @@ def gemm_duty(args: argparse.Namespace, rows: list[dict]) -> None:
     w = torch.randn(12288, 3072, device=dev, dtype=torch.bfloat16) * 0.02
     bias = torch.randn(12288, device=dev, dtype=torch.bfloat16) * 0.02
     out = torch.empty(4096, 12288, device=dev, dtype=torch.bfloat16)
+    # Round 28's first run (H100) timed a fixed 400 GEMMs per case from a cool GPU: ~0.2 s, five
+    # nvidia-smi samples, the first case's power cap seen in 40 % of them. Now the GPU is heated
+    # back to back first and each case runs ~--gemm-seconds, so every case starts power-capped.
+    for _ in range(int(args.gemm_seconds / 0.45e-3)):
+        torch.addmm(bias, x, w.t(), out=out)
+    torch.cuda.synchronize()
     # torch.cuda._sleep spins for a number of cycles: ~1.98 GHz on an H200 at full boost
     for gap_us in args.gaps_us:
         cycles = int(gap_us * 1980)
-        for _ in range(20):
-            torch.addmm(bias, x, w.t(), out=out)
-        torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(args.gemm_reps)]
+        reps = max(50, int(args.gemm_seconds / ((450 + gap_us) * 1e-6)))
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         total_a, total_b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with gc.ClockSampler(torch.cuda.current_device()) as cs:
             total_a.record()
@@ -122,7 +126,7 @@ def main() -> None:
     ap.add_argument("--no-steps", dest="run_steps", action="store_false", help="skip the model steps")
     ap.add_argument("--gemm-duty", action="store_true", help="the GEMM with and without low-power gaps")
     ap.add_argument("--gaps-us", type=int, nargs="+", default=[0, 20, 60, 150, 400])
-    ap.add_argument("--gemm-reps", type=int, default=400)
+    ap.add_argument("--gemm-seconds", type=float, default=1.5, help="time per --gemm-duty case (and the heat-up)")
     ap.add_argument("--out", default=None, help="folder for probe_clocks_<card>.csv")
     args = ap.parse_args()
     rows: list[dict] = []
