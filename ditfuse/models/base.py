@@ -72,10 +72,11 @@ class Site:
     (``original_forward`` serves inputs it does not cover). ``ops``: the descriptors of the ops it
     calls. ``applies(module)``: None when the fast forward reproduces this instance's
     configuration, else why not (the module then keeps its own forward; the report says why).
-    ``high=False``: no quality="high" tier for this site even if its ops have close variants.
-    ``high_ops``: ops the fast forward calls only under quality="high", through their close
-    variants (their lossless form is off by default, e.g. the GEMM-GELU): they join the site's
-    high guards (admission) and its high table's ``optional`` ops, not ``Adapter.ops()``.
+    ``high=False``: the close variants of ``ops`` are not used under quality="high" (their chains
+    were not admitted for this family); the site's high tier is then its ``high_ops`` alone, or
+    none without them. ``high_ops``: ops the fast forward calls only under quality="high", through
+    their close variants (their lossless form is off by default, e.g. the GEMM-GELU): they join the
+    site's high guards (admission) and its high table's ``optional`` ops, not ``Adapter.ops()``.
     ``chained=True``: the site's modules are the blocks of an ``nn.ModuleList`` that hand off
     across block boundaries (:mod:`ditfuse.models.handoff`); the fast forward also gets
     ``_link``, its :class:`~ditfuse.models.handoff.Link`. ``release(module)``, if given, runs when
@@ -108,13 +109,15 @@ class Site:
 
     def close_ops(self) -> list[Any]:
         """The close ops this site runs under quality="high" (empty: the site has no high tier)."""
-        if not self.high:
-            return []
-        return [c for c in (close_variant(d) for d in (*self.ops, *self.high_ops)) if c is not None]
+        return [c for c in (close_variant(d) for d in (*self._high_declared(), *self.high_ops)) if c is not None]
+
+    def _high_declared(self) -> tuple[OpDescriptor, ...]:
+        return self.ops if self.high else ()
 
     def high_table(self) -> OpSet:
-        """The op table this site runs under quality="high" (:func:`ditfuse.contracts.ops.high_table`)."""
-        return high_table(self.ops, self.high_ops)
+        """The op table this site runs under quality="high" (:func:`ditfuse.contracts.ops.high_table`):
+        with ``high=False``, lossless ops everywhere but the ``high_ops``."""
+        return high_table(self._high_declared(), self.high_ops)
 
     def high_guards(self) -> list[Guard]:
         """What must hold before this site runs its close ops (see the module docstring)."""

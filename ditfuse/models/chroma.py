@@ -38,6 +38,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import GELU_TANH_CAT
+from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from .adaln import dual_block_applies, plain_layernorm, single_block_applies
@@ -216,7 +217,9 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=dual_block_applies,
         high=False,
-        description="dual block: pruned adaLN-Zero, gate+residual+norm2+modulate, FF gate residual",
+        high_ops=(LINEAR_GELU_TANH,),
+        description="dual block: pruned adaLN-Zero, gate+residual+norm2+modulate, FF gate residual "
+                    "(quality=high: the FF's first projection + tanh-GELU as one GEMM)",
     ),
     Site(
         name="chroma.single_block",
@@ -226,8 +229,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL),
         applies=single_block_applies,
         high=False,
+        high_ops=(LINEAR_GELU_TANH,),
         description="single block: pruned adaLN-Zero-Single, attention copy + GELU into proj_out's input in one "
-                    "kernel, gate residual (DITFUSE_GEMM_GELU=1: proj_mlp + GELU as one GEMM writing proj_out's input)",
+                    "kernel, gate residual (quality=high, or DITFUSE_GEMM_GELU=1 losslessly: proj_mlp + GELU as one "
+                    "GEMM writing proj_out's input)",
     ),
     flux_attention_site("chroma", high=False),
     Site(

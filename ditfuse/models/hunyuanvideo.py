@@ -63,6 +63,7 @@ import torch
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.activation import GELU_TANH_CAT
 from ..kernels.layout.joint_buffers_torch import cat_or_view
+from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_IMG_FIRST, QK_RMSNORM_DIFFUSERS_ROPE_JOINT
@@ -238,9 +239,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GELU_TANH_CAT, GATE_RESIDUAL, GATE_RESIDUAL_LAYERNORM_MODULATE),
         applies=single_block_applies,
         high=False,
+        high_ops=(LINEAR_GELU_TANH,),
         description="single-stream block (video first): adaLN-Zero-Single, attention copy + GELU into proj_out's "
-                    "input in one kernel, gate residual (+ the next block's adaLN-Zero-Single; DITFUSE_GEMM_GELU=1: "
-                    "proj_mlp + GELU as one GEMM writing proj_out's input)",
+                    "input in one kernel, gate residual (+ the next block's adaLN-Zero-Single; quality=high, or "
+                    "DITFUSE_GEMM_GELU=1 losslessly: proj_mlp + GELU as one GEMM writing proj_out's input)",
         chained=True,
     ),
     attention_site(

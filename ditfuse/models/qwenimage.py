@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
+from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
@@ -261,8 +262,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_block_applies,
         high=False,
+        high_ops=(LINEAR_GELU_TANH,),
         description="dual-stream block: LN + modulate, gate+residual+norm2+modulate, FF gate residual "
-                    "(+ the next block's LN + modulate)",
+                    "(+ the next block's LN + modulate; quality=high: the FF's first projection + tanh-GELU as "
+                    "one GEMM)",
         chained=True,
     ),
     attention_site(

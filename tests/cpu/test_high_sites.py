@@ -260,3 +260,36 @@ def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load, monkeypatc
         assert_bitwise_equal(_run(m, inp), base)
     finally:
         h.unmount()
+
+
+@pytest.mark.slow  # tiny models through the interpreter: seconds each on 2 cores
+@pytest.mark.parametrize("name, size, txt", [("chroma", "64x48", 9), ("sd3", "64x48", 9), ("qwenimage", "64x48", 9),
+                                             ("hunyuanvideo", "80x48x9", 5)])
+def test_gemm_gelu_only_high_tier(name, size, txt, monkeypatch):
+    """Round 28: Chroma, SD3, Qwen-Image and HunyuanVideo blocks declare the close GEMM-GELU but
+    not their norms' close variants (``high=False``). Under quality="high" the GEMM-GELU runs at
+    every FF the blocks route through models.base (FeedForward, the single blocks' MLP) and no
+    other close op runs; the output moves; lossless afterwards is bitwise again."""
+    from ditfuse.kernels.linear import linear_gelu_triton as lg
+
+    monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)  # tiny token counts: only the site's table decides
+    fam = families.get(name)
+    m = fam.build("tiny", device="cpu")
+    inp = fam.make_inputs(m, 1, size, device="cpu", txt_tokens=txt)
+    base = _run(m, inp)
+    h = ditfuse.accelerate(m)
+    try:
+        with admission.override_records(ADMITTED):
+            res = h.set_quality("high")[type(m).__name__]
+        assert res.ok, res.failed
+        assert res.mounted and all("block" in p for p in res.mounted), res.mounted
+        ops.reset_counts()
+        hi = _run(m, inp)
+        used = {op: dict(c.calls) for op, c in ops.CLOSE.items() if c.calls}
+        assert set(used) == {"linear.linear_gelu_tanh_fast"}, used
+        assert used["linear.linear_gelu_tanh_fast"].get("kernel", 0) > 0 and not used["linear.linear_gelu_tanh_fast"].get("eager"), used
+        assert first_mismatch(hi, base) is not None
+        h.set_quality("lossless")
+        assert_bitwise_equal(_run(m, inp), base)
+    finally:
+        h.unmount()
