@@ -107,21 +107,6 @@ def test_refuses_changed_forward_signature(monkeypatch):
     assert "ChromaSingleTransformerBlock.forward" in chroma_adapter.ADAPTER.version_problem()
 
 
-def test_high_tier_is_the_gemm_gelu_only():
-    """Round 28: the blocks' quality="high" tier is the close GEMM-GELU they declare (``high_ops``);
-    the close variants of their norms are not used (``high=False``): their high tables keep the
-    lossless norms."""
-    from ditfuse.contracts import ops as _ops
-
-    for s in chroma_adapter.SITES:
-        assert [c.op for c in s.close_ops()] in ([], ["linear.linear_gelu_tanh_fast"]), (s.name, s.close_ops())
-        if s.close_ops():
-            t = s.high_table()
-            assert t.runs("linear_gelu_tanh") and t.linear_gelu_tanh is _ops.CLOSE["linear.linear_gelu_tanh_fast"]
-            assert all(getattr(t, n) is _ops.LOSSLESS.__dict__[n] for n in t if n != "linear_gelu_tanh"), s.name
-    assert any(s.close_ops() for s in chroma_adapter.SITES)
-
-
 def test_family_fixture_builds_inputs():
     m = CHROMA.build("tiny", device="cpu")
     inp = CHROMA.make_inputs(m, batch=2, size="64x48", device="cpu", txt_tokens=9)

@@ -262,6 +262,23 @@ def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load, monkeypatc
         h.unmount()
 
 
+@pytest.mark.parametrize("module", ["chroma", "sd3", "qwenimage", "hunyuanvideo"])
+def test_gemm_gelu_only_sites(module):
+    """Round 28: these families' block sites declare the close GEMM-GELU (``high_ops``) and not
+    their norms' close variants (``high=False``): it is their whole high tier, and their high
+    tables keep every other op lossless."""
+    import importlib
+
+    sites = importlib.import_module(f"ditfuse.models.{module}").SITES
+    for s in sites:
+        assert [c.op for c in s.close_ops()] in ([], ["linear.linear_gelu_tanh_fast"]), (s.name, s.close_ops())
+        if s.close_ops():
+            t = s.high_table()
+            assert t.runs("linear_gelu_tanh") and t.linear_gelu_tanh is ops.CLOSE["linear.linear_gelu_tanh_fast"]
+            assert all(getattr(t, n) is getattr(ops.LOSSLESS, n) for n in t if n != "linear_gelu_tanh"), s.name
+    assert any(s.close_ops() for s in sites)
+
+
 @pytest.mark.slow  # tiny models through the interpreter: seconds each on 2 cores
 @pytest.mark.parametrize("name, size, txt", [("chroma", "64x48", 9), ("sd3", "64x48", 9), ("qwenimage", "64x48", 9),
                                              ("hunyuanvideo", "80x48x9", 5)])
