@@ -12,7 +12,7 @@ latent draw. Prints the table and writes the record (default:
 ditfuse/contracts/admission_results.json, plus a copy under $OUT when set); ops not measured in
 this run keep their existing records.
 
-    PYTHONPATH=. python3 bench/admit.py [--families flux wan chroma sd3 qwenimage hunyuanvideo vae_kl vae_wan]
+    PYTHONPATH=. python3 bench/admit.py [--families flux wan chroma qwenimage hunyuanvideo vae_kl vae_wan]
         [--out PATH] [--timesteps 0.9 0.5 0.1]
 
 Several timesteps give activations of several noise levels (each one more forward); a VAE decodes
@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 _DEFAULTS = {"flux": dict(layers=(2, 2), size="1024x1024"), "wan": dict(layers=(2,), size="832x480x81"),
              # round 28: families whose only close op is the GEMM-GELU their blocks declare
-             "chroma": dict(layers=(2, 2), size="1024x1024"), "sd3": dict(layers=(2,), size="1024x1024"),
-             "qwenimage": dict(layers=(2,), size="1024x1024"), "hunyuanvideo": dict(layers=(1, 2), size="848x480x61"),
+             "chroma": dict(layers=(2, 2), size="1024x1024"), "qwenimage": dict(layers=(2,), size="1024x1024"),
+             "hunyuanvideo": dict(layers=(1, 2), size="848x480x61"),
              "vae_kl": dict(size="1024x1024"), "vae_wan": dict(size="480x832x17")}
 # Captured calls per close op and VAE decode: the Wan decoder's full-resolution norms are ~300 MB
 # each, and the first decode runs dozens of them (its recording chunks run NCDHW).

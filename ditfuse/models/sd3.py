@@ -27,7 +27,6 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.layout import HEAD_CAT, HEADS_TO_TOKENS
-from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_CAT
@@ -256,10 +255,8 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_joint_applies,
         high=False,
-        high_ops=(LINEAR_GELU_TANH,),
         description="joint block: adaLN-Zero (SD3.5 dual: one LN, two modulations), "
-                    "gate+residual+norm2+modulate, FF gate residual (+ the next block's adaLN-Zero; "
-                    "quality=high: the FF's first projection + tanh-GELU as one GEMM)",
+                    "gate+residual+norm2+modulate, FF gate residual (+ the next block's adaLN-Zero)",
         chained=True,
     ),
     attention_site(

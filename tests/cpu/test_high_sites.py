@@ -262,7 +262,7 @@ def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load, monkeypatc
         h.unmount()
 
 
-@pytest.mark.parametrize("module", ["chroma", "sd3", "qwenimage", "hunyuanvideo"])
+@pytest.mark.parametrize("module", ["chroma", "qwenimage", "hunyuanvideo"])
 def test_gemm_gelu_only_sites(module):
     """Round 28: these families' block sites declare the close GEMM-GELU (``high_ops``) and not
     their norms' close variants (``high=False``): it is their whole high tier, and their high
@@ -280,10 +280,10 @@ def test_gemm_gelu_only_sites(module):
 
 
 @pytest.mark.slow  # tiny models through the interpreter: seconds each on 2 cores
-@pytest.mark.parametrize("name, size, txt", [("chroma", "64x48", 9), ("sd3", "64x48", 9), ("qwenimage", "64x48", 9),
+@pytest.mark.parametrize("name, size, txt", [("chroma", "64x48", 9), ("qwenimage", "64x48", 9),
                                              ("hunyuanvideo", "80x48x9", 5)])
 def test_gemm_gelu_only_high_tier(name, size, txt, monkeypatch):
-    """Round 28: Chroma, SD3, Qwen-Image and HunyuanVideo blocks declare the close GEMM-GELU but
+    """Round 28: Chroma, Qwen-Image and HunyuanVideo blocks declare the close GEMM-GELU but
     not their norms' close variants (``high=False``). Under quality="high" the GEMM-GELU runs at
     every FF the blocks route through models.base (FeedForward, the single blocks' MLP) and no
     other close op runs; the output moves; lossless afterwards is bitwise again."""

@@ -120,6 +120,12 @@ def test_refuses_changed_forward_signature(monkeypatch):
     assert "JointTransformerBlock.forward" in sd3_adapter.ADAPTER.version_problem()
 
 
+def test_no_high_tier_claimed():
+    """SD3.5's FF shapes (2432 -> 9728) were never timed with the close GEMM-GELU: no high tier
+    (Chroma, Qwen-Image and HunyuanVideo declare it at FLUX.1's timed shapes; round 28)."""
+    assert all(not s.close_ops() for s in sd3_adapter.SITES)
+
+
 def test_family_fixture_builds_inputs():
     from ditfuse.models import families
 
