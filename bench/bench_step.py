@@ -77,6 +77,7 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
     cost; a step whose enqueue time reaches its step time is host-bound). ``clocks``, if given,
     gets what the SM clock and the board power did during the timed steps (bench/gpu_clocks.py:
     the same kernels run slower at the lower clock a power-capped step gets)."""
+    import contextlib
     import time as _time
 
     import torch
@@ -90,9 +91,7 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
     times: list[float] = []
     sampler = ClockSampler(torch.cuda.current_device()) if clocks is not None else None
     before = torch.cuda.memory_stats()
-    if sampler is not None:
-        sampler.__enter__()
-    try:
+    with sampler if sampler is not None else contextlib.nullcontext():
         for _ in range(steps):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -103,12 +102,10 @@ def time_steps(fn: Callable[[], Any], steps: int, warmup: int,
             b.record()
             b.synchronize()
             times.append(a.elapsed_time(b))
-    finally:
-        if sampler is not None:
-            sampler.__exit__(None, None, None)
-            clocks.update(sampler.summary)
-            if sampler.error:
-                print(f"[bench] no clock samples: {sampler.error}", flush=True)
+    if sampler is not None:
+        clocks.update(sampler.summary)
+        if sampler.error:
+            print(f"[bench] no clock samples: {sampler.error}", flush=True)
     after = torch.cuda.memory_stats()
     # cudaMalloc / cudaFree inside the timed steps: each may stall the stream (a cudaFree waits for
     # the device), which a step's GPU idle would show but not explain
