@@ -39,6 +39,7 @@ EXPECTED_SITES = sorted(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.usefixtures("verify_every_call")
 def test_mount_unmount_outputs_bitwise_unchanged(batch):
     m = _model()
     inp = _inputs(m, batch=batch)

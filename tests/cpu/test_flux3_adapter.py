@@ -44,6 +44,7 @@ def _expected(cond: bool) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch,cond", [(1, 0), (2, 5)], ids=["B1", "B2-reference-image"])
+@pytest.mark.usefixtures("verify_every_call")
 def test_mount_unmount_outputs_bitwise_unchanged(batch, cond):
     m = _model()
     inp = _inputs(m, batch=batch, cond=cond)

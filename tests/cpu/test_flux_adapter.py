@@ -21,6 +21,7 @@ def _run(m, inp):
 @pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("guidance", [False, True])
+@pytest.mark.usefixtures("verify_every_call")
 def test_mount_unmount_outputs_bitwise_unchanged(batch, guidance):
     m = tiny_flux(guidance=guidance, dtype=torch.bfloat16)
     inp = flux_inputs(m, batch=batch, dtype=torch.bfloat16)

@@ -47,6 +47,7 @@ def test_fast_forwards_on_reference_chains_match_diffusers(dtype, batch, size):
     assert_bitwise_equal(out, base, f"B={batch} {size} {dtype}")
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated_and_handoff():
     m = _model()
     inp = FAM.make_inputs(m, 2, "64x48x5", device="cpu", txt_tokens=13, byt5_tokens=7, image_tokens=5)

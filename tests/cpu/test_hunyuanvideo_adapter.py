@@ -2,9 +2,9 @@
 
 The fast forwards on the eager reference chains equal diffusers' forward bitwise (fp32, bf16;
 batch 1 and 2 with differently right-padded prompts of 13 tokens; an odd 3 x 3 x 5 token grid
-from 3 x 6 x 10 latents); accelerated (interpreter kernels behind the gate) the output stays
-bitwise, every op reaches the gate, both block chains hand off, unmounting restores diffusers'
-forwards. Kernels are proved on the GPU (tests/gpu/test_hunyuanvideo_gpu.py)."""
+from 3 x 6 x 10 latents); accelerated (interpreter kernels behind the gate, every call
+verified: conftest's verify_every_call) the output stays bitwise, every op reaches the gate, both
+block chains hand off, unmounting restores diffusers' forwards. Kernels are proved on the GPU (tests/gpu/test_hunyuanvideo_gpu.py)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,7 @@ EXPECTED_SITES = (["hunyuanvideo.attention"] * 5 + ["hunyuanvideo.block"] * 2 + 
 
 @pytest.mark.slow  # the tiny model through the Triton interpreter: ~20 s on 2 shared cores
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated_handoff_unmount(batch):
     m = _model()
     inp = _inputs(m, batch)

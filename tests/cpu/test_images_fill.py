@@ -153,6 +153,7 @@ def test_signature_holds_the_mask_where_one_mask_serves_a_call():
     assert a.metadata()["mask_sha256"] == "m1" and "mask_sha256" not in p.metadata()
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_transformer_accelerated_bitwise_with_the_mask_tokens():
     """The transformer mounted (bf16): inpainting calls, each token carrying the noise, the masked
     image's latents and the packed mask, are bitwise plain diffusers', every flux op verified, none

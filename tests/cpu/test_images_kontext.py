@@ -59,6 +59,7 @@ def test_same_parts_as_tiny_flux():
     assert spec.check_image(False) is None and spec.check_image(True) is None
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_transformer_accelerated_bitwise_with_the_image_tokens():
     """The transformer mounted (bf16): an edit call, whose sequence holds the input image's latent
     tokens after the noise's (with their own position ids), and a text-only call are bitwise

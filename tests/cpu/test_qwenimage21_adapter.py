@@ -85,6 +85,7 @@ def test_extract_step_fills_the_cache_as_diffusers_does():
 
 
 @pytest.mark.parametrize("mode", ["prefill", "cached"])
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated_and_handoff(mode):
     m = _model()
     inp = make_inputs(m, 2, "64x48", device="cpu", txt_tokens=13, mode=mode, cond=4)

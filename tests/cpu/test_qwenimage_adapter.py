@@ -39,6 +39,7 @@ def _run(m, inp):
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.usefixtures("verify_every_call")
 def test_mount_unmount_outputs_bitwise_unchanged(batch, dtype):
     m = _model(dtype)
     inp = _inputs(m, batch=batch, dtype=dtype)

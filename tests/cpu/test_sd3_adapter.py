@@ -37,6 +37,7 @@ def _run(m, inp):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,blocks,attns", [("sd35", 3, 4), ("sd3", 2, 2)])
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.usefixtures("verify_every_call")
 def test_mount_unmount_outputs_bitwise_unchanged(name, blocks, attns, batch):
     m = _model(name)
     inp = _inputs(m, batch=batch)

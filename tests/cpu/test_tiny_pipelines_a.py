@@ -99,6 +99,7 @@ def test_save_pretrained_round_trip_is_bitwise(built, tmp_path):
     assert_bitwise_equal(_np(_call(family, loaded)), _np(_call(family, pipe)), f"{family}: reloaded pipeline output")
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_output_bitwise_and_every_op_reaches_the_gate(built):
     family, pipe = built
     adapter = importlib.import_module(FAMILIES[family][1]).ADAPTER

@@ -125,6 +125,7 @@ def test_save_and_reload(family, tmp_path):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_pipeline_bitwise_and_every_op_gated(family):
     adapter = importlib.import_module(f"ditfuse.models.{family}").ADAPTER
     vae_adapter, n_sites = MOUNTS[family]

@@ -172,6 +172,7 @@ def test_hunyuanvideo15_text_lengths_crop_at_the_prompt():
     assert int(mask.sum()) == len(ids) - len(pipe.tokenizer("<|im_start|>user\n").input_ids), mask
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_hunyuanvideo15_accelerated_bitwise_every_op_gated():
     from ditfuse.models import hunyuanvideo15 as adapter_mod
 
@@ -241,6 +242,7 @@ def test_qwenimage21_save_pretrained_round_trip_is_bitwise(qi, tmp_path):
     assert_bitwise_equal(_qi_call(loaded), _qi_call(qi), "qwenimage21: reloaded pipeline output")
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_qwenimage21_accelerated_bitwise_every_op_gated(qi):
     from ditfuse.models import qwenimage21 as adapter_mod
 

@@ -117,6 +117,7 @@ def test_an_i2v_transformer_cannot_take_a_last_image_in_diffusers_either(models)
 # -- accelerated == plain diffusers -------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", TAKES_LAST)
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_with_both_images(name):
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call on a first and a last image (both
     through CLIP where the checkpoint has it, both through the VAE encoder) is bitwise the plain

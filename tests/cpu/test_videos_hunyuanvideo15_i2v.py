@@ -107,6 +107,7 @@ def test_the_image_sets_the_size_and_conditions_the_clip():
     assert tuple(tall.shape) == (1, 1, 64, 48, 3)
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call on an image (its SigLIP tokens
     valid in the joint text sequence, its VAE latents and mask in the transformer's input) is

@@ -64,6 +64,7 @@ def test_two_step_call_makes_frames_of_the_size(ltx):
     assert not torch.equal(_call(ltx, negative_prompt="sharp"), frames), "the negative prompt changed nothing"
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16 (the dtype the kernels are made for), a 2-step CFG call
     is bitwise the plain pipeline's, and every op of the adapter reached the gate."""

@@ -96,6 +96,7 @@ def test_why_image_calls_hold_one_video(cond):
 
 
 @pytest.mark.parametrize("with_image", [False, True], ids=["text", "image"])
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated(with_image):
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call on two prompts, text-only or on one
     image (its latents condition the first frame: per-token timesteps, 0 on its tokens), is

@@ -56,6 +56,7 @@ def test_same_parts_as_tiny_ltx():
     assert (spec.size_multiple(i2v), spec.frame_multiple(i2v)) == (32, 8)
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call on two prompts with two images
     (their latents condition the first frame: per-token timesteps, 0 on its tokens) is bitwise

@@ -74,6 +74,7 @@ def test_two_step_call_makes_frames_of_the_size(sky):
     assert torch.equal(_call(sky, guidance_scale=1.0, negative_prompt="sharp"), no_cfg), "negative prompt without CFG"
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16 (the dtype the kernels are made for), a 2-step CFG call
     is bitwise the plain pipeline's, and every op of the skyreels_v2 adapter reached the gate. The

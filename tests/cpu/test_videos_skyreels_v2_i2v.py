@@ -106,6 +106,7 @@ def test_the_image_conditions_the_clip(sky):
     assert not torch.equal(_call(sky, negative_prompt="sharp"), frames), "the negative prompt changed nothing"
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call (the image through CLIP, the VAE
     encoder and the transformer's added k/v) is bitwise the plain pipeline's, and every op of the

@@ -185,6 +185,7 @@ BITWISE_SEEDS = {FIVE_B: 4, FIVE_B_I2V: 4, A14B: 4, A14B_I2V: 4}
 
 
 @pytest.mark.parametrize("name", list(BUILDERS))
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated(name):
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call is bitwise the plain pipeline's,
     before and after unmounting. Every expert took the ``wan`` adapter with all of its sites (only

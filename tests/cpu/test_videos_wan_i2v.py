@@ -78,6 +78,7 @@ def test_the_image_conditions_the_clip(i2v):
     assert not torch.equal(_call(i2v, image=picture(1)), frames), "the image changed nothing"
 
 
+@pytest.mark.usefixtures("verify_every_call")
 def test_accelerated_bitwise_every_op_gated():
     """Mounted on the tiny pipeline in bf16, a 2-step CFG call (the image through CLIP, the VAE
     encoder and the transformer's added k/v) is bitwise the plain pipeline's, and every op of the

@@ -56,6 +56,7 @@ def _n_blocks(m):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.usefixtures("verify_every_call")
 def test_mount_unmount_outputs_bitwise_unchanged(batch):
     m = _model()
     inp = _inputs(m, batch=batch, txt=29)
