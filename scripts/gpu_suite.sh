@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU suite + benchmarks in one go on a CUDA machine (our H200 through the device tool).
 #
-#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|vaeflux2|vaeqwen|wan22vae|wanvae|flux|wan|flux2|flux3|chroma|sd3|qwenimage|zimage|qwenimage21|hunyuanvideo15|drift|parallel|all ...]     (default: all)
+#   bash scripts/gpu_suite.sh [probes|tests|admit|kernels|vae|vaekl|vaeflux2|vaeqwen|wan22vae|wanvae|flux|wan|flux2|flux3|chroma|sd3|qwenimage|zimage|qwenimage21|hunyuanvideo|hunyuanvideo15|drift|parallel|all ...]     (default: all)
 #
 # Installs carried wheels from .whl/ (the device has torch/triton but no diffusers) into
 # /tmp/site, then per phase:
@@ -23,6 +23,7 @@
 #   sd3      SD3.5-large-size step at 1024x1024 (ditfuse bench sd3)               -> sd3_{step,breakdown}_h200.csv
 #   qwenimage  Qwen-Image-size step at 1024x1024 (ditfuse bench qwenimage)        -> qwenimage_{step,breakdown}_h200.csv
 #   zimage   Z-Image-6B-size step at 1024x1024 (ditfuse bench zimage)             -> zimage_{step,breakdown}_h200.csv
+#   hunyuanvideo  HunyuanVideo-size step at 848x480x61 (ditfuse bench hunyuanvideo) -> hunyuanvideo_{step,breakdown}_h200.csv
 #   hunyuanvideo15  HunyuanVideo-1.5-size step at 848x480x121 (ditfuse bench hunyuanvideo15) -> hunyuanvideo15_{step,breakdown}_h200.csv
 #   qwenimage21  Qwen-Image-2.1-size KV-cached step at 1024x1024 (ditfuse bench qwenimage21) -> qwenimage21_{step,breakdown}_h200.csv
 #   drift    28-step latent drift, FLUX.1-dev size                                -> drift.json
@@ -113,6 +114,7 @@ want flux3 && run_phase flux3 "${FLUX3_TIMEOUT:-300}" python3 bench/bench_step.p
 want sd3 && run_phase sd3 "${SD3_TIMEOUT:-300}" python3 bench/bench_step.py --family sd3 --out-dir "$OUT" --tag "$CARD" ${SD3_ARGS:-}
 want qwenimage && run_phase qwenimage "${QWEN_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage --out-dir "$OUT" --tag "$CARD" ${QWEN_ARGS:-}
 want zimage && run_phase zimage "${ZIMAGE_TIMEOUT:-300}" python3 bench/bench_step.py --family zimage --out-dir "$OUT" --tag "$CARD" ${ZIMAGE_ARGS:-}
+want hunyuanvideo && run_phase hunyuanvideo "${HY_TIMEOUT:-400}" python3 bench/bench_step.py --family hunyuanvideo --out-dir "$OUT" --tag "$CARD" ${HY_ARGS:-}
 want hunyuanvideo15 && run_phase hunyuanvideo15 "${HY15_TIMEOUT:-400}" python3 bench/bench_step.py --family hunyuanvideo15 --out-dir "$OUT" --tag "$CARD" ${HY15_ARGS:-}
 want qwenimage21 && run_phase qwenimage21 "${QWEN21_TIMEOUT:-300}" python3 bench/bench_step.py --family qwenimage21 --out-dir "$OUT" --tag "$CARD" ${QWEN21_ARGS:-}
 want drift && run_phase drift "${DRIFT_TIMEOUT:-300}" python3 -m ditfuse.runtime.cli drift --model flux-dev --transformer-only --steps 28 --size 1024x1024 --out-dir /tmp/drift ${DRIFT_ARGS:-} && cp /tmp/drift/drift.json "$OUT/" 2>/dev/null

@@ -1,6 +1,7 @@
 """quality="high" on CUDA: every close kernel passes admission on activations captured from
 real-width FLUX.1-dev and Wan2.1-1.3B models (both including the close GEMM-GELU their blocks
-declare); a high-mode forward is within the admitted bounds
+declare) and from Chroma1-HD, Qwen-Image and HunyuanVideo models (the GEMM-GELU, their whole
+high tier); a high-mode forward is within the admitted bounds
 against an fp64 forward; lossless after high is bitwise equal to diffusers again."""
 
 import pytest
@@ -15,7 +16,28 @@ DEV = "cuda"
 # The widths are the real ones; fewer tokens and blocks keep the fp64 passes quick.
 CASES = {"flux": dict(layers=(1, 1), size="512x512", txt_tokens=256),
          # 3 latent frames x 20 x 20 patches = 1200 rows: the close GEMM-GELU's FF runs (>= 1024)
-         "wan": dict(layers=(1,), size="320x320x9", txt_tokens=512)}
+         "wan": dict(layers=(1,), size="320x320x9", txt_tokens=512),
+         # the families whose high tier is the close GEMM-GELU alone (Site.high=False + high_ops),
+         # at FLUX.1's widths: 1024 image rows, 256 text rows (declined: below the row threshold)
+         "chroma": dict(layers=(1, 1), size="512x512", txt_tokens=256),
+         "qwenimage": dict(layers=(1,), size="512x512", txt_tokens=256),
+         # single blocks only: 1200 video + 256 text rows through one MLP
+         "hunyuanvideo": dict(layers=(1, 1), size="320x320x9", txt_tokens=256)}
+# Close ops each case admits and runs: FLUX.1 and Wan the fp32 norms and QK chains too; the
+# others (Site.high=False) the GEMM-GELU alone.
+EXPECTED_CLOSE = {
+    "flux": {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
+             "rope.qk_rmsnorm_rope_fp32", "linear.linear_gelu_tanh_fast"},
+    "wan": {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
+            "rope.qk_rmsnorm_across_heads_rope_fp32", "linear.linear_gelu_tanh_fast"},
+    "chroma": {"linear.linear_gelu_tanh_fast"},
+    "qwenimage": {"linear.linear_gelu_tanh_fast"},
+    "hunyuanvideo": {"linear.linear_gelu_tanh_fast"},
+}
+# GEMM-GELU calls below the close kernel's row threshold, run by eager's chain: the dual blocks'
+# 256-row text-stream FeedForward (HunyuanVideo's dual blocks do not declare the op)
+DECLINED = {"flux": {"linear.linear_gelu_tanh_fast": 1}, "chroma": {"linear.linear_gelu_tanh_fast": 1},
+            "qwenimage": {"linear.linear_gelu_tanh_fast": 1}}
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -40,11 +62,7 @@ def setup(request):
 
 def test_close_kernels_admitted(setup):
     name, *_, results = setup
-    expected = {"flux": {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
-                         "rope.qk_rmsnorm_rope_fp32", "linear.linear_gelu_tanh_fast"},
-                "wan": {"norm.layernorm_modulate_fp32", "norm.gate_residual_layernorm_modulate_fp32",
-                        "rope.qk_rmsnorm_across_heads_rope_fp32", "linear.linear_gelu_tanh_fast"}}[name]
-    assert set(results) == expected
+    assert set(results) == EXPECTED_CLOSE[name]
     bad = {op: r.reason for op, r in results.items() if not (r.admitted and r.nonfinite_same)}
     assert not bad, bad
 
@@ -74,7 +92,7 @@ def test_high_forward_within_bounds_vs_fp64_and_lossless_after(setup):
             hi = m(**inp)[0]
         # the text stream's FeedForward (256 rows) is below the close GEMM-GELU's row threshold:
         # eager's chain runs it (the image stream's 1024 rows and the single block's MLP do not)
-        declined = {"linear.linear_gelu_tanh_fast": 1} if name == "flux" else {}
+        declined = DECLINED.get(name, {})
         for op in results:
             c = ops.CLOSE[op].calls
             assert c["kernel"] > 0 and c["eager"] == declined.get(op, 0), (op, dict(c))
