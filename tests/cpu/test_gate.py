@@ -307,3 +307,27 @@ def test_size_one_dims_do_not_count_as_layout(g):
     kern = Counting(lambda x: odd.copy_(x * 2 + 1))
     g.call("t.size1", ("s",), kern, ref_fn, x)
     assert g.report().calls["t.size1"].get("layout", 0) == 0 and g.report().verified["t.size1"] == [("s",)]
+
+
+@pytest.mark.parametrize("reason, interpreted, ok", [
+    ("bitwise mismatch for signature s: 1 of 8 elements differ", True, True),
+    ("bitwise mismatch for signature s: 1 of 8 elements differ", False, False),
+    ("kernel raised RuntimeError: boom", True, False),
+    ("unsupported input: width 7", True, False),
+    ("output layout differs from eager's: strides", True, False),
+])
+def test_assert_gate_clean_allows_only_interpreter_mismatches(reason, interpreted, ok, monkeypatch):
+    """tests/support/engaged.assert_gate_clean, which the CPU suite's whole-pipeline tests use
+    under verify_every_call: only a bitwise mismatch under the interpreter passes."""
+    from ditfuse.contracts.bitexact import Fallback, GateReport
+    from tests.support.engaged import assert_gate_clean
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1" if interpreted else "0")
+    disabled = {"op.x": reason} if not reason.startswith(("unsupported", "output layout")) else {}
+    rep = GateReport(disabled=disabled, fallbacks=[Fallback("op.x", ("sig",), reason)])
+    if ok:
+        assert_gate_clean(rep, "case")
+    else:
+        with pytest.raises(AssertionError, match="op.x"):
+            assert_gate_clean(rep, "case")
+    assert_gate_clean(GateReport(), "empty")

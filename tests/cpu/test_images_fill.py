@@ -28,6 +28,7 @@ from ditfuse.runtime.presets import build_tiny_flux, build_tiny_flux_fill
 from tests.cpu.test_generate import run_cli
 from tests.cpu.test_videos_server import serving
 from tests.support.video_runtime import image_bytes, picture
+from tests.support.engaged import assert_gate_clean
 
 from .test_videos_server import one_thread  # noqa: F401 - fixture
 
@@ -173,7 +174,7 @@ def test_transformer_accelerated_bitwise_with_the_mask_tokens():
         h.unmount()
     for i, (g, b) in enumerate(zip(got, base)):
         assert_bitwise_equal(g, b, f"fill mask {i}")
-    assert not gate.fallbacks and not gate.disabled, gate.fallbacks
+    assert_gate_clean(gate, "fill")
     for op in flux.ADAPTER.ops():
         assert gate.calls.get(op, {}).get("verify", 0) > 0, f"{op} never reached the gate"
     assert not torch.equal(base[0], base[1]), "the mask changed nothing"

@@ -21,6 +21,7 @@ from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.models import flux
 from ditfuse.runtime.inputs import pixel_sha256, save_png
 from ditfuse.runtime.params import SamplingParams
+from tests.support.engaged import assert_gate_clean
 from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import build_tiny_flux, build_tiny_flux_kontext
 from tests.cpu.test_generate import run_cli
@@ -83,7 +84,7 @@ def test_transformer_accelerated_bitwise_with_the_image_tokens():
         h.unmount()
     assert_bitwise_equal(got[0], base[0], "kontext edit")
     assert_bitwise_equal(got[1], base[1], "kontext text-only")
-    assert not gate.fallbacks and not gate.disabled, gate.fallbacks
+    assert_gate_clean(gate, "kontext")
     for op in flux.ADAPTER.ops():
         assert gate.calls.get(op, {}).get("verify", 0) > 0, f"{op} never reached the gate"
     assert not torch.equal(base[0], base[1]), "the image changed nothing"

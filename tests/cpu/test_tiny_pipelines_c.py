@@ -23,6 +23,7 @@ import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.models import hunyuanvideo15_configs as hvc
 from ditfuse.models import qwenimage21_configs as qic
+from tests.support.engaged import assert_gate_clean
 
 # HunyuanVideo 1.5: multiples of 16, 4k + 1 frames. The quotes send "tiny" through the ByT5 glyph
 # encoder (without them its embeddings are zeros and its mask empty).
@@ -195,8 +196,8 @@ def test_hunyuanvideo15_accelerated_bitwise_every_op_gated():
     finally:
         h.unmount()
     assert_bitwise_equal(out, base, "hunyuanvideo15: accelerated pipeline output")
-    # every op's kernel ran and matched eager bitwise where the gate compared them (first sight)
-    assert not gate.fallbacks and not gate.disabled, (gate.fallbacks, gate.disabled)
+    # every op's kernel ran and was compared with eager (interpreter mismatches allowed: conftest)
+    assert_gate_clean(gate, "hunyuanvideo15")
     for op in adapter_mod.ADAPTER.ops():
         assert gate.calls.get(op, {}).get("verify", 0) > 0, f"hunyuanvideo15: {op} never reached the gate: {gate.calls}"
     assert counts["links"] == 2 and counts["used"] > 0 and counts["discarded"] == 0, counts
@@ -261,8 +262,8 @@ def test_qwenimage21_accelerated_bitwise_every_op_gated(qi):
     finally:
         h.unmount()
     assert_bitwise_equal(out, base, "qwenimage21: accelerated pipeline output")
-    # every op's kernel ran and matched eager bitwise where the gate compared them (first sight)
-    assert not gate.fallbacks and not gate.disabled, (gate.fallbacks, gate.disabled)
+    # every op's kernel ran and was compared with eager (interpreter mismatches allowed: conftest)
+    assert_gate_clean(gate, "qwenimage21")
     for op in adapter_mod.ADAPTER.ops():
         assert gate.calls.get(op, {}).get("verify", 0) > 0, f"qwenimage21: {op} never reached the gate: {gate.calls}"
     assert counts["links"] == 2 and counts["used"] > 0 and counts["discarded"] == 0, counts

@@ -33,6 +33,7 @@ from ditfuse.runtime.params import SamplingParams
 from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import PRESET_TABLE
 from tests.support import video_runtime as vr
+from tests.support.engaged import assert_gate_clean
 from tests.support.video_runtime import image_bytes as png_bytes
 from tests.support.video_runtime import picture
 
@@ -240,7 +241,7 @@ def test_accelerated_bitwise_every_op_gated(name):
             hk.remove()
         h.unmount()
     assert_bitwise_equal(out, base, f"{name}: accelerated pipeline output")
-    assert not gate.fallbacks and not gate.disabled, (gate.fallbacks, gate.disabled)
+    assert_gate_clean(gate, name)
     for op in (*wan.ADAPTER.ops(), "norm.wan_rms_norm_silu"):
         assert gate.calls.get(op, {}).get("verify", 0) > 0, f"{name}: {op} never reached the gate: {gate.calls}"
     assert "norm.wan_rms_norm_silu" in autoencoder_kl_wan.ADAPTER.ops()
