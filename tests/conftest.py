@@ -50,9 +50,9 @@ def tiny_cache() -> Path:
     return Path(os.environ["DITFUSE_CACHE"])
 
 
-def pytest_report_header(config):
-    """What CPU eager arithmetic depends on (see ``verify_every_call``): named in every run's log,
-    so a bitwise failure seen on one host and not another can be traced to the host."""
+def _host_line(workers: int) -> str:
+    """What CPU eager arithmetic depends on (see ``verify_every_call``), so a bitwise failure seen
+    on one host and not another can be traced to the host from the run's log."""
     model = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -63,8 +63,17 @@ def pytest_report_header(config):
         bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except Exception:  # pragma: no cover - builds without mkldnn
         bf16 = "n/a"
-    return (f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"oneDNN bf16 {bf16}, {os.cpu_count()} cores, {torch.get_num_threads()} intra-op threads; {model}")
+    # the share each xdist worker takes (module top); a run without workers keeps torch's default
+    threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else torch.get_num_threads()
+    return (f"host: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"oneDNN bf16 {bf16}, {os.cpu_count()} cores, {threads} intra-op thread(s) per test process; {model}")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    # at the end, where `pytest -q` (make test, CI) still prints it; workers use the same host
+    if not hasattr(config, "workerinput"):
+        n = getattr(config.option, "numprocesses", None)
+        terminalreporter.write_line(_host_line(n if isinstance(n, int) else 0))
 
 
 def pytest_collection_modifyitems(config, items):
