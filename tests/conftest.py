@@ -27,8 +27,14 @@ if not HAS_CUDA:
 # down (measured on a 2-core machine). Results do not depend on it: every comparison in the suite
 # is within one process.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+
+
+def _threads_per_worker(workers: int) -> int:
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
 if _WORKERS > 1:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+    torch.set_num_threads(_threads_per_worker(_WORKERS))
 
 # Files whose tests run Triton kernels under the interpreter (or inspect their generated code):
 # most of the suite's wall time. `make test-quick` leaves them out (marker "interpret").
@@ -63,8 +69,8 @@ def _host_line(workers: int) -> str:
         bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     except Exception:  # pragma: no cover - builds without mkldnn
         bf16 = "n/a"
-    # the share each xdist worker takes (module top); a run without workers keeps torch's default
-    threads = max(1, (os.cpu_count() or 1) // workers) if workers > 1 else torch.get_num_threads()
+    # what each xdist worker set at import (module top); a run without workers keeps torch's default
+    threads = _threads_per_worker(workers) if workers > 1 else torch.get_num_threads()
     return (f"host: torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
             f"oneDNN bf16 {bf16}, {os.cpu_count()} cores, {threads} intra-op thread(s) per test process; {model}")
 
@@ -110,7 +116,7 @@ def verify_every_call(monkeypatch):
     backend follow the host's ISA (AVX2 vs AVX-512 vector lengths, oneDNN bf16 GEMMs where the CPU
     has them). Interpreter and CPU eager agree after rounding for most rows, not by construction,
     so a signature verified on one block's data can differ by an ulp on a later block's — on one
-    CI host and not on another (round 28: the HunyuanVideo adapter test, one token of norm_out's
+    CI host and not on another (round 28: the HunyuanVideo adapter test, one token of the model's
     output one bf16 ulp off on the CI machine, equal here). Verifying every call makes the test's
     claim hold on any host: every op still runs its kernel and reaches the gate, the fast
     forwards, hand-offs and mounting are exercised, and the output is the reference chains'

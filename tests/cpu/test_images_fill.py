@@ -27,8 +27,8 @@ from ditfuse.runtime.pipelines import PIPELINE_SPECS
 from ditfuse.runtime.presets import build_tiny_flux, build_tiny_flux_fill
 from tests.cpu.test_generate import run_cli
 from tests.cpu.test_videos_server import serving
-from tests.support.video_runtime import image_bytes, picture
 from tests.support.engaged import assert_gate_clean
+from tests.support.video_runtime import image_bytes, picture
 
 from .test_videos_server import one_thread  # noqa: F401 - fixture
 

@@ -28,9 +28,9 @@ import ditfuse
 from ditfuse.kernels.compare import assert_bitwise_equal
 from ditfuse.runtime import video_io
 from ditfuse.runtime.params import ParamError
-from tests.support.engaged import assert_gate_clean
 
 from tests.cpu.test_generate import run_cli
+from tests.support.engaged import assert_gate_clean
 
 if openai is not None:  # the live-server fixture (its module imports openai)
     from tests.cpu.test_videos_server import serving
