@@ -4,7 +4,8 @@ For each family (``--families``, default all): builds the random-weight real-siz
 ``ditfuse bench <family>`` with few blocks (``--layers``; the per-site inputs have the real
 widths and token counts, deeper models only add more batches of the same kind), mounts ditfuse,
 captures the arguments every close op's lossless sibling gets at every site during one forward per
-timestep (``ditfuse.models.capture_admission_batches``), and runs
+timestep (``ditfuse.models.capture_admission_batches`` with ``scope="all"``: also at sites whose
+high tier does not run the op, so the table shows whether a family's chains would admit it), and runs
 ``ditfuse.contracts.admission.admit_op`` on each close op over all captured batches. The VAEs
 (``vae_kl``: the FLUX/SD3 AutoencoderKL at 1024x1024; ``vae_wan``: the Wan 2.1 VAE at 480x832 x 17
 frames; random bf16 weights, the configs of bench/bench_vae.py) are captured in one decode per
@@ -64,7 +65,8 @@ def _capture_vae(name: str, seed: int) -> tuple[dict, dict]:
     z = torch.randn(lat, device="cuda", generator=g).to(torch.bfloat16)
     handle = ditfuse.accelerate(vae)
     try:
-        got = capture_admission_batches(vae, run=lambda: vae.decode(z, return_dict=False), max_per_op=_VAE_MAX_PER_OP)
+        got = capture_admission_batches(vae, run=lambda: vae.decode(z, return_dict=False), max_per_op=_VAE_MAX_PER_OP,
+                                       scope="all")
     finally:
         handle.unmount()
     if name == "vae_kl":
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         for sigma in args.timesteps:
             inp = fam.make_inputs(model, 1, d["size"])
             inp["timestep"] = fam.timestep(sigma, 1, "cuda", torch.bfloat16)
-            for op, b in capture_admission_batches(model, inp).items():
+            for op, b in capture_admission_batches(model, inp, scope="all").items():
                 batches.setdefault(op, []).extend(b)
         handle.unmount()
         meta["families"][name] = dict(config="dev", layers=list(d["layers"]), size=d["size"],

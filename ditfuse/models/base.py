@@ -22,7 +22,8 @@ Chained sites (``Site.chained``: the blocks of one ``nn.ModuleList``) are linked
 successors at mount and fuse the block boundary between them: :mod:`ditfuse.models.handoff`.
 
 Admission capture (:func:`capture_admission_batches`): one forward with a recording table, which
-clones the arguments of every op that has a close variant and runs the lossless op. The inputs are
+clones the arguments of the close ops' lossless siblings (those the site runs under quality="high",
+or with ``scope="all"`` every op that has a close variant) and runs the lossless op. The inputs are
 whatever the fast forwards pass, so no per-family code re-derives them.
 """
 
@@ -36,7 +37,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -690,11 +691,12 @@ class _Recorder:
     lossless op (so the forward computes exactly what it computes when mounted lossless)."""
 
     def __init__(self, out: dict[str, list[admission.Batch]], max_per_op: int | None,
-                 optional: frozenset[str] = frozenset()) -> None:
+                 optional: frozenset[str] = frozenset(), record: frozenset[str] | None = None) -> None:
         self.quality = Quality.LOSSLESS
         self.optional = optional
         self._out = out
         self._max = max_per_op
+        self._record = record  # close op ids to record (None: every op with a close variant)
 
     def runs(self, name: str) -> bool:
         """The optional paths of the site's own high table run while recording (``optional``):
@@ -704,7 +706,7 @@ class _Recorder:
     def __getattr__(self, name: str) -> Any:
         gated = getattr(LOSSLESS, name)
         close = close_variant(gated.descriptor)
-        if close is None:
+        if close is None or (self._record is not None and close.op not in self._record):
             return gated
 
         def record(*args: Any, **kwargs: Any) -> Any:
@@ -733,21 +735,31 @@ def _tables(model: torch.nn.Module, ops_for: Callable[[SiteHook], Any]) -> Itera
 
 def capture_admission_batches(
     model: torch.nn.Module, inputs: dict[str, Any] | None = None, max_per_op: int | None = None,
-    run: Callable[[], Any] | None = None,
+    run: Callable[[], Any] | None = None, scope: Literal["high", "all"] = "high",
 ) -> dict[str, list[admission.Batch]]:
     """Run one forward of ``model`` (mounted by its adapter, lossless) with ``inputs`` -- or
-    ``run()`` instead, e.g. a VAE's ``decode`` -- and record, for each close op, the arguments its
-    lossless sibling gets at every site: ``close op id -> [(args, kwargs), ...]``."""
+    ``run()`` instead, e.g. a VAE's ``decode`` -- and record the arguments each close op's lossless
+    sibling gets: ``close op id -> [(args, kwargs), ...]``.
+
+    ``scope="high"``: only the close ops each site runs under quality="high"
+    (:meth:`Site.close_ops`; a site without a high tier records nothing) -- what the model's high
+    guards need. ``scope="all"``: every op with a close variant at every site, e.g. to survey
+    whether a family's chains would admit close kernels it does not declare (bench/admit.py).
+    Optional paths (``Site.high_ops``) are taken only where the site declares them, in both."""
     if not any(True for _ in site_hooks(model)):
         raise ValueError("capture_admission_batches needs a model mounted by ditfuse.accelerate()")
     if (inputs is None) == (run is None):
         raise ValueError("give either inputs (for model(**inputs)) or run")
+    if scope not in ("high", "all"):
+        raise ValueError(f"scope must be 'high' or 'all', not {scope!r}")
     out: dict[str, list[admission.Batch]] = {}
-    recorders: dict[frozenset[str], _Recorder] = {}
+    recorders: dict[tuple[frozenset[str], frozenset[str] | None], _Recorder] = {}
 
     def recorder(h: SiteHook) -> _Recorder:
-        optional = h.site.high_table().optional if h.site.close_ops() else frozenset()
-        return recorders.setdefault(optional, _Recorder(out, max_per_op, optional))
+        close = h.site.close_ops()
+        optional = h.site.high_table().optional if close else frozenset()
+        record = frozenset(c.op for c in close) if scope == "high" else None
+        return recorders.setdefault((optional, record), _Recorder(out, max_per_op, optional, record))
 
     with _tables(model, recorder), torch.no_grad():
         if run is not None:

@@ -18,7 +18,9 @@ diffusers' forward. The Edit models' per-token modulation (``zero_cond_t`` /
 ``modulate_index``: each image token takes the timestep's or t = 0's modulation row) selects the
 rows as diffusers does and feeds the same ops [B, L, D] tensors, handoff included (round 17;
 CPU-tested only). Every op is bit-exact and gated at first sight; no
-quality="high" tier (admission was not measured on Qwen-Image activations).
+quality="high" tier: the close GEMM-GELU is admitted on Qwen-Image activations but its image FF
+(4096 x 3072 -> 12288) ran slower than cuBLAS + the GELU pass in the step (round 30, H100: GPU
+busy 130.65 ms lossless, 132.09 high), and the norms' close variants buy no time.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from typing import Any
 import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
-from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_DIFFUSERS_ROPE_COMPLEX
@@ -262,10 +263,8 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_block_applies,
         high=False,
-        high_ops=(LINEAR_GELU_TANH,),
         description="dual-stream block: LN + modulate, gate+residual+norm2+modulate, FF gate residual "
-                    "(+ the next block's LN + modulate; quality=high: the FF's first projection + tanh-GELU as "
-                    "one GEMM)",
+                    "(+ the next block's LN + modulate)",
         chained=True,
     ),
     attention_site(

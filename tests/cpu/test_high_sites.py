@@ -10,6 +10,7 @@ from ditfuse.contracts import admission, ops
 from ditfuse.contracts.quality import Guard, Quality, check_all, check_guards
 from ditfuse.kernels.compare import assert_bitwise_equal, first_mismatch
 from ditfuse.models import capture_admission_batches, families, mounted_sites
+from ditfuse.models.base import site_hooks
 
 from .tiny import flux_inputs, tiny_flux
 
@@ -204,11 +205,14 @@ def test_capture_admission_batches_and_admission_on_captured(flux, monkeypatch):
 
 
 @pytest.mark.slow  # a tiny model through the interpreter: seconds on 2 cores
-@pytest.mark.parametrize("name, size, txt, declares", [("wan", "32x16x5", 5, True), ("ltx", "224x160x17", 9, False)])
-def test_capture_takes_only_the_sites_own_optional_paths(name, size, txt, declares, monkeypatch):
-    """Wan's and LTX's blocks share models.base.feed_forward with FLUX.1's; Wan's block declares
-    the GEMM-GELU (round 28), LTX's does not: only Wan's capture records inputs for the close
-    GEMM-GELU, and LTX's still records its other close ops."""
+@pytest.mark.parametrize("name, size, txt, declares", [("wan", "32x16x5", 5, True), ("ltx", "224x160x17", 9, False),
+                                                       ("chroma", "64x48", 9, True)])
+def test_capture_scopes_and_the_sites_own_optional_paths(name, size, txt, declares, monkeypatch):
+    """Wan's, LTX's and Chroma's blocks share models.base.feed_forward with FLUX.1's; Wan's and
+    Chroma's declare the GEMM-GELU (round 28), LTX's does not: only their captures record inputs for
+    the close GEMM-GELU. ``scope="all"`` records every other close op too (LTX has no high tier);
+    ``scope="high"`` only the close ops the model's sites run under quality="high" (round 30: the
+    GPU test compared the survey with the high tier)."""
     from ditfuse.kernels.linear import linear_gelu_triton as lg
 
     monkeypatch.setattr(lg, "FAST_MIN_ROWS", 1)  # tiny token counts: only the declaration decides
@@ -217,13 +221,25 @@ def test_capture_takes_only_the_sites_own_optional_paths(name, size, txt, declar
     inp = fam.make_inputs(m, 1, size, device="cpu", txt_tokens=txt)
     h = ditfuse.accelerate(m)
     try:
-        b = capture_admission_batches(m, inp)
+        every = capture_admission_batches(m, inp, scope="all")
+        high = capture_admission_batches(m, inp)
+        tier = {c.op for _, _, hook in site_hooks(m) for c in hook.site.close_ops()}
+        with pytest.raises(ValueError, match="scope"):
+            capture_admission_batches(m, inp, scope="some")
     finally:
         h.unmount()
-    assert ("linear.linear_gelu_tanh_fast" in b) is declares, list(b)
-    assert len(b) >= 2, list(b)
+    assert ("linear.linear_gelu_tanh_fast" in every) is declares, list(every)
+    assert len(every) >= 2, list(every)
+    assert set(high) == tier & set(every), (sorted(high), sorted(tier))
+    assert {op: len(b) for op, b in high.items()} == {op: len(every[op]) for op in high}
     if declares:  # one FF per block, each captured once
-        assert len(b["linear.linear_gelu_tanh_fast"]) == len(m.blocks), len(b["linear.linear_gelu_tanh_fast"])
+        # Wan: one FF per block; Chroma: the dual block's two FeedForwards and the single block's MLP
+        ff = len(m.blocks) if name == "wan" else 2 * len(m.transformer_blocks) + len(m.single_transformer_blocks)
+        assert len(every["linear.linear_gelu_tanh_fast"]) == ff, len(every["linear.linear_gelu_tanh_fast"])
+    if name == "chroma":  # the norms' close variants are surveyed, not part of the tier
+        assert set(high) == {"linear.linear_gelu_tanh_fast"} and len(every) > len(high), list(every)
+    if name == "ltx":
+        assert high == {}, list(high)
 
 
 def test_capture_needs_a_mounted_model():
@@ -262,7 +278,7 @@ def test_wan_high_mounts_runs_close_kernels_and_returns_bitwise(load, monkeypatc
         h.unmount()
 
 
-@pytest.mark.parametrize("module", ["chroma", "qwenimage", "hunyuanvideo"])
+@pytest.mark.parametrize("module", ["chroma", "hunyuanvideo"])
 def test_gemm_gelu_only_sites(module):
     """Round 28: these families' block sites declare the close GEMM-GELU (``high_ops``) and not
     their norms' close variants (``high=False``): it is their whole high tier, and their high
@@ -280,10 +296,9 @@ def test_gemm_gelu_only_sites(module):
 
 
 @pytest.mark.slow  # tiny models through the interpreter: seconds each on 2 cores
-@pytest.mark.parametrize("name, size, txt", [("chroma", "64x48", 9), ("qwenimage", "64x48", 9),
-                                             ("hunyuanvideo", "80x48x9", 5)])
+@pytest.mark.parametrize("name, size, txt", [("chroma", "64x48", 9), ("hunyuanvideo", "80x48x9", 5)])
 def test_gemm_gelu_only_high_tier(name, size, txt, monkeypatch):
-    """Round 28: Chroma, Qwen-Image and HunyuanVideo blocks declare the close GEMM-GELU but
+    """Round 28: Chroma and HunyuanVideo blocks declare the close GEMM-GELU but
     not their norms' close variants (``high=False``). Under quality="high" the GEMM-GELU runs at
     every FF the blocks route through models.base (FeedForward, the single blocks' MLP) and no
     other close op runs; the output moves; lossless afterwards is bitwise again."""
