@@ -76,10 +76,15 @@ if want probes; then  # PROBES: the probe scripts to run (default: RMS order, at
   done
 fi
 if want tests; then
-  # TESTS: test paths (default tests/gpu); PYTEST_K: a -k expression
-  run_phase tests "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu -rf --durations=15 \
+  # TESTS: test paths (default tests/gpu); PYTEST_K: a -k expression. Each failure goes to
+  # failures.log as it happens (tests/conftest.py), so a run cut off by TESTS_TIMEOUT still names
+  # its failures. -q unless PYTEST_ARGS asks for -v (pytest adds the two up: -q -v is neither).
+  export DITFUSE_FAILURE_LOG="$OUT/failures.log"
+  verbosity=-q; [[ " ${PYTEST_ARGS:-} " == *" -v"* ]] && verbosity=
+  run_phase tests "${TESTS_TIMEOUT:-420}" python3 -m pytest $verbosity -p no:cacheprovider -m gpu -rf --durations=15 \
     ${PYTEST_K:+-k "$PYTEST_K"} ${TESTS:-tests/gpu} ${PYTEST_ARGS:-}
   summary+=("  tests: $(grep -E '(passed|failed)' "$LOG" | tail -n 1)")
+  [ -s "$OUT/failures.log" ] && summary+=("  failures ($(grep -c '^=== FAILED' "$OUT/failures.log")): $OUT/failures.log")
 fi
 want admit && run_phase admit "${ADMIT_TIMEOUT:-180}" python3 bench/admit.py ${ADMIT_ARGS:-}
 want kernels && run_phase kernels "${KERNELS_TIMEOUT:-300}" python3 bench/bench_kernels.py --out "$OUT/kernels_${CARD}.csv" ${DITFUSE_COMMIT:+--commit $DITFUSE_COMMIT} ${KERNELS_ARGS:-}

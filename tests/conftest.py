@@ -82,6 +82,37 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(_host_line(n if isinstance(n, int) else 0))
 
 
+def _failure_record(report) -> str:
+    """One failed phase as text: node id, phase, worker, free GPU memory (telling an allocation
+    failure under concurrent workers from a wrong result), and the end of the traceback."""
+    where = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    mem = ""
+    if HAS_CUDA:
+        try:
+            free, total = torch.cuda.mem_get_info()
+            mem = f"; GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
+        except Exception as e:  # a failed CUDA context is itself the clue
+            mem = f"; GPU memory unreadable: {type(e).__name__}: {e}"
+    text = str(report.longrepr).splitlines()
+    tail = "\n".join(text[-40:])
+    return f"=== FAILED {report.nodeid} ({report.when}, {where}{mem})\n{tail}\n"
+
+
+def pytest_runtest_logreport(report):
+    # DITFUSE_FAILURE_LOG (scripts/gpu_suite.sh sets it): each failure is appended the moment it
+    # happens, so a run cut off by its time limit -- before pytest's summary, which is where the
+    # tracebacks would appear -- still leaves which tests failed and why (round 30 lost both).
+    path = os.environ.get("DITFUSE_FAILURE_LOG")
+    if not path or not report.failed or getattr(report, "node", None) is not None:
+        return  # report.node: the xdist controller's copy of a worker's report (the worker wrote it)
+    data = _failure_record(report).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, data)  # one append per record: xdist workers do not interleave
+    finally:
+        os.close(fd)
+
+
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
