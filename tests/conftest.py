@@ -90,7 +90,8 @@ def _failure_record(report) -> str:
     if HAS_CUDA:
         try:
             free, total = torch.cuda.mem_get_info()
-            mem = f"; GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB"
+            mem = (f"; GPU free {free / 2**30:.1f} of {total / 2**30:.1f} GiB, this process reserves "
+                   f"{torch.cuda.memory_reserved() / 2**30:.1f}")
         except Exception as e:  # a failed CUDA context is itself the clue
             mem = f"; GPU memory unreadable: {type(e).__name__}: {e}"
     text = str(report.longrepr).splitlines()

@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = '''
 import pytest
+import torch
 
 def test_passes():
     assert 1 + 1 == 2
@@ -74,3 +76,21 @@ def test_nothing_written_without_the_variable(tmp_path, monkeypatch):
                           timeout=300)
     assert proc.returncode == 1
     assert list(tmp_path.glob("*.log")) == []
+
+
+def test_gpu_workers_release_cached_memory(monkeypatch):
+    """tests/gpu/conftest.py: under xdist on CUDA each test ends with the worker's cached blocks
+    handed back; alone on the card, or without CUDA, nothing is freed."""
+    from tests.gpu import conftest as gpu_conftest
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    assert gpu_conftest.release_cached_gpu_memory() and calls == ["empty"]
+    calls.clear()
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    assert not gpu_conftest.release_cached_gpu_memory() and calls == []
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not gpu_conftest.release_cached_gpu_memory() and calls == []
