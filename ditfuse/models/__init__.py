@@ -81,6 +81,8 @@ class ComponentReport:
     skipped_sites: list[tuple[str, str]] = field(default_factory=list)
     ops: list[str] = field(default_factory=list)
     high: MountResult | None = None
+    # whether the adapter declares any close kernel; without one, quality="high" runs lossless
+    high_capable: bool = False
     # cross-block hand-offs (models/handoff.py): {"links", "used", "discarded"}, live counts
     handoffs: dict[str, int] = field(default_factory=dict)
     # RoPE tables reused across steps (models/pos_cache.py): {"hits", "misses", "uncached"}, live counts
@@ -104,6 +106,8 @@ class AccelerationReport:
                 hi = ""
                 if c.high is not None and c.high.failed is not None:
                     hi = f"; quality=high not mounted: {c.high.failed}"
+                elif c.high is not None and not c.high_capable:
+                    hi = "; quality=high: no close kernels for this model, it runs lossless (bitwise)"
                 ho = ""
                 if c.handoffs.get("links"):
                     n = c.handoffs["links"]
@@ -139,6 +143,7 @@ class AccelerationReport:
                     "handoffs": dict(c.handoffs),
                     "pos_tables": dict(c.pos_tables),
                     "high_failure": None if c.high is None or c.high.failed is None else str(c.high.failed),
+                    "high_capable": c.high_capable,
                 }
                 for c in self.components
             ],
@@ -191,6 +196,7 @@ class Acceleration:
                 sites=[(s.path, s.site) for s in m.mounted],
                 skipped_sites=list(m.skipped),
                 ops=list(adapter.ops()),
+                high_capable=any(site.close_ops() for site in adapter.sites),
             )
             for path, reason in m.skipped:
                 logger.info("ditfuse: %s.%s keeps its diffusers forward: %s", name, path, reason)
@@ -211,6 +217,9 @@ class Acceleration:
             self._reports[name].high = res if q is Quality.HIGH else None
             if not res.ok:
                 logger.warning("ditfuse: %s stays lossless: %s", name, res.failed)
+            elif q is Quality.HIGH and not self._reports[name].high_capable and self._quality is not Quality.HIGH:
+                logger.info("ditfuse: %s (%s adapter) has no quality='high' kernels: it keeps running "
+                            "its lossless ones, bitwise equal to diffusers", name, adapter.family)
         self._quality = q
         return results
 

@@ -325,3 +325,28 @@ def test_gemm_gelu_only_high_tier(name, size, txt, monkeypatch):
         assert_bitwise_equal(_run(m, inp), base)
     finally:
         h.unmount()
+
+
+@pytest.mark.parametrize("name, capable", [("qwenimage", False), ("flux2", False), ("chroma", True), ("flux", True)])
+def test_report_says_when_high_has_nothing_to_run(name, capable, caplog):
+    """A model whose adapter declares no close kernel runs lossless under quality="high": the
+    report's line and its dict say so, and switching logs it once (round 30: Qwen-Image gave its
+    GEMM-GELU back, and its report said only "quality: high")."""
+    m = families.get(name).build("tiny", device="cpu")
+    h = ditfuse.accelerate(m)
+    try:
+        with admission.override_records(ADMITTED), caplog.at_level("INFO", logger="ditfuse"):
+            res = h.set_quality("high")[type(m).__name__]
+            h.set_quality("high")  # again: no second log line
+        assert res.ok, res.failed
+        rep = h.report()
+        comp = next(c for c in rep.to_dict()["components"] if c["class"] == type(m).__name__)
+        assert comp["high_capable"] is capable
+        said = "no close kernels for this model" in rep.summary()
+        logged = [r for r in caplog.records if "has no quality='high' kernels" in r.getMessage()]
+        assert said is (not capable) and len(logged) == (0 if capable else 1), (rep.summary(), logged)
+        assert bool(res.mounted) is capable
+        h.set_quality("lossless")
+        assert "no close kernels" not in h.report().summary()
+    finally:
+        h.unmount()
