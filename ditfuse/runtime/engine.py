@@ -148,6 +148,9 @@ class GeneratedImage:
     # a request's n images may span batches).
     batch_id: int | None = None
     batch_size: int | None = None
+    # sites that ran their quality="high" (close) forward in that batch: 0 for a lossless batch,
+    # and for a high one on a model with no close kernel or whose guards refused the tier
+    close_sites: int = 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -966,7 +969,8 @@ class Engine:
         self.metrics.observe_batch(len(slots), quality.value, info["seconds"], video=is_video)
         for (r, i), img in zip(slots, images):
             r.results[i] = GeneratedImage(
-                image=img, index=i, seed=r.params.seed + i, params=r.params, batch_id=batch_id, batch_size=len(slots)
+                image=img, index=i, seed=r.params.seed + i, params=r.params, batch_id=batch_id, batch_size=len(slots),
+                close_sites=len(info["mounted"] or ()),
             )
             if len(r.results) == r.params.n and not r.future.done():
                 r.future.set_result([r.results[k] for k in range(r.params.n)])

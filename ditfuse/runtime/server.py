@@ -59,6 +59,7 @@ import itertools
 import json
 import logging
 import time
+from collections.abc import Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,6 +148,15 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def quality_applied(images: Iterable[Any]) -> str:
+    """What ran for a request's images (``GeneratedImage.close_sites`` of their batches): "high"
+    when every batch ran close kernels, "lossless" when none did -- a lossless request, or a high one
+    on a model without close kernels or whose guards refused the tier (the output is then bitwise
+    diffusers') -- and "mixed" otherwise."""
+    ran = [g.close_sites > 0 for g in images]
+    return "high" if ran and all(ran) else "lossless" if not any(ran) else "mixed"
 
 
 def parse_quality(value: Any, default: Quality) -> Quality:
@@ -743,6 +753,7 @@ def create_app(
                 "data": data,
                 "size": params.size,
                 "quality": params.quality.value,
+                "quality_applied": quality_applied(images),
                 "output_format": params.output_format,
             }
         )

@@ -197,6 +197,10 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
     res = asyncio.run(burst())
     assert all(decode(r.data[0]).size == (32, 32) for r in res)
     assert [decode(r.data[0]).text["quality"] for r in res] == ["high", "lossless", "high", "lossless", "high", "lossless", "lossless", "high"]
+    # what ran: close kernels only in high batches, and only where the high tier mounts (the probe)
+    applied = [getattr(r, "quality_applied") for r in res]
+    asked = [r.quality for r in res]
+    assert applied == [("high" if server.probe else "lossless") if q == "high" else "lossless" for q in asked], (asked, applied)
     new = batches(server)[before:]
     assert {b["quality"] for b in new} == {"high", "lossless"}
     assert sum(b["size"] for b in new) == len(qualities)
@@ -739,3 +743,13 @@ def test_cuda_graph_options_reach_accelerate_and_workers(monkeypatch):
     assert pool.specs[0].cuda_graph == "auto"  # resolved by the worker once it has loaded the model
     with pytest.raises(ValueError, match="max_cuda_graphs"):
         WorkerPool("tiny-flux", ["cpu"], max_cuda_graphs=0)
+
+
+@pytest.mark.parametrize("close_sites, expected", [([0], "lossless"), ([3], "high"), ([3, 3], "high"),
+                                                   ([0, 0], "lossless"), ([3, 0], "mixed"), ([], "lossless")])
+def test_quality_applied_from_the_batches_close_sites(close_sites, expected):
+    """The response's ``quality_applied``: "high" only when every batch of the request ran close
+    kernels (a high request on a model without them, or refused by its guards, ran lossless)."""
+    from ditfuse.runtime.server import quality_applied
+
+    assert quality_applied([SimpleNamespace(close_sites=n) for n in close_sites]) == expected
