@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = '''
 import pytest
-import torch
 
 def test_passes():
     assert 1 + 1 == 2
@@ -41,15 +40,17 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(env, **extra)
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+def _run(tmp_path: Path, *args: str, log: bool = True) -> tuple[subprocess.CompletedProcess, str]:
+    """The probe file under a conftest that has only the failure-log hook; ``log``: with
+    DITFUSE_FAILURE_LOG pointing into ``tmp_path``."""
     (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport  # noqa: F401\n")
     (tmp_path / "test_probe.py").write_text(PROBE)
-    log = tmp_path / "failures.log"
-    env = _env(DITFUSE_FAILURE_LOG=str(log))
+    path = tmp_path / "failures.log"
+    env = _env(DITFUSE_FAILURE_LOG=str(path)) if log else _env()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
                            str(tmp_path / "test_probe.py"), *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    return proc, log.read_text() if log.exists() else ""
+    return proc, path.read_text() if path.exists() else ""
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
@@ -66,14 +67,8 @@ def test_each_failure_logged_once_as_it_happens(tmp_path, workers):
     assert "test_passes" not in text
 
 
-def test_nothing_written_without_the_variable(tmp_path, monkeypatch):
-    monkeypatch.delenv("DITFUSE_FAILURE_LOG", raising=False)
-    (tmp_path / "conftest.py").write_text("from tests.conftest import pytest_runtest_logreport  # noqa: F401\n")
-    (tmp_path / "test_probe.py").write_text(PROBE)
-    env = _env()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-                           str(tmp_path / "test_probe.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+def test_nothing_written_without_the_variable(tmp_path):
+    proc, _ = _run(tmp_path, log=False)
     assert proc.returncode == 1
     assert list(tmp_path.glob("*.log")) == []
 
