@@ -16,12 +16,22 @@ startup recovery in :class:`ditfuse.runtime.videos.VideoJobs` then marks it comp
 Durability: WAL with ``synchronous=NORMAL`` — a committed change survives a crash of the server
 process (the case this store is for); after an OS crash or power loss the last few commits may
 be rolled back, which the startup recovery handles the same way.
+
+Schema versions (``meta.schema_version``)
+    1   the first layout.
+    2   adds ``videos.close_sites``: how many sites ran their quality="high" (close) kernels in the
+        job's batch, set when the job completes (NULL until then, and for rows written by version 1).
+
+Opening a file of an older version migrates it in place, in one transaction (so a crash leaves
+it at the old version, not half-way), and logs one line; a file of a newer version is refused
+(its layout is unknown here). Once migrated, a file cannot be opened by an older ditfuse.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -30,12 +40,17 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+logger = logging.getLogger("ditfuse.jobs")
 
 STATUSES = ("queued", "in_progress", "completed", "failed")
 FINISHED = ("completed", "failed")
 
-_SCHEMA = """
+# The current layout, for a new file. Statements one by one (not executescript, which commits
+# whatever transaction is open): a new file gets its tables and version in one transaction.
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS videos (
     seq            INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order (pagination cursor)
     id             TEXT NOT NULL UNIQUE,
@@ -55,16 +70,23 @@ CREATE TABLE IF NOT EXISTS videos (
     file           TEXT,                   -- under files/
     bytes          INTEGER,
     error_code     TEXT,
-    error_message  TEXT
-);
-CREATE INDEX IF NOT EXISTS videos_status ON videos (status);
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-"""
+    error_message  TEXT,
+    close_sites    INTEGER                 -- completed jobs: sites that ran close kernels (v2)
+)""",
+    "CREATE INDEX IF NOT EXISTS videos_status ON videos (status)",
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+)
+
+# _MIGRATIONS[v]: the statements that take a version-v file to version v + 1. Old rows keep NULL
+# in a new column: what they would hold was never recorded, so it is reported as unknown.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE videos ADD COLUMN close_sites INTEGER",),
+}
 
 COLUMNS = (
     "id", "model", "status", "progress", "created_at", "started_at", "completed_at", "finished_at",
     "expires_at", "prompt", "size", "seconds", "quality", "params", "file", "bytes", "error_code",
-    "error_message",
+    "error_message", "close_sites",
 )
 
 
@@ -92,15 +114,59 @@ class JobStore:
                 raise RuntimeError(f"{self.db_path}: could not switch SQLite to WAL mode (got {mode!r})")
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
-            self._db.executescript(_SCHEMA)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) != SCHEMA_VERSION:
-                raise RuntimeError(f"{self.db_path} has schema version {row[0]}, this ditfuse reads {SCHEMA_VERSION}")
+            self._open_schema()
         except BaseException:
+            if getattr(self, "_db", None) is not None:
+                self._db.close()
             self._release_dir_lock()
             raise
+
+    def _open_schema(self) -> None:
+        """Create the tables of a new file, or bring an older file to :data:`SCHEMA_VERSION`;
+        RuntimeError for a file of a newer version (nothing is written to it)."""
+        db = self._db
+        db.execute("BEGIN IMMEDIATE")  # one writer from here to COMMIT: the check and the change agree
+        try:
+            tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            row = None if "meta" not in tables else db.execute(
+                "SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+            if row is not None:
+                found = int(row[0])
+            elif "videos" in tables:
+                # version 1 created its tables and then its version row in separate commits: a
+                # crash between them left a version-1 table with no version
+                found = 1
+            else:
+                found = None
+            if found is not None and found > SCHEMA_VERSION:
+                raise RuntimeError(
+                    f"{self.db_path} has schema version {found}, newer than this ditfuse's "
+                    f"{SCHEMA_VERSION} (it was written by a later ditfuse): upgrade ditfuse, or pass "
+                    "another --data-dir")
+            if found is not None and found != SCHEMA_VERSION and found not in _MIGRATIONS:
+                raise RuntimeError(f"{self.db_path} has schema version {found}, which this ditfuse cannot migrate")
+            if found is None:
+                for stmt in _SCHEMA:
+                    db.execute(stmt)
+            else:
+                for version in range(found, SCHEMA_VERSION):
+                    for stmt in _MIGRATIONS[version]:
+                        db.execute(stmt)
+                for stmt in _SCHEMA[1:]:  # no-ops, unless that crash of version 1 came before it made them
+                    db.execute(stmt)
+            if found != SCHEMA_VERSION:
+                db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('schema_version', ?)",
+                           (str(SCHEMA_VERSION),))
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
+        if found is not None and found != SCHEMA_VERSION:
+            # a warning, not info: the file can no longer be opened by the older ditfuse (and
+            # `serve` opens the store before it sets up its own logging, so only warnings show)
+            logger.warning("%s: migrated the video job store from schema version %d to %d",
+                           self.db_path, found, SCHEMA_VERSION)
 
     # -- the data dir lock -------------------------------------------------------------------
 

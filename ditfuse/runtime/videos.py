@@ -48,6 +48,8 @@ Job lifecycle
     + 1), the last share being decode + MP4 encode) -> ``completed`` (progress 100, the MP4 is on
     disk) or ``failed`` (``error: {code, message}``: ``timeout``, ``generation_failed``,
     ``encode_failed``, ``server_restarted``, ``model_unavailable``, ``queue_full``).
+    ``quality`` is the tier asked for; ``quality_applied`` what ran (:func:`job_quality_applied`),
+    null until the job completes.
 
 Restart policy (see docs/videos.md)
     On startup, jobs that were ``in_progress`` when the previous server stopped are marked
@@ -107,6 +109,18 @@ POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
+
+
+def job_quality_applied(close_sites: int | None) -> str | None:
+    """A job's ``quality_applied`` from its row's ``close_sites``: the images API's rule
+    (:func:`ditfuse.runtime.server.quality_applied`) for the job's one batch -- "high" when it ran
+    close kernels, "lossless" when it ran none (a lossless job, or a high one on a model without
+    close kernels or whose guards refused the tier). None when that is not known: the job has not
+    completed (queued, in progress, failed), its row predates schema version 2, or it was marked
+    completed by the startup recovery (the crash came before the row recorded what ran)."""
+    if close_sites is None:
+        return None
+    return "high" if close_sites > 0 else "lossless"
 
 
 def default_data_dir() -> Path:
@@ -573,8 +587,10 @@ class VideoJobs:
                 self._fail(job_id, "encode_failed", f"{type(e).__name__}: {e}")
                 return
             now = int(time.time())
+            # a video request is one clip (n = 1), so one batch: its close sites say what ran
             ok = self.store.update(job_id, status="completed", progress=100, completed_at=now, finished_at=now,
-                                   expires_at=self._expires(now), file=mp4.name, bytes=size)
+                                   expires_at=self._expires(now), file=mp4.name, bytes=size,
+                                   close_sites=out[0].close_sites)
             if not ok:  # deleted while encoding
                 self._unlink_files(job_id)
             self.sweep()
@@ -631,6 +647,7 @@ class VideoJobs:
             "remixed_from_video_id": None,
             "error": error,
             "quality": row["quality"],
+            "quality_applied": job_quality_applied(row.get("close_sites")),
             "seed": p["seed"],
             "num_frames": p["num_frames"],
             "num_inference_steps": p["num_inference_steps"],
@@ -744,4 +761,5 @@ def unsupported_router(model: str) -> APIRouter:
     return r
 
 
-__all__ = ["VideoJobs", "router", "unsupported_router", "parse_video_request", "default_data_dir", "FINISHED"]
+__all__ = ["VideoJobs", "router", "unsupported_router", "parse_video_request", "default_data_dir", "job_quality_applied",
+           "FINISHED"]

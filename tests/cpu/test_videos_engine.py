@@ -16,7 +16,7 @@ import pytest
 from ditfuse.contracts.quality import Quality
 from ditfuse.runtime import video_io
 from ditfuse.runtime.engine import Engine, RequestCancelled, RequestTimeout
-from ditfuse.runtime.jobs import DataDirLocked, JobStore
+from ditfuse.runtime.jobs import SCHEMA_VERSION, DataDirLocked, JobStore, params_json
 from ditfuse.runtime.params import (
     ParamError,
     SamplingParams,
@@ -139,6 +139,134 @@ def test_store_retention_by_age_and_count(tmp_path):
         assert all(r["status"] != "in_progress" for r in store.retention_victims(max_finished=0, now=10**9))
     finally:
         store.close()
+
+
+# The layout of schema version 1 exactly as version 1 wrote it (ditfuse/runtime/jobs.py's _SCHEMA
+# then), kept verbatim here: the migration must keep working on such files.
+V1_SCHEMA = """
+CREATE TABLE IF NOT EXISTS videos (
+    seq            INTEGER PRIMARY KEY AUTOINCREMENT,  -- creation order (pagination cursor)
+    id             TEXT NOT NULL UNIQUE,
+    model          TEXT NOT NULL,
+    status         TEXT NOT NULL CHECK (status IN ('queued', 'in_progress', 'completed', 'failed')),
+    progress       INTEGER NOT NULL DEFAULT 0,
+    created_at     INTEGER NOT NULL,
+    started_at     INTEGER,
+    completed_at   INTEGER,                -- completed jobs only (as in OpenAI's object)
+    finished_at    INTEGER,                -- completed or failed: the retention clock
+    expires_at     INTEGER,
+    prompt         TEXT NOT NULL,
+    size           TEXT NOT NULL,
+    seconds        TEXT NOT NULL,
+    quality        TEXT NOT NULL,
+    params         TEXT NOT NULL,          -- JSON of SamplingParams.to_dict()
+    file           TEXT,                   -- under files/
+    bytes          INTEGER,
+    error_code     TEXT,
+    error_message  TEXT
+);
+CREATE INDEX IF NOT EXISTS videos_status ON videos (status);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def _v1_file(data_dir, rows, version="1"):
+    """A data dir whose jobs.sqlite3 version 1 wrote (``version``: its meta row; None: none, as a
+    crash between version 1's table and version writes left it). Returns the database path."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "jobs.sqlite3"
+    con = sqlite3.connect(path, isolation_level=None)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.executescript(V1_SCHEMA)
+    if version is not None:
+        con.execute("INSERT INTO meta (key, value) VALUES ('schema_version', ?)", (version,))
+    for row in rows:
+        con.execute(f"INSERT INTO videos ({', '.join(row)}) VALUES ({', '.join('?' for _ in row)})", tuple(row.values()))
+    con.close()
+    return path
+
+
+def _read(path, sql):
+    con = sqlite3.connect(path)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def _fake_video_jobs(store):
+    """VideoJobs over ``store`` with an engine it only reads ``fps`` from (for ``to_api``)."""
+    from ditfuse.runtime.videos import VideoJobs
+
+    eng = SimpleNamespace(loaded=SimpleNamespace(is_video=True, fps=16), model_name="m")
+    return VideoJobs(eng, store.data_dir, sweep_interval_s=0, store=store)
+
+
+@pytest.mark.parametrize("version_row", ["1", None])
+def test_store_migrates_a_version_1_file_in_place(tmp_path, caplog, version_row):
+    """Opening a version-1 file adds ``close_sites`` (schema version 2) without losing a job; the
+    old rows' ``quality_applied`` is unknown (null), not made up; one log line says so."""
+    params = params_json(V("old", quality="high"))
+    done = _row(1, status="completed", progress=100, completed_at=1100, finished_at=1100, expires_at=9999,
+                file="video_001.mp4", bytes=1234, quality="high", params=params)
+    failed = _row(2, status="failed", finished_at=1200, error_code="timeout", error_message="slow", params=params)
+    queued = _row(3, params=params)
+    path = _v1_file(tmp_path / "d", [done, failed, queued], version_row)
+    before = _read(path, "SELECT * FROM videos ORDER BY seq")
+    assert SCHEMA_VERSION == 2
+    with caplog.at_level("INFO", logger="ditfuse.jobs"):
+        store = JobStore(tmp_path / "d")
+    try:
+        lines = [r for r in caplog.records if r.name == "ditfuse.jobs"]
+        assert len(lines) == 1 and "from schema version 1 to 2" in lines[0].getMessage(), lines
+        assert store.count() == 3
+        for old in (done, failed, queued):
+            row = store.get(old["id"])
+            assert {k: row[k] for k in old} == old  # every version-1 column as it was
+            assert row["close_sites"] is None
+        api = _fake_video_jobs(store).to_api(store.get(done["id"]))
+        assert api["status"] == "completed" and api["quality"] == "high" and api["quality_applied"] is None
+        # the migrated file works as a new one does: new rows record what ran, the cursor goes on
+        store.insert(_row(4, params=params))
+        assert store.update("video_004", status="completed", close_sites=0)
+        assert [r["id"] for r in store.list(limit=10)[0]] == ["video_004", "video_003", "video_002", "video_001"]
+    finally:
+        store.close()
+    assert _read(path, "SELECT value FROM meta WHERE key = 'schema_version'") == [("2",)]
+    migrated = _read(path, "SELECT * FROM videos ORDER BY seq")
+    assert [r[:-1] for r in migrated[:3]] == before and [r[-1] for r in migrated] == [None, None, None, 0]
+    # the same layout as a file this version creates (so a migrated file and a new one never differ)
+    fresh = JobStore(tmp_path / "new")
+    fresh.close()
+    layout = "SELECT name, type, \"notnull\", dflt_value, pk FROM pragma_table_info('videos')"
+    assert _read(path, layout) == _read(fresh.db_path, layout)
+    assert _read(path, "SELECT name FROM sqlite_master ORDER BY name") == _read(fresh.db_path, "SELECT name FROM sqlite_master ORDER BY name")
+    # opened again: already version 2, nothing to migrate, nothing logged
+    caplog.clear()
+    with caplog.at_level("INFO", logger="ditfuse.jobs"):
+        JobStore(tmp_path / "d").close()
+    assert not [r for r in caplog.records if r.name == "ditfuse.jobs"]
+
+
+def test_store_refuses_a_newer_schema_and_leaves_it_alone(tmp_path):
+    path = _v1_file(tmp_path, [_row(1)], version="3")
+    with pytest.raises(RuntimeError, match=r"schema version 3, newer than this ditfuse's 2.*upgrade ditfuse"):
+        JobStore(tmp_path)
+    assert _read(path, "SELECT value FROM meta WHERE key = 'schema_version'") == [("3",)]
+    assert "close_sites" not in {r[0] for r in _read(path, "SELECT name FROM pragma_table_info('videos')")}
+    assert _read(path, "SELECT id FROM videos") == [("video_001",)]
+    with pytest.raises(RuntimeError, match="newer"):  # the data dir lock was released: the same error again
+        JobStore(tmp_path)
+
+
+def test_job_quality_applied_from_the_rows_close_sites():
+    """The videos API's ``quality_applied``: the images API's rule for one batch, null when unknown."""
+    from ditfuse.runtime.server import quality_applied
+    from ditfuse.runtime.videos import job_quality_applied
+
+    assert [job_quality_applied(n) for n in (None, 0, 1, 7)] == [None, "lossless", "high", "high"]
+    for n in (0, 1, 7):
+        assert job_quality_applied(n) == quality_applied([SimpleNamespace(close_sites=n)])
 
 
 def test_one_server_per_data_dir(tmp_path):

@@ -183,6 +183,53 @@ def test_create_poll_download_list_delete(vs):
     assert not list((vs.data_dir / "files").glob(f"{v.id}*"))
 
 
+def _new_batches(vs, before):
+    return [b for b in batches(vs)[before:] if b["signature"][8] is not None]  # video batches (num_frames)
+
+
+def test_quality_applied_says_what_ran_lossless_and_high(vs):
+    """``quality_applied`` beside ``quality``: null until the job completes, then "high" only when
+    its batch ran close kernels. tiny-wan loads in fp32 on CPU, where no close kernel mounts (the
+    batch log says so), so a high job runs nothing close here and must say "lossless", as the images
+    API does."""
+    c = client(vs)
+    for quality in ("lossless", "high"):
+        wait_idle(vs)
+        before = len(batches(vs))
+        v = c.videos.create(prompt=f"what ran {quality}", size="32x32", extra_body=extra(quality=quality))
+        assert v.status == "queued" and v.model_extra["quality"] == quality
+        assert "quality_applied" in v.model_extra and v.model_extra["quality_applied"] is None
+        done = wait_status(c, v.id, ("completed", "failed"))
+        assert done.status == "completed", done
+        ran = _new_batches(vs, before)
+        assert [b["quality"] for b in ran] == [quality] and ran[0]["mounted"] == [], ran  # nothing close mounted
+        assert (done.model_extra["quality"], done.model_extra["quality_applied"]) == (quality, "lossless")
+        listed = {x.id: x for x in c.videos.list(limit=100)}
+        assert listed[v.id].model_extra["quality_applied"] == "lossless"
+        assert vs.jobs.store.get(v.id)["close_sites"] == 0
+
+
+def test_quality_applied_is_high_when_the_batch_ran_close_kernels(vs, monkeypatch):
+    """The same path with close kernels reported as running in high batches (the engine's
+    ``mounted_sites`` stood in for, as on a GPU where the high tier mounts): the count travels from
+    the batch to the job row and the job object says "high"; a lossless job beside it says "lossless"."""
+    from ditfuse.contracts.quality import Quality
+    from ditfuse.runtime import engine as engine_mod
+
+    sites = ["transformer/blocks.0.ffn:linear_gelu_tanh", "transformer/blocks.1.ffn:linear_gelu_tanh"]
+    monkeypatch.setattr(engine_mod, "mounted_sites",
+                        lambda pipe: list(sites) if vs.engine.handle.quality is Quality.HIGH else [])
+    c = client(vs)
+    wait_idle(vs)
+    before = len(batches(vs))
+    jobs = {q: c.videos.create(prompt=f"close {q}", size="32x32", extra_body=extra(quality=q)) for q in ("high", "lossless")}
+    done = {q: wait_status(c, v.id, ("completed", "failed")) for q, v in jobs.items()}
+    assert {b["quality"]: len(b["mounted"]) for b in _new_batches(vs, before)} == {"high": 2, "lossless": 0}
+    assert done["high"].status == "completed" and done["high"].model_extra["quality_applied"] == "high"
+    assert vs.jobs.store.get(jobs["high"].id)["close_sites"] == 2
+    assert done["lossless"].status == "completed" and done["lossless"].model_extra["quality_applied"] == "lossless"
+
+
 def test_progress_goes_queued_in_progress_completed(vs):
     c = client(vs)
     v = c.videos.create(prompt="slow", size="64x48", extra_body=extra(frames=9, steps=150))
@@ -312,6 +359,7 @@ def test_per_job_timeout_fails_the_job(vs):
         vs.jobs.job_timeout_s = old
     v = wait_status(c, v.id, ("completed", "failed"))
     assert v.status == "failed" and v.error.code == "timeout" and "0.5 s" in v.error.message
+    assert v.model_extra["quality_applied"] is None  # nothing was produced
     with pytest.raises(openai.ConflictError):
         c.videos.download_content(v.id)
 
@@ -477,9 +525,11 @@ def test_restart_after_a_crash_keeps_finished_jobs_fails_running_requeues_queued
         listed = {v.id: v for v in c.videos.list(limit=100)}
         assert set(listed) == {done.id, running.id, queued.id}
         assert listed[done.id].status == "completed"
+        assert listed[done.id].model_extra["quality_applied"] == "lossless"  # stored with the row
         assert c.videos.download_content(done.id).read() == content
         failed = listed[running.id]
         assert failed.status == "failed" and failed.error.code == "server_restarted"
+        assert failed.model_extra["quality_applied"] is None
         assert "create it again" in failed.error.message
         requeued = wait_status(c, queued.id, ("completed", "failed"))
         assert requeued.status == "completed"
