@@ -24,6 +24,8 @@ _COMMON = dict(patch_size=(1, 2, 2), attention_head_dim=128, text_dim=4096, freq
 DEV = dict(_COMMON, num_attention_heads=12, in_channels=16, out_channels=16, ffn_dim=8960, num_layers=30)
 # Wan2.2-TI2V-5B: 30 blocks, width 3072 (24 heads), ffn 14336, 48 latent channels (VAE 4x16x16).
 TI2V_5B = dict(_COMMON, num_attention_heads=24, in_channels=48, out_channels=48, ffn_dim=14336, num_layers=30)
+# Wan2.1-T2V-14B, and each expert of Wan2.2-T2V-A14B: 40 blocks, width 5120 (40 heads), ffn 13824.
+T2V_14B = dict(_COMMON, num_attention_heads=40, in_channels=16, out_channels=16, ffn_dim=13824, num_layers=40)
 # Wan2.1-I2V-14B-480P: 40 blocks, width 5120, image embeddings (CLIP 1280) through added k/v.
 I2V_14B = dict(_COMMON, num_attention_heads=40, in_channels=36, out_channels=16, ffn_dim=13824, num_layers=40,
                image_dim=1280, added_kv_proj_dim=5120)
@@ -39,16 +41,20 @@ _SPATIAL = {"ti2v-5b": 16}
 
 def make_inputs(model: Any, batch: int = 1, size: str = "832x480x81", seed: int = 0, device: str = "cuda",
                 dtype: Any = None, txt_tokens: int = 512, timestep: float = 500.0, spatial: int | None = None,
-                per_token_timestep: bool = False, image_tokens: int = 257) -> dict[str, Any]:
+                per_token_timestep: bool | None = None, image_tokens: int = 257) -> dict[str, Any]:
     """One forward's kwargs for a WxHxFRAMES video: latents [B, C, (F-1)/4+1, H/s, W/s] (s = 8,
     or 16 for the 48-channel Wan 2.2 VAE), ``txt_tokens`` random UMT5 embeddings (Wan's 512),
-    image embeddings for I2V configs, and a per-token timestep for TI2V when asked."""
+    image embeddings for I2V configs, and a per-token timestep [B, seq] when
+    ``per_token_timestep`` (default: for the 48-channel TI2V-5B layout, whose pipeline runs
+    with ``expand_timesteps=True``; one timestep per sample otherwise)."""
     import torch
 
     dtype = dtype or torch.bfloat16
     W, H, F = parse_size(size, 3)
     cfg = model.config
     s = spatial or (16 if cfg.in_channels == 48 else 8)
+    if per_token_timestep is None:
+        per_token_timestep = cfg.in_channels == 48
     if (F - 1) % 4:
         raise ValueError(f"Wan frame counts are 4k+1, got {F}")
     f, h, w = (F - 1) // 4 + 1, H // s, W // s
@@ -84,13 +90,16 @@ def _to_images(latent: Any) -> Any:
 FAMILY = Family(
     name="wan",
     model_class="diffusers:WanTransformer3DModel",
-    configs={"tiny": TINY, "tiny-i2v": TINY_I2V, "dev": DEV, "ti2v-5b": TI2V_5B, "i2v-14b": I2V_14B},
+    configs={"tiny": TINY, "tiny-i2v": TINY_I2V, "dev": DEV, "ti2v-5b": TI2V_5B, "t2v-14b": T2V_14B,
+             "i2v-14b": I2V_14B},
     default_size="832x480x81",
     make_inputs=make_inputs,
     timestep=_timestep,
     to_images=_to_images,
     notes={"dev": "Wan2.1-T2V-1.3B size (30 blocks, width 1536, ffn 8960), random bf16 weights",
-           "ti2v-5b": "Wan2.2-TI2V-5B size (30 blocks, width 3072, 48 latent channels)"},
+           "ti2v-5b": "Wan2.2-TI2V-5B size (30 blocks, width 3072, 48 latent channels; per-token timesteps)",
+           "t2v-14b": "Wan2.1-T2V-14B / one Wan2.2-T2V-A14B expert size (40 blocks, width 5120, ffn 13824)",
+           "i2v-14b": "Wan2.1-I2V-14B-480P size (40 blocks, width 5120, CLIP image tokens)"},
 )
 
 
