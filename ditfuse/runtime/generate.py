@@ -270,8 +270,13 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
             print(f"  {line}")
     t_loaded = time.perf_counter()
     quiet = rank is not None and not rank.main
+    # what the call will run: the tier is fixed by accelerate() above, so the sites running
+    # close kernels now are the ones every step runs (0 without accelerate: diffusers' own forward)
+    from .engine import mounted_sites
+
+    close_sites = 0 if args.no_accelerate else len(mounted_sites(loaded.pipe))
     if params.num_frames is not None:
-        return _run_video(loaded, params, out, t_start, t_loaded, quiet)
+        return _run_video(loaded, params, out, t_start, t_loaded, quiet, close_sites)
 
     from tqdm import tqdm
 
@@ -292,13 +297,13 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
     paths = output_paths(out, params.n)
     for i, (img, path) in enumerate(zip(images, paths)):
         if not quiet:  # every rank computed the same images; rank 0 writes them
-            save_image(img, path, params.output_format, params.metadata(i, model=loaded.name))
+            save_image(img, path, params.output_format, params.metadata(i, model=loaded.name, close_sites=close_sites))
     t_saved = time.perf_counter()
 
     print(
         f"sampling: {params.size}, {params.num_inference_steps} steps, guidance {params.guidance_scale:g}, "
         f"seed {params.seed}{'..' + str(params.seed + params.n - 1) if params.n > 1 else ''}, "
-        f"n {params.n}, quality {params.quality.value}"
+        f"n {params.n}, {_quality_line(params, close_sites)}"
     )
     if params.image is not None:
         print(f"image: {params.image} (pixels sha256 {params.image_sha256})")
@@ -324,7 +329,18 @@ def _run(args: argparse.Namespace, rank: Any, t_start: float) -> int:
     return 0
 
 
-def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: float, quiet: bool = False) -> int:
+def _quality_line(params: Any, close_sites: int) -> str:
+    """``quality <asked>`` and, where it differs or needs saying, what ran (``applied_quality``)."""
+    from .params import applied_quality
+
+    applied = applied_quality(close_sites)
+    if applied == params.quality.value:
+        return f"quality {applied}" + (f" (close kernels on {close_sites} sites)" if close_sites else "")
+    return f"quality {params.quality.value} (ran {applied}: no site runs a close kernel)"
+
+
+def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: float, quiet: bool = False,
+               close_sites: int = 0) -> int:
     """One clip: progress over the denoising steps and the decode, then the video file (not
     written when ``quiet``: another rank of a parallel run writes it)."""
     from tqdm import tqdm
@@ -353,7 +369,7 @@ def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: fl
     fmt = video_format(out)
     if quiet:
         return 0
-    size = write_video(out, clip, loaded.fps, fmt, params.metadata(0, model=loaded.name))
+    size = write_video(out, clip, loaded.fps, fmt, params.metadata(0, model=loaded.name, close_sites=close_sites))
     t_saved = time.perf_counter()
 
     n, h, w = clip.shape[:3]
@@ -362,7 +378,7 @@ def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: fl
         f"at {loaded.fps} fps), {steps} steps, guidance {params.guidance_scale:g}"
         f"{'' if params.guidance_scale_2 is None else f' (low-noise expert {params.guidance_scale_2:g})'}, "
         f"seed {params.seed}, "
-        f"quality {params.quality.value}"
+        f"{_quality_line(params, close_sites)}"
     )
     if params.image is not None:
         print(f"image: {params.image} (pixels sha256 {params.image_sha256})")

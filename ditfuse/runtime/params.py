@@ -76,6 +76,17 @@ def _check_float(param: str, value: Any, lo: float, hi: float) -> float:
     return v
 
 
+def applied_quality(close_sites: int | None) -> str | None:
+    """The tier one batch ran, from how many sites ran their quality="high" (close) forward in it:
+    "high" when any did; "lossless" when none did -- a lossless batch, or a high one on a model
+    without close kernels or whose guards refused the tier (its output is then bitwise
+    diffusers'); None when that was not recorded. The one rule behind every ``quality_applied``
+    (images and videos responses, saved files' metadata, ``generate``'s summary)."""
+    if close_sites is None:
+        return None
+    return "high" if close_sites > 0 else "lossless"
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What one request asks for. Build with :meth:`create` (validates); fields are final values.
@@ -223,8 +234,10 @@ class SamplingParams:
     def with_(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
 
-    def metadata(self, index: int = 0, model: str | None = None) -> dict[str, str]:
-        """Text metadata for image ``index`` of this request (PNG tEXt chunks)."""
+    def metadata(self, index: int = 0, model: str | None = None, close_sites: int | None = None) -> dict[str, str]:
+        """Text metadata for image ``index`` of this request (PNG tEXt chunks, the video
+        container's tags). ``quality`` is the tier asked for; ``quality_applied``
+        (:func:`applied_quality` of the batch's ``close_sites``) what ran, when the caller knows."""
         meta = {
             "prompt": self.prompt,
             "size": self.size,
@@ -233,6 +246,9 @@ class SamplingParams:
             "seed": str(self.seed + index),
             "quality": self.quality.value,
         }
+        applied = applied_quality(close_sites)
+        if applied is not None:
+            meta["quality_applied"] = applied
         if self.negative_prompt is not None:
             meta["negative_prompt"] = self.negative_prompt
             meta["true_cfg_scale"] = repr(self.true_cfg_scale)

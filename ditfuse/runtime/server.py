@@ -75,7 +75,7 @@ from ..contracts.quality import Quality
 from .engine import Engine, EngineError
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import EngineMetrics
-from .params import ParamError, SamplingParams
+from .params import ParamError, SamplingParams, applied_quality
 from .pipelines import PIPELINE_SPECS
 
 access_logger = logging.getLogger("ditfuse.access")
@@ -155,8 +155,8 @@ def quality_applied(images: Iterable[Any]) -> str:
     when every batch ran close kernels, "lossless" when none did -- a lossless request, or a high one
     on a model without close kernels or whose guards refused the tier (the output is then bitwise
     diffusers') -- and "mixed" otherwise."""
-    ran = [g.close_sites > 0 for g in images]
-    return "high" if ran and all(ran) else "lossless" if not any(ran) else "mixed"
+    ran = {applied_quality(g.close_sites) for g in images}
+    return ran.pop() if len(ran) == 1 else "lossless" if not ran else "mixed"
 
 
 def parse_quality(value: Any, default: Quality) -> Quality:
@@ -372,11 +372,11 @@ async def read_edit_request(request: Request) -> tuple[dict[str, Any], bytes, by
     return body, images[0], masks[0] if masks else None
 
 
-def encode_image(image: Any, params: SamplingParams, index: int, model: str) -> str:
+def encode_image(image: Any, params: SamplingParams, index: int, model: str, close_sites: int | None = None) -> str:
     from .generate import save_image
 
     buf = io.BytesIO()
-    save_image(image, buf, params.output_format, params.metadata(index, model=model))
+    save_image(image, buf, params.output_format, params.metadata(index, model=model, close_sites=close_sites))
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -740,7 +740,7 @@ def create_app(
         data = await asyncio.to_thread(
             lambda: [
                 {
-                    "b64_json": encode_image(g.image, g.params, g.index, engine.model_name),
+                    "b64_json": encode_image(g.image, g.params, g.index, engine.model_name, g.close_sites),
                     "revised_prompt": None,
                     "seed": g.seed,
                 }

@@ -89,6 +89,7 @@ from .params import (
     MAX_STEPS,
     ParamError,
     SamplingParams,
+    applied_quality,
     resolve_num_frames,
     seconds_for_frames,
 )
@@ -112,15 +113,13 @@ DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
 
 
 def job_quality_applied(close_sites: int | None) -> str | None:
-    """A job's ``quality_applied`` from its row's ``close_sites``: the images API's rule
-    (:func:`ditfuse.runtime.server.quality_applied`) for the job's one batch -- "high" when it ran
+    """A job's ``quality_applied`` from its row's ``close_sites`` (:func:`applied_quality` for the
+    job's one batch, as the images API's rule): "high" when it ran
     close kernels, "lossless" when it ran none (a lossless job, or a high one on a model without
     close kernels or whose guards refused the tier). None when that is not known: the job has not
     completed (queued, in progress, failed), its row predates schema version 2, or it was marked
     completed by the startup recovery (the crash came before the row recorded what ran)."""
-    if close_sites is None:
-        return None
-    return "high" if close_sites > 0 else "lossless"
+    return applied_quality(close_sites)
 
 
 def default_data_dir() -> Path:
@@ -576,7 +575,7 @@ class VideoJobs:
                 return  # deleted while its batch finished
             frames = out[0].image
             params = out[0].params
-            meta = params.metadata(0, model=self.engine.model_name)
+            meta = params.metadata(0, model=self.engine.model_name, close_sites=out[0].close_sites)
             mp4 = self.files_dir / f"{job_id}.mp4"
             try:
                 # The thumbnail first: a present MP4 means the job's files are all there.

@@ -38,6 +38,7 @@ def test_generate_writes_pngs_with_metadata(tiny_cache, tmp_path):
         assert img.text["num_inference_steps"] == "3"
         assert img.text["size"] == "96x64"
         assert img.text["quality"] == "lossless"
+        assert img.text["quality_applied"] == "lossless"
         assert img.text["model"] == "tiny-flux"
         assert "seed=" in img.text["parameters"]
         assert f"wrote {p}" in r.stdout
@@ -46,6 +47,7 @@ def test_generate_writes_pngs_with_metadata(tiny_cache, tmp_path):
     assert "device: cpu" in s
     assert "noise" in s  # the preset says plainly that its images are noise
     assert "accelerated:" in s and "fused ops are unavailable" in s
+    assert "n 2, quality lossless\n" in s
     for timing in ("load + accelerate", "per step (median)", "VAE decode", "total"):
         assert timing in s
     assert "denoising" in r.stderr  # the progress bar
@@ -150,3 +152,24 @@ def test_real_model_directory_loads_with_dtype(tmp_path):
         presets.load_model(str(tmp_path), device="cpu")
     with pytest.raises(ValueError, match="unknown dtype"):
         presets.load_model(str(d), device="cpu", dtype="int3")
+
+
+@pytest.mark.parametrize(
+    "asked,close_sites,line,applied",
+    [
+        ("lossless", 0, "quality lossless", "lossless"),
+        ("high", 115, "quality high (close kernels on 115 sites)", "high"),
+        ("high", 0, "quality high (ran lossless: no site runs a close kernel)", "lossless"),
+    ],
+)
+def test_generate_says_which_quality_ran(asked, close_sites, line, applied):
+    """The summary line and the files' metadata give the tier asked for and, where it differs, the
+    one that ran (``applied_quality``, the rule behind the servers' ``quality_applied``)."""
+    from ditfuse.runtime.generate import _quality_line
+    from ditfuse.runtime.params import SamplingParams
+
+    p = SamplingParams.create("x", size="32x32", seed=1, quality=asked)
+    assert _quality_line(p, close_sites) == line
+    meta = p.metadata(0, model="m", close_sites=close_sites)
+    assert meta["quality"] == asked and meta["quality_applied"] == applied
+    assert "quality_applied" not in p.metadata(0)  # not known: not written

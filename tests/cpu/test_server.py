@@ -201,6 +201,8 @@ def test_mixed_quality_requests_run_in_separate_batches_with_their_mount_state(s
     applied = [getattr(r, "quality_applied") for r in res]
     asked = [r.quality for r in res]
     assert applied == [("high" if server.probe else "lossless") if q == "high" else "lossless" for q in asked], (asked, applied)
+    # the PNG says the same as the response (one image per request here)
+    assert [decode(r.data[0]).text["quality_applied"] for r in res] == applied
     new = batches(server)[before:]
     assert {b["quality"] for b in new} == {"high", "lossless"}
     assert sum(b["size"] for b in new) == len(qualities)
