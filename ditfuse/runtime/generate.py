@@ -334,9 +334,10 @@ def _quality_line(params: Any, close_sites: int) -> str:
     from .params import applied_quality
 
     applied = applied_quality(close_sites)
+    ran = f"close kernels on {close_sites} sites" if close_sites else "no site runs a close kernel"
     if applied == params.quality.value:
-        return f"quality {applied}" + (f" (close kernels on {close_sites} sites)" if close_sites else "")
-    return f"quality {params.quality.value} (ran {applied}: no site runs a close kernel)"
+        return f"quality {applied}" + (f" ({ran})" if close_sites else "")
+    return f"quality {params.quality.value} (ran {applied}: {ran})"
 
 
 def _run_video(loaded: Any, params: Any, out: Path, t_start: float, t_loaded: float, quiet: bool = False,
