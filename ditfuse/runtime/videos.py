@@ -48,8 +48,11 @@ Job lifecycle
     + 1), the last share being decode + MP4 encode) -> ``completed`` (progress 100, the MP4 is on
     disk) or ``failed`` (``error: {code, message}``: ``timeout``, ``generation_failed``,
     ``encode_failed``, ``server_restarted``, ``model_unavailable``, ``queue_full``).
-    ``quality`` is the tier asked for; ``quality_applied`` what ran (:func:`job_quality_applied`),
-    null until the job completes.
+    ``quality`` is the tier asked for; ``quality_applied`` what ran (``params.applied_quality`` of
+    the row's ``close_sites``: the job's one batch, the images API's rule), null when that is not
+    known: the job has not completed (queued, in progress, failed), its row predates schema
+    version 2, or the startup recovery marked it completed (the crash came before the row
+    recorded what ran).
 
 Restart policy (see docs/videos.md)
     On startup, jobs that were ``in_progress`` when the previous server stopped are marked
@@ -110,16 +113,6 @@ POLL_AFTER_MS = 500
 DEFAULT_JOB_TIMEOUT_S = 3600.0
 DEFAULT_MAX_STORED = 1000
 DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
-
-
-def job_quality_applied(close_sites: int | None) -> str | None:
-    """A job's ``quality_applied`` from its row's ``close_sites`` (:func:`applied_quality` for the
-    job's one batch, as the images API's rule): "high" when it ran
-    close kernels, "lossless" when it ran none (a lossless job, or a high one on a model without
-    close kernels or whose guards refused the tier). None when that is not known: the job has not
-    completed (queued, in progress, failed), its row predates schema version 2, or it was marked
-    completed by the startup recovery (the crash came before the row recorded what ran)."""
-    return applied_quality(close_sites)
 
 
 def default_data_dir() -> Path:
@@ -646,7 +639,7 @@ class VideoJobs:
             "remixed_from_video_id": None,
             "error": error,
             "quality": row["quality"],
-            "quality_applied": job_quality_applied(row.get("close_sites")),
+            "quality_applied": applied_quality(row.get("close_sites")),
             "seed": p["seed"],
             "num_frames": p["num_frames"],
             "num_inference_steps": p["num_inference_steps"],
@@ -760,5 +753,4 @@ def unsupported_router(model: str) -> APIRouter:
     return r
 
 
-__all__ = ["VideoJobs", "router", "unsupported_router", "parse_video_request", "default_data_dir", "job_quality_applied",
-           "FINISHED"]
+__all__ = ["VideoJobs", "router", "unsupported_router", "parse_video_request", "default_data_dir", "FINISHED"]

@@ -262,7 +262,7 @@ def test_store_refuses_a_newer_schema_and_leaves_it_alone(tmp_path):
 def test_job_quality_applied_from_the_rows_close_sites():
     """The videos API's ``quality_applied``: the images API's rule for one batch, null when unknown."""
     from ditfuse.runtime.server import quality_applied
-    from ditfuse.runtime.videos import job_quality_applied
+    from ditfuse.runtime.params import applied_quality as job_quality_applied  # what VideoJobs.to_api reports
 
     assert [job_quality_applied(n) for n in (None, 0, 1, 7)] == [None, "lossless", "high", "high"]
     for n in (0, 1, 7):
