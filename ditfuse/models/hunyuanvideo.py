@@ -226,8 +226,10 @@ SITES = (
         ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=dual_block_applies,
         high=False,
+        high_ops=(LINEAR_GELU_TANH,),
         description="dual-stream block: adaLN-Zero LN + modulate, gate + residual + norm2 + modulate, FF gate "
-                    "residual (+ the next block's adaLN-Zero), both streams",
+                    "residual (+ the next block's adaLN-Zero), both streams (quality=high: each FF's first "
+                    "projection + GELU as one GEMM)",
         chained=True,
     ),
     Site(
