@@ -28,6 +28,7 @@ from ..kernels.linear import LINEAR_GELU_TANH
 from ..kernels.modulate import GATE_RESIDUAL
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
+from .adaln import table_plus_fp32
 from .base import Adapter, Site, feed_forward
 from .handoff import NO_LINK, Link, Opening, close_block
 
@@ -56,7 +57,8 @@ def _modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """diffusers' chunking of ``scale_shift_table + temb.float()``: [B, 1, D] views (Wan 2.1,
     2.2 A14B) or per-token [B, S, D] (2.2 TI2V, ``temb`` 4-D)."""
     if temb.ndim == 4:
-        chunks = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        # per token: the fp32 sum is [B, S, 6, D], made in one pass (adaln.table_plus_fp32)
+        chunks = table_plus_fp32(block.scale_shift_table.unsqueeze(0), temb).chunk(6, dim=2)
         return tuple(c.squeeze(2) for c in chunks)
     return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
 

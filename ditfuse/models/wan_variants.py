@@ -49,6 +49,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from . import wan
+from .adaln import table_plus_fp32
 from .base import Adapter, Site
 from .handoff import NO_LINK, Link
 
@@ -91,7 +92,7 @@ def _skyreels_modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
     4-D one (diffusion forcing)."""
     if temb.dim() == 3:
         return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
-    e = (block.scale_shift_table.unsqueeze(2) + temb.float()).chunk(6, dim=1)
+    e = table_plus_fp32(block.scale_shift_table.unsqueeze(2), temb).chunk(6, dim=1)
     return tuple(ei.squeeze(1) for ei in e)
 
 
