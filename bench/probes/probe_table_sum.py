@@ -43,8 +43,9 @@ def main() -> None:
         for variant, fn in (("eager", eager), ("table_plus_fp32", table_plus_fp32), ("compile", compiled)):
             out = fn(table, temb)
             mm = first_mismatch(out, ref)
-            graph = triton.testing.do_bench_cudagraph(lambda: fn(table, temb), return_mode="median")
-            flush = triton.testing.do_bench(lambda: fn(table, temb), return_mode="median")
+            call = lambda fn=fn, t=table, e=temb: fn(t, e)  # noqa: E731
+            graph = triton.testing.do_bench_cudagraph(call, return_mode="median")
+            flush = triton.testing.do_bench(call, return_mode="median")
             gbs = nbytes / (graph * 1e-3) / 1e9
             rows.append(dict(shape=name, variant=variant, ms_graph=round(graph, 4), ms_flush=round(flush, 4),
                              GBs=round(gbs, 1), pct_of_copy=round(100 * gbs / copy, 1),
