@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ditfuse.models.adaln import table_plus_fp32
 from ditfuse.kernels.compare import assert_bitwise_equal
+from tests.support.specials import with_specials
 
 
 class _Ops(TorchDispatchMode):
@@ -23,9 +24,10 @@ class _Ops(TorchDispatchMode):
 
 
 def _specials(t: torch.Tensor) -> torch.Tensor:
-    flat = t.view(-1)
-    vals = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 3.0e38, -3.0e38, 1e-40]
-    flat[: len(vals)] = torch.tensor(vals, dtype=torch.float32).to(t.dtype)
+    """NaN, ±Inf, -0.0 (tests.support.specials) plus +0.0, values near fp32's overflow (Inf in
+    fp16 / bf16 as the cast makes them) and an fp32 subnormal, next to the first."""
+    with_specials(t)
+    t.view(-1)[1:5] = torch.tensor([0.0, 3.0e38, -3.0e38, 1e-40]).to(t.dtype)
     return t
 
 
