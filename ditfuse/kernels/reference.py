@@ -840,3 +840,12 @@ __all__ += [
     "qk_rmsnorm_diffusers_rope_complex",
     "qk_rmsnorm_diffusers_cat_heads_first",
 ]
+
+
+def table_add(table: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """Wan's fp32 modulation ``scale_shift_table + temb.float()`` (SkyReels-V2's too): temb
+    converted to fp32 (exact from bf16 / fp16), then one broadcast fp32 add."""
+    return table + temb.float()
+
+
+__all__ += ["table_add"]

@@ -13,21 +13,18 @@ from .base import Site
 from .handoff import Opening
 
 
-_EXACT_IN_FP32 = (torch.bfloat16, torch.float16, torch.float32)
+def table_plus_fp32(table: torch.Tensor, temb: torch.Tensor, _ops: OpSet) -> torch.Tensor:
+    """``table + temb.float()`` (Wan's and SkyReels-V2's fp32 modulation) as ``_ops.table_add``.
 
-
-def table_plus_fp32(table: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-    """``table + temb.float()`` (Wan's and SkyReels-V2's fp32 modulation) without the upcast copy.
-
-    With an fp32 ``table`` and a bf16 / fp16 / fp32 ``temb``, torch's type promotion computes the
-    add in fp32 on ``temb``'s values converted in registers — the same exact conversion
-    ``.float()`` makes, then the same fp32 add (one ``CUDAFunctor_add<float>``), so the result is
-    eager's bit for bit, from one kernel instead of two and without an fp32 copy of ``temb``.
-    That copy matters where ``temb`` is per token (Wan 2.2 TI2V-5B: [B, S, 6, D], 1 GB of bf16 at
-    1280x704x121, once per block). Any other dtype pair takes eager's expression."""
-    if table.dtype is torch.float32 and temb.dtype in _EXACT_IN_FP32:
-        return table + temb
-    return table + temb.float()
+    With a bf16 / fp16 / fp32 table (fp32 as ``from_pretrained`` keeps it, bf16 after a plain
+    ``.to(bf16)``) and a contiguous bf16 / fp16 / fp32 ``temb``, the op's kernel reads ``temb``
+    once in its own dtype and writes the fp32 sum once: the same exact conversions eager makes and
+    the same single fp32 add, bit for bit eager's, without an fp32 copy of ``temb``
+    (kernels/modulate/table_add_triton.py). That copy matters where ``temb`` is per token (Wan 2.2
+    TI2V-5B: [B, S, 6, D], 1 GB of bf16 at 1280x704x121, once per block). Any other input (a
+    strided temb, an fp64 one) is one the kernel refuses, and the op runs its reference: eager's
+    expression itself."""
+    return _ops.table_add(table, temb)
 
 
 def plain_layernorm(norm: torch.nn.Module) -> str | None:

@@ -9,7 +9,8 @@ plain ``.to(bf16)``. The ops take those dtypes as data and derive eager's roundi
 them, so one fast forward serves both load paths and every Wan config (2.1 T2V/I2V, 2.2 A14B
 experts, 2.2 TI2V-5B with per-token modulation).
 
-Per block: norm1 + modulate (one pass); self-attention with norm_q/norm_k + head split + RoPE in
+Per block: the modulation sum ``scale_shift_table + temb.float()`` (one pass, no fp32 copy of
+temb); norm1 + modulate (one pass); self-attention with norm_q/norm_k + head split + RoPE in
 one pass per tensor; the gated residual fused with norm2 (affine) when cross_attn_norm, else
 alone; the cross-attention residual fused with norm3 + modulate; the FF gated residual. The model
 forward's tail (norm_out + modulate) is fused too. Everything else is diffusers' own modules and
@@ -25,7 +26,7 @@ import torch
 
 from ..contracts.ops import LOSSLESS, OpSet
 from ..kernels.linear import LINEAR_GELU_TANH
-from ..kernels.modulate import GATE_RESIDUAL
+from ..kernels.modulate import GATE_RESIDUAL, TABLE_ADD
 from ..kernels.norm import GATE_RESIDUAL_LAYERNORM_MODULATE, LAYERNORM_MODULATE
 from ..kernels.rope import QK_RMSNORM_ACROSS_HEADS_ROPE
 from .adaln import table_plus_fp32
@@ -53,19 +54,19 @@ def _fp32_layernorm(norm: torch.nn.Module, affine: bool) -> str | None:
 # -- blocks -----------------------------------------------------------------------------------
 
 
-def _modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _modulation(block, temb: torch.Tensor, _ops: OpSet) -> tuple[torch.Tensor, ...]:
     """diffusers' chunking of ``scale_shift_table + temb.float()``: [B, 1, D] views (Wan 2.1,
-    2.2 A14B) or per-token [B, S, D] (2.2 TI2V, ``temb`` 4-D)."""
+    2.2 A14B) or per-token [B, S, D] (2.2 TI2V, ``temb`` 4-D). The sum is ``modulate.table_add``
+    (adaln.table_plus_fp32): one pass, no fp32 copy of temb ([B, S, 6, D] per token)."""
     if temb.ndim == 4:
-        # per token: the fp32 sum is [B, S, 6, D], made in one pass (adaln.table_plus_fp32)
-        chunks = table_plus_fp32(block.scale_shift_table.unsqueeze(0), temb).chunk(6, dim=2)
+        chunks = table_plus_fp32(block.scale_shift_table.unsqueeze(0), temb, _ops).chunk(6, dim=2)
         return tuple(c.squeeze(2) for c in chunks)
-    return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
+    return table_plus_fp32(block.scale_shift_table, temb, _ops).chunk(6, dim=1)
 
 
-def _opening(block, temb: torch.Tensor, chunks=_modulation) -> Opening:
+def _opening(block, temb: torch.Tensor, _ops: OpSet, chunks=_modulation) -> Opening:
     """norm1 + modulate in fp32 on the block's modulation; all six chunks ride along."""
-    mod = chunks(block, temb)
+    mod = chunks(block, temb, _ops)
     return Opening(mod[1], mod[0], block.norm1.eps, (mod,), norm_dtype=_F32)
 
 
@@ -87,11 +88,11 @@ def block_forward(
     (:mod:`ditfuse.models.handoff`); this block takes its own from its predecessor likewise.
 
     For Wan's "Copied from" variants (models/wan_variants.py): ``_attention_mask`` is what the
-    self-attention gets as its mask (Wan passes None), ``_chunks(block, temb)`` the six
+    self-attention gets as its mask (Wan passes None), ``_chunks(block, temb, _ops)`` the six
     modulation chunks (Wan's :func:`_modulation`)."""
     opened = _link.take(block, (hidden_states, temb), _ops)
     if opened is None:
-        opened = _opening(block, temb, _chunks).run(hidden_states, _ops)
+        opened = _opening(block, temb, _ops, _chunks).run(hidden_states, _ops)
     norm_hidden_states, (shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa) = opened
 
     # 1. Self-attention
@@ -116,7 +117,7 @@ def block_forward(
     ff_output = feed_forward(block.ffn, norm_hidden_states, _ops)
     nxt = _link.next_block()
     hidden_states, opened_next = close_block(_ops, hidden_states, c_gate_msa, ff_output,
-                                             None if nxt is None else _opening(nxt, temb, _chunks))
+                                             None if nxt is None else _opening(nxt, temb, _ops, _chunks))
     _link.give((hidden_states, temb), opened_next, _ops)
     return hidden_states
 
@@ -304,9 +305,10 @@ SITES = (
         cls=f"{_TW}:WanTransformerBlock",
         params=("self", "hidden_states", "encoder_hidden_states", "temb", "rotary_emb"),
         forward=block_forward,
-        ops=(LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
+        ops=(TABLE_ADD, LAYERNORM_MODULATE, GATE_RESIDUAL_LAYERNORM_MODULATE, GATE_RESIDUAL),
         applies=_block_applies,
-        description="block: norm1 + modulate, gated residual + affine norm2, residual + norm3 + modulate, "
+        description="block: the fp32 modulation sum in one pass, norm1 + modulate, gated residual + affine norm2, "
+                    "residual + norm3 + modulate, "
                     "FF gated residual + the next block's norm1 + modulate (fp32 modulation, as diffusers upcasts; "
                     "quality=high: the FF's first projection + tanh-GELU as one GEMM)",
         chained=True,

@@ -86,13 +86,13 @@ def _attention_site(family: str, module: str, attention: str, processor: str) ->
 # -- SkyReels-V2: the block's modulation layout and causal mask ------------------------------
 
 
-def _skyreels_modulation(block, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _skyreels_modulation(block, temb: torch.Tensor, _ops: OpSet) -> tuple[torch.Tensor, ...]:
     """SkyReelsV2TransformerBlock's chunking: [B, 1, D] views of ``scale_shift_table +
     temb.float()`` for a 3-D temb (Wan's), per-token [B, S, D] views of a [B, 6, S, D] sum for a
-    4-D one (diffusion forcing)."""
+    4-D one (diffusion forcing). The sum is ``modulate.table_add`` (adaln.table_plus_fp32)."""
     if temb.dim() == 3:
-        return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
-    e = table_plus_fp32(block.scale_shift_table.unsqueeze(2), temb).chunk(6, dim=1)
+        return table_plus_fp32(block.scale_shift_table, temb, _ops).chunk(6, dim=1)
+    e = table_plus_fp32(block.scale_shift_table.unsqueeze(2), temb, _ops).chunk(6, dim=1)
     return tuple(ei.squeeze(1) for ei in e)
 
 

@@ -290,8 +290,8 @@ def _mutated_skyreels_block(mask: bool, chunks):
     return dataclasses.replace(site, forward=forward)
 
 
-def _swapped(block, temb):
-    shift, scale, *rest = V._skyreels_modulation(block, temb)
+def _swapped(block, temb, _ops):
+    shift, scale, *rest = V._skyreels_modulation(block, temb, _ops)
     return (scale, shift, *rest)
 
 

@@ -1,5 +1,6 @@
-"""modulate: gated residuals, a convolution's bias (+ residual) — the op descriptors. Data only.
-Kernels: gate_residual_triton.py, bias_residual_triton.py."""
+"""modulate: gated residuals, a modulation table plus its embedding, a convolution's bias (+
+residual) — the op descriptors. Data only.
+Kernels: gate_residual_triton.py, table_add_triton.py, bias_residual_triton.py."""
 
 from ..spec import Contract, KeyArg as K, OpDescriptor, triton_impl
 
@@ -12,6 +13,19 @@ GATE_RESIDUAL = OpDescriptor(
     impls=(triton_impl("modulate.gate_residual_triton", "gate_residual"),),
     key=(K("residual", dims=(-1,)), K("gate", rank=True), K("update")),
     key_note="elementwise: no shape dim changes the arithmetic (the width only picks the tile)",
+)
+
+TABLE_ADD = OpDescriptor(
+    op="modulate.table_add",
+    contract=Contract.BIT_EXACT,
+    replaces="table + temb.float() -> r32(f32(table) + f32(temb)) in one pass (no fp32 copy of temb)",
+    summary="Wan's / SkyReels-V2's fp32 modulation: the table plus the bf16 / fp16 / fp32 "
+            "embedding, read once in its own dtype, the fp32 sum written once",
+    reference="ditfuse.kernels.reference:table_add",
+    impls=(triton_impl("modulate.table_add_triton", "table_add"),),
+    key=(K("table", tail_shape=True), K("temb", rank=True)),
+    key_note="elementwise, one fp32 add: no size changes the arithmetic; the table's shape and temb's "
+             "rank pick the broadcast pattern (the addressing), so each pattern is verified once",
 )
 
 BIAS_RESIDUAL = OpDescriptor(
@@ -87,4 +101,4 @@ CONV_BIAS_RESIDUAL_CL = OpDescriptor(
     per_signature=True,
 )
 
-DESCRIPTORS = (GATE_RESIDUAL, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL, CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL_CL)
+DESCRIPTORS = (GATE_RESIDUAL, TABLE_ADD, BIAS_RESIDUAL, CONV_BIAS_RESIDUAL, CONV_BIAS, CONV_BIAS_CL, CONV_BIAS_RESIDUAL_CL)
