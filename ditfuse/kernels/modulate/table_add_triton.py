@@ -36,7 +36,8 @@ from ..errors import UnsupportedInput
 
 # Elements per program (rows x columns; columns a power-of-two divisor of M2 >= 256 where one
 # exists, at most 1024): gate_residual's tile size (97.7 % of copy bandwidth there, H200 sweep).
-# Not yet measured for this op: bench/probes/probe_table_sum.py times it.
+# Round 33 (H100, bench/results/probe_table_sum_round33_d_h100.csv): 1.016 ms at TI2V-5B's
+# [1, 27280, 6, 3072] (torch.compile's kernel 1.016, the promoted add 2.033, eager 3.149).
 _PER_PROGRAM = 2048
 
 
