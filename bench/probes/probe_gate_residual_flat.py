@@ -134,7 +134,7 @@ def main() -> None:
             out = torch.empty_like(x)
             br, bd, w = ew.tile(D, per_program=per_program)
             grt._gate_residual_kernel[(triton.cdiv(B * S, br), triton.cdiv(D, bd))](
-                x, g, u, out, B * S, S, D, *x.stride(), *sg, *u.stride(), out.stride(0), out.stride(1),
+                x, g, u, out, out, B * S, S, D, *x.stride(), *sg, *u.stride(), out.stride(0), out.stride(1), 0,
                 BLOCK_R=br, BLOCK_D=bd, num_warps=w, I64=False, **consts)
             return out
         variants["tiled 2048 (today)"] = tiled

@@ -49,7 +49,7 @@ def main() -> None:
                     out = torch.empty_like(x)
                     br, bd, _ = ew.tile(D, per_program=per_program)
                     grt._gate_residual_kernel[(triton.cdiv(B * S, br), triton.cdiv(D, bd))](
-                        x, g, u, out, B * S, S, D, *x.stride(), *sg, *u.stride(), out.stride(0), out.stride(1),
+                        x, g, u, out, out, B * S, S, D, *x.stride(), *sg, *u.stride(), out.stride(0), out.stride(1), 0,
                         DTYPE=tl_dtype(x.dtype), P_DT=tl_dtype(promote(g.dtype, u.dtype)), BLOCK_R=br, BLOCK_D=bd,
                         num_warps=warps, enable_fp_fusion=False)
                     return out

@@ -31,11 +31,18 @@ def layer_norm_fp64(x: torch.Tensor, eps: float, weight: torch.Tensor | None = N
     return y
 
 
+def _tab(t: torch.Tensor | None, table: torch.Tensor | None) -> torch.Tensor | None:
+    """A modulation operand with its optional [D] table row (reference.with_table), in fp64."""
+    return _d(t) if table is None else _d(table) + _d(t)
+
+
 def layernorm_modulate_fp64(
     x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+    scale_table: torch.Tensor | None = None, shift_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``LN(x) * (1 + scale) + shift`` (``shift`` None: no shift; or the affine LN alone) in fp64."""
+    scale, shift = _tab(scale, scale_table), _tab(shift, shift_table)
     y = layer_norm_fp64(x, eps, weight, bias)
     if scale is None:
         return y
@@ -43,19 +50,22 @@ def layernorm_modulate_fp64(
     return y if shift is None else y + _per_token(_d(shift), x.dim())
 
 
-def _residual_fp64(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor) -> torch.Tensor:
+def _residual_fp64(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
+                   gate_table: torch.Tensor | None = None) -> torch.Tensor:
     u = _d(update)
-    return _d(residual) + (u if gate is None else _per_token(_d(gate), update.dim()) * u)
+    return _d(residual) + (u if gate is None else _per_token(_tab(gate, gate_table), update.dim()) * u)
 
 
 def gate_residual_layernorm_modulate_fp64(
     residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
     scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+    gate_table: torch.Tensor | None = None, scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``h = residual + gate * update``; ``n = LN(h) (* (1 + scale) + shift)``; in fp64."""
-    h = _residual_fp64(residual, gate, update)
-    return h, layernorm_modulate_fp64(h, scale, shift, eps, weight, bias)
+    h = _residual_fp64(residual, gate, update, gate_table)
+    return h, layernorm_modulate_fp64(h, scale, shift, eps, weight, bias, None, scale_table, shift_table)
 
 
 def _rms_fp64(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:

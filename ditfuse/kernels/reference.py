@@ -25,14 +25,29 @@ def _per_token(t: torch.Tensor, ndim: int) -> torch.Tensor:
     return t[:, None] if t.dim() == 2 and ndim == 3 else t
 
 
-def gate_residual(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor) -> torch.Tensor:
+def with_table(t: torch.Tensor | None, table: torch.Tensor | None) -> torch.Tensor | None:
+    """A modulation operand as eager forms it: ``t`` itself, or with its [D] table row given,
+    ``table + t.float()`` -- one chunk of Wan's / SkyReels-V2's per-token ``scale_shift_table +
+    temb.float()`` (the chunk of the sum is the sum of the chunks: ``chunk`` is a view), the fp32
+    operand the fused ops compute in registers instead of reading it (``*_table`` arguments)."""
+    if table is None:
+        return t
+    if t is None:
+        raise ValueError("a modulation table row given without its operand")
+    return table + t.float()
+
+
+def gate_residual(residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
+                  gate_table: torch.Tensor | None = None) -> torch.Tensor:
     """``h = r_res(residual + r(gate * update))`` (``gate=None``: ``r(residual + update)``).
 
     FLUX: ``residual + gate.unsqueeze(1) * attn`` in bf16 (two r16). Wan:
     ``(x.float() + attn * gate_fp32).type_as(x)``: the product and the sum in fp32, one r16 at the
     end (``x.float() + p`` has the value of ``x + p`` for fp32 ``p``, so the upcast is implicit
-    here). The result always has the residual's dtype.
+    here). The result always has the residual's dtype. ``gate_table``: the gate is
+    ``gate_table + gate.float()`` (:func:`with_table`).
     """
+    gate = with_table(gate, gate_table)
     y = update if gate is None else _per_token(gate, update.dim()) * update
     return (residual + y).to(residual.dtype)
 
@@ -70,6 +85,8 @@ def layernorm_modulate(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     norm_dtype: torch.dtype | None = None,
+    scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)`` (``shift=None``: ``r(r(LN(x)) * r(1 + scale))``).
 
@@ -77,8 +94,11 @@ def layernorm_modulate(
     ``chunk`` yields scale first: pass the chunks by name): all bf16, ``norm_dtype=None``.
     Wan (``(norm(x.float()) * (1 + scale) + shift).type_as(x)``): ``norm_dtype=torch.float32``;
     the result is cast back to x's dtype. ``scale=shift=None``: the LayerNorm alone (Wan's affine
-    ``norm2``: ``weight``/``bias``).
+    ``norm2``: ``weight``/``bias``). ``scale_table`` / ``shift_table``: Wan 2.2 TI2V's per-token
+    modulation, the operands are ``table + scale.float()`` / ``table + shift.float()``
+    (:func:`with_table`).
     """
+    scale, shift = with_table(scale, scale_table), with_table(shift, shift_table)
     if scale is None and shift is not None:
         raise ValueError("shift given without scale")
     n = layer_norm(x, eps, weight, bias, norm_dtype)
@@ -97,12 +117,16 @@ def gate_residual_layernorm_modulate(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     norm_dtype: torch.dtype | None = None,
+    gate_table: torch.Tensor | None = None,
+    scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A residual add then the next LayerNorm (+ modulate): ``h = gate_residual(...)``,
     ``n = layernorm_modulate(h, ...)``; returns ``(h, n)``. FLUX's dual block middle; Wan's
-    self-attention residual + affine ``norm2`` and cross-attention residual + ``norm3`` modulate."""
-    h = gate_residual(residual, gate, update)
-    return h, layernorm_modulate(h, scale, shift, eps, weight, bias, norm_dtype)
+    self-attention residual + affine ``norm2`` and cross-attention residual + ``norm3`` modulate.
+    ``*_table``: per-token modulation operands formed as in :func:`with_table`."""
+    h = gate_residual(residual, gate, update, gate_table)
+    return h, layernorm_modulate(h, scale, shift, eps, weight, bias, norm_dtype, scale_table, shift_table)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -146,30 +146,45 @@ class Opening:
     layernorm_modulate(x, scale, shift, eps, weight, bias, norm_dtype)`` plus ``extras`` (the
     block's other modulation chunks), so the opening can run on the block's input
     (:meth:`run`) or fused into its predecessor's closing residual (:func:`close_block`). Either
-    way the block gets ``(n, *extras)``."""
+    way the block gets ``(n, *extras)``. ``tables``: None, or the (scale, shift) [D] table rows
+    that make the operands ``table + scale.float()`` / ``table + shift.float()`` (Wan 2.2 TI2V's
+    per-token modulation, summed inside the ops)."""
 
-    __slots__ = ("scale", "shift", "eps", "extras", "weight", "bias", "norm_dtype")
+    __slots__ = ("scale", "shift", "eps", "extras", "weight", "bias", "norm_dtype", "tables")
 
     def __init__(self, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float,
                  extras: tuple[Any, ...] = (), weight: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None) -> None:
+                 bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+                 tables: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.scale, self.shift, self.eps, self.extras = scale, shift, eps, extras
-        self.weight, self.bias, self.norm_dtype = weight, bias, norm_dtype
+        self.weight, self.bias, self.norm_dtype, self.tables = weight, bias, norm_dtype, tables
 
     def run(self, x: torch.Tensor, ops: Any) -> tuple[Any, ...]:
-        n = ops.layernorm_modulate(x, self.scale, self.shift, self.eps, self.weight, self.bias, self.norm_dtype)
+        if self.tables is None:
+            n = ops.layernorm_modulate(x, self.scale, self.shift, self.eps, self.weight, self.bias, self.norm_dtype)
+        else:
+            n = ops.layernorm_modulate(x, self.scale, self.shift, self.eps, self.weight, self.bias, self.norm_dtype,
+                                       *self.tables)
         return (n, *self.extras)
 
 
 def close_block(ops: Any, x: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
-                opening: Opening | None) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+                opening: Opening | None,
+                gate_table: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
     """A block's closing ``h = gate_residual(x, gate, update)``; with the successor's ``opening``
-    also its ``(n, *extras)`` from the same pass (``gate_residual_layernorm_modulate``), else None."""
+    also its ``(n, *extras)`` from the same pass (``gate_residual_layernorm_modulate``), else None.
+    ``gate_table``: the gate's [D] table row (the gate is ``gate_table + gate.float()``)."""
     if opening is None:
-        return ops.gate_residual(x, gate, update), None
+        if gate_table is None:
+            return ops.gate_residual(x, gate, update), None
+        return ops.gate_residual(x, gate, update, gate_table), None
     o = opening
-    h, n = ops.gate_residual_layernorm_modulate(x, gate, update, o.scale, o.shift, o.eps, o.weight, o.bias,
-                                                o.norm_dtype)
+    if gate_table is None and o.tables is None:
+        h, n = ops.gate_residual_layernorm_modulate(x, gate, update, o.scale, o.shift, o.eps, o.weight, o.bias,
+                                                    o.norm_dtype)
+    else:
+        h, n = ops.gate_residual_layernorm_modulate(x, gate, update, o.scale, o.shift, o.eps, o.weight, o.bias,
+                                                    o.norm_dtype, gate_table, *(o.tables or (None, None)))
     return h, (n, *o.extras)
 
 

@@ -54,20 +54,33 @@ def _fp32_layernorm(norm: torch.nn.Module, affine: bool) -> str | None:
 # -- blocks -----------------------------------------------------------------------------------
 
 
-def _modulation(block, temb: torch.Tensor, _ops: OpSet) -> tuple[torch.Tensor, ...]:
-    """diffusers' chunking of ``scale_shift_table + temb.float()``: [B, 1, D] views (Wan 2.1,
-    2.2 A14B) or per-token [B, S, D] (2.2 TI2V, ``temb`` 4-D). The sum is ``modulate.table_add``
-    (adaln.table_plus_fp32): one pass, no fp32 copy of temb ([B, S, 6, D] per token)."""
+Modulation = tuple[tuple[torch.Tensor, ...], "tuple[torch.Tensor, ...] | None"]
+
+
+def _modulation(block, temb: torch.Tensor, _ops: OpSet) -> Modulation:
+    """diffusers' six chunks of ``scale_shift_table + temb.float()`` as ``(chunks, rows)``.
+
+    Per sample (Wan 2.1, 2.2 A14B: ``temb`` [B, 6, D]): the sum's [B, 1, D] views, ``rows`` None;
+    the sum is ``modulate.table_add`` (adaln.table_plus_fp32), a few KB. Per token (2.2 TI2V:
+    ``temb`` [B, S, 6, D], 1 GB of bf16 at 1280x704x121): ``chunks`` are temb's own [B, S, D]
+    views and ``rows`` the table's six [D] rows. The ops that read a chunk then form ``row +
+    chunk.float()`` in registers (their ``*_table`` arguments) -- the same single fp32 add, so the
+    same bits -- and the fp32 sum (2 GB a block) is never written or read."""
     if temb.ndim == 4:
-        chunks = table_plus_fp32(block.scale_shift_table.unsqueeze(0), temb, _ops).chunk(6, dim=2)
-        return tuple(c.squeeze(2) for c in chunks)
-    return table_plus_fp32(block.scale_shift_table, temb, _ops).chunk(6, dim=1)
+        return temb.unbind(2), block.scale_shift_table.reshape(6, -1).unbind(0)
+    return table_plus_fp32(block.scale_shift_table, temb, _ops).chunk(6, dim=1), None
+
+
+def _row(rows: tuple[torch.Tensor, ...] | None, i: int) -> tuple[torch.Tensor, ...]:
+    """Chunk i's table row as a trailing op argument, or nothing (the chunk is the whole operand)."""
+    return () if rows is None else (rows[i],)
 
 
 def _opening(block, temb: torch.Tensor, _ops: OpSet, chunks=_modulation) -> Opening:
-    """norm1 + modulate in fp32 on the block's modulation; all six chunks ride along."""
-    mod = chunks(block, temb, _ops)
-    return Opening(mod[1], mod[0], block.norm1.eps, (mod,), norm_dtype=_F32)
+    """norm1 + modulate in fp32 on the block's modulation; the six chunks (and rows) ride along."""
+    mod, rows = chunks(block, temb, _ops)
+    return Opening(mod[1], mod[0], block.norm1.eps, ((mod, rows),), norm_dtype=_F32,
+                   tables=None if rows is None else (rows[1], rows[0]))
 
 
 def block_forward(
@@ -89,35 +102,38 @@ def block_forward(
 
     For Wan's "Copied from" variants (models/wan_variants.py): ``_attention_mask`` is what the
     self-attention gets as its mask (Wan passes None), ``_chunks(block, temb, _ops)`` the six
-    modulation chunks (Wan's :func:`_modulation`)."""
+    modulation chunks and their table rows (Wan's :func:`_modulation`)."""
     opened = _link.take(block, (hidden_states, temb), _ops)
     if opened is None:
         opened = _opening(block, temb, _ops, _chunks).run(hidden_states, _ops)
-    norm_hidden_states, (shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa) = opened
+    norm_hidden_states, (mod, rows) = opened
+    _shift_msa, _scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = mod
 
     # 1. Self-attention
     attn_output = block.attn1(norm_hidden_states, None, _attention_mask, rotary_emb)
     if isinstance(block.norm2, torch.nn.Identity):
         # norm2(h.float()).type_as(h) is h itself: an fp32 round trip of bf16 values.
-        hidden_states = _ops.gate_residual(hidden_states, gate_msa, attn_output)
+        hidden_states = _ops.gate_residual(hidden_states, gate_msa, attn_output, *_row(rows, 2))
         norm_hidden_states = hidden_states
     else:
         hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
             hidden_states, gate_msa, attn_output, None, None, block.norm2.eps,
-            block.norm2.weight, block.norm2.bias, _F32,
+            block.norm2.weight, block.norm2.bias, _F32, *_row(rows, 2),
         )
 
     # 2. Cross-attention
     attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     hidden_states, norm_hidden_states = _ops.gate_residual_layernorm_modulate(
-        hidden_states, None, attn_output, c_scale_msa, c_shift_msa, block.norm3.eps, norm_dtype=_F32
+        hidden_states, None, attn_output, c_scale_msa, c_shift_msa, block.norm3.eps, None, None, _F32,
+        *(() if rows is None else (None, rows[4], rows[3])),
     )
 
     # 3. Feed-forward
     ff_output = feed_forward(block.ffn, norm_hidden_states, _ops)
     nxt = _link.next_block()
     hidden_states, opened_next = close_block(_ops, hidden_states, c_gate_msa, ff_output,
-                                             None if nxt is None else _opening(nxt, temb, _ops, _chunks))
+                                             None if nxt is None else _opening(nxt, temb, _ops, _chunks),
+                                             *_row(rows, 5))
     _link.give((hidden_states, temb), opened_next, _ops)
     return hidden_states
 

@@ -86,14 +86,15 @@ def _attention_site(family: str, module: str, attention: str, processor: str) ->
 # -- SkyReels-V2: the block's modulation layout and causal mask ------------------------------
 
 
-def _skyreels_modulation(block, temb: torch.Tensor, _ops: OpSet) -> tuple[torch.Tensor, ...]:
-    """SkyReelsV2TransformerBlock's chunking: [B, 1, D] views of ``scale_shift_table +
-    temb.float()`` for a 3-D temb (Wan's), per-token [B, S, D] views of a [B, 6, S, D] sum for a
-    4-D one (diffusion forcing). The sum is ``modulate.table_add`` (adaln.table_plus_fp32)."""
+def _skyreels_modulation(block, temb: torch.Tensor, _ops: OpSet) -> wan.Modulation:
+    """SkyReelsV2TransformerBlock's chunking of ``scale_shift_table + temb.float()``, as
+    ``(chunks, rows)`` (wan._modulation): the sum's [B, 1, D] views for a 3-D temb (Wan's; the sum
+    is ``modulate.table_add``, adaln.table_plus_fp32); for a 4-D [B, 6, S, D] one (diffusion
+    forcing) temb's own per-token [B, S, D] views and the table's six [D] rows, summed inside the
+    ops that read them."""
     if temb.dim() == 3:
-        return table_plus_fp32(block.scale_shift_table, temb, _ops).chunk(6, dim=1)
-    e = table_plus_fp32(block.scale_shift_table.unsqueeze(2), temb, _ops).chunk(6, dim=1)
-    return tuple(ei.squeeze(1) for ei in e)
+        return table_plus_fp32(block.scale_shift_table, temb, _ops).chunk(6, dim=1), None
+    return temb.unbind(1), block.scale_shift_table.reshape(6, -1).unbind(0)
 
 
 def skyreels_block_forward(

@@ -243,6 +243,10 @@ def test_accelerated_bitwise_every_op_gated(name):
     assert_bitwise_equal(out, base, f"{name}: accelerated pipeline output")
     assert_gate_clean(gate, name)
     for op in (*wan.ADAPTER.ops(), "norm.wan_rms_norm_silu"):
+        if op == "modulate.table_add" and name in (FIVE_B, FIVE_B_I2V):
+            # TI2V's per-token modulation is summed inside the ops that read it (*_table arguments)
+            assert "modulate.table_add" not in gate.calls, gate.calls
+            continue
         assert gate.calls.get(op, {}).get("verify", 0) > 0, f"{name}: {op} never reached the gate: {gate.calls}"
     assert "norm.wan_rms_norm_silu" in autoencoder_kl_wan.ADAPTER.ops()
     layers = pipe.transformer.config.num_layers

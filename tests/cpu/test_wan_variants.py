@@ -277,8 +277,13 @@ def test_fast_forwards_match_diffusers_call_for_call(case, batch, dtype):
     ops = _CountingOps()
     with _with_ops(sites, ops)(m):
         assert_bitwise_equal(_run(m, inp), base, f"{case} {dtype} B={batch}")
-    want = {d.name for s in sites for d in s.ops}
+    want = {d.name for s in sites for d in s.ops} - _NOT_CALLED.get(case, set())
     assert set(ops.calls) == want, (ops.calls, want)
+
+
+# Diffusion forcing's per-token [B, 6, S, D] modulation is summed inside the ops that read it
+# (their *_table arguments, wan._modulation): no separate table_add runs.
+_NOT_CALLED = {"skyreels_v2-df": {"table_add"}}
 
 
 def _mutated_skyreels_block(mask: bool, chunks):
@@ -291,8 +296,9 @@ def _mutated_skyreels_block(mask: bool, chunks):
 
 
 def _swapped(block, temb, _ops):
-    shift, scale, *rest = V._skyreels_modulation(block, temb, _ops)
-    return (scale, shift, *rest)
+    (shift, scale, *rest), rows = V._skyreels_modulation(block, temb, _ops)
+    rows = None if rows is None else (rows[1], rows[0], *rows[2:])
+    return (scale, shift, *rest), rows
 
 
 @pytest.mark.parametrize("mutation", ["no causal mask", "shift/scale swapped"])
@@ -378,6 +384,8 @@ def test_mount_unmount_outputs_bitwise_unchanged(case, batch, monkeypatch):
     assert not list(site_hooks(m))
     assert_bitwise_equal(_run(m, inp), base, f"{case}: after unmount")
     for op in adapter.ops():
+        if op.rsplit(".", 1)[-1] in _NOT_CALLED.get(case, ()):
+            continue
         assert sum(calls.get(op, {}).values()) > 0, f"{op} never reached the gate"
     assert ho["links"] == len(m.blocks) - 1 and ho["used"] > 0
     if case == "wan_animate":  # the face adapter's residual after blocks 0 and 2: those hand-offs are dropped

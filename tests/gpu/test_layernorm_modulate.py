@@ -256,6 +256,69 @@ def test_wan_chains_sweep():
     assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failing cases)"
 
 
+def test_wan_table_rows_sweep():
+    """The ops fed Wan 2.2 TI2V's per-token modulation as (table row, embedding chunk) -- the
+    ``*_table`` arguments models/wan.py passes, the fp32 sum formed in the kernel -- against
+    diffusers' own spelling of each chain on ``scale_shift_table + temb.float()``: norm1 +
+    modulate, gate + affine norm2, add + norm3 modulate, the FF gated residual alone and fused
+    with the next block's norm1. TI2V's [B, S, 6, D] and SkyReels-V2 diffusion forcing's
+    [B, 6, S, D] layouts (strided chunk views), fp32 and bf16 tables, specials in temb; the
+    widths of the warp (1536, 3072) and runtime-loop (5120) kernels."""
+    from diffusers.models.normalization import FP32LayerNorm
+
+    from ditfuse.kernels.modulate.gate_residual_triton import gate_residual
+    from tests.support.specials import with_specials
+
+    gen = torch.Generator(device="cuda").manual_seed(37)
+    bf = torch.bfloat16
+    failures = []
+    for D, S, B in ((3072, 27280, 1), (3072, 97, 2), (1536, 1560, 2), (5120, 13, 1)):
+        norm = FP32LayerNorm(D, EPS, elementwise_affine=False).cuda()
+        for layout in ("ti2v", "skyreels"):
+            for tdt in (F32, bf):
+                label = f"D={D} S={S} B={B} {layout} table {tdt}"
+                table = _rand((1, 6, D), tdt, gen, 0.5)
+                if layout == "ti2v":
+                    temb = with_specials(_rand((B, S, 6, D), bf, gen, 0.5))
+                    chunks = temb.unbind(2)
+                    sums = [c.squeeze(2) for c in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+                else:
+                    temb = with_specials(_rand((B, 6, S, D), bf, gen, 0.5))
+                    chunks = temb.unbind(1)
+                    sums = [c.squeeze(1) for c in (table.unsqueeze(2) + temb.float()).chunk(6, dim=1)]
+                rows = table.reshape(6, D).unbind(0)
+                shift, scale, gate, c_shift, c_scale, c_gate = sums
+                x = _rand((B, S, D), bf, gen, 3.0, 0.5)
+                attn = _rand((B, S, D), bf, gen, 2.0)
+                w2, b2 = _rand((D,), F32, gen, 0.2, 1.0), _rand((D,), F32, gen, 0.2)
+                with torch.no_grad():
+                    n1 = (norm(x.float()) * (1 + scale) + shift).type_as(x)
+                    h = (x.float() + attn * gate).type_as(x)
+                    n2 = torch.nn.functional.layer_norm(h.float(), (D,), w2, b2, EPS).type_as(h)
+                    h2 = h + attn
+                    n3 = (norm(h2.float()) * (1 + c_scale) + c_shift).type_as(h2)
+                    h3 = (h2.float() + attn.float() * c_gate).type_as(h2)
+                    n4 = (norm(h3.float()) * (1 + scale) + shift).type_as(h3)
+                cases = (
+                    ("norm1", layernorm_modulate(x, chunks[1], chunks[0], EPS, None, None, F32, rows[1], rows[0]), n1),
+                    ("gate+norm2", gate_residual_layernorm_modulate(x, chunks[2], attn, None, None, EPS, w2, b2, F32,
+                                                                    rows[2]), (h, n2)),
+                    ("add+norm3", gate_residual_layernorm_modulate(h, None, attn, chunks[4], chunks[3], EPS, None,
+                                                                   None, F32, None, rows[4], rows[3]), (h2, n3)),
+                    ("ff residual", gate_residual(h2, chunks[5], attn, rows[5]), h3),
+                    ("ff residual + next norm1", gate_residual_layernorm_modulate(
+                        h2, chunks[5], attn, chunks[1], chunks[0], EPS, None, None, F32, rows[5], rows[1], rows[0]),
+                     (h3, n4)),
+                )
+                for name, got, exp in cases:
+                    mm = compare_outputs(got, exp, f"{label} {name}")
+                    if mm is not None:
+                        failures.append(str(mm))
+                del temb, chunks, sums
+        torch.cuda.empty_cache()
+    assert not failures, "\n".join(failures[:20]) + f"\n({len(failures)} failing cases)"
+
+
 def test_wan_tail_bf16_table():
     """norm_out with a bf16 [1, 2, D] table (plain .to(bf16)): r16(1 + scale), fp32 product/sum."""
     gen = torch.Generator(device="cuda").manual_seed(29)

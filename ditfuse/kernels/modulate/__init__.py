@@ -11,7 +11,7 @@ GATE_RESIDUAL = OpDescriptor(
     summary="gated residual add: the product rounded in its promoted dtype, the sum in the residual's",
     reference="ditfuse.kernels.reference:gate_residual",
     impls=(triton_impl("modulate.gate_residual_triton", "gate_residual"),),
-    key=(K("residual", dims=(-1,)), K("gate", rank=True), K("update")),
+    key=(K("residual", dims=(-1,)), K("gate", rank=True), K("update"), K("gate_table")),
     key_note="elementwise: no shape dim changes the arithmetic (the width only picks the tile)",
 )
 

@@ -28,21 +28,25 @@ from ..common.launch import launch
 
 @triton.jit
 def _gate_residual_kernel(
-    res_ptr, gate_ptr, upd_ptr, out_ptr,
+    res_ptr, gate_ptr, upd_ptr, out_ptr, gt_ptr,
     R, S, D,
     srb, srs, srd,
     sgb, sgs, sgd,
     sub, sus, sud,
-    sob, sos,
+    sob, sos, sgtd,
     DTYPE: tl.constexpr,
     P_DT: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     I64: tl.constexpr = True,
+    G_TAB: tl.constexpr = False,
 ):
     b, s, c, mask = tile_rows_cols(R, S, D, BLOCK_R, BLOCK_D, I64)
     res = load_f32(res_ptr + (b * srb + s * srs) + c * srd, mask)
     g = load_f32(gate_ptr + (b * sgb + s * sgs) + c * sgd, mask)
+    if G_TAB:
+        # eager's ``scale_shift_table + temb.float()`` chunk: one fp32 add, formed here
+        g = load_f32(gt_ptr + (b * 0 + s * 0) + c * sgtd, mask) + g
     u = load_f32(upd_ptr + (b * sub + s * sus) + c * sud, mask)
     prod = rround(g * u, P_DT)  # eager op 1: gate[:, None] * update
     out = round_to(res + prod, DTYPE)  # eager op 2: residual + product (fp32 opmath), stored
@@ -94,9 +98,20 @@ def _gate_residual_flat_kernel(
         tl.store(out_ptr + base + offs, out, mask=mask)
 
 
-def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> str | None:
+def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                        gate_table: torch.Tensor | None = None) -> str | None:
     if not all(isinstance(t, torch.Tensor) for t in (residual, gate, update)):
         return "residual, gate and update must be tensors"
+    if gate_table is not None:
+        if not isinstance(gate_table, torch.Tensor):
+            return "gate_table is not a tensor"
+        if gate_table.dim() != 1 or residual.dim() != 3 or gate_table.shape[0] != residual.shape[-1]:
+            return f"gate_table shape {tuple(gate_table.shape)} is not [D] for residual {tuple(residual.shape)}"
+        if gate_table.dtype not in SUPPORTED_DTYPES:
+            return f"gate_table dtype {gate_table.dtype} not bf16, fp16 or fp32"
+        reason = device_reason(residual, gate_table) or grad_reason(gate_table)
+        if reason:
+            return reason
     if residual.dim() != 3:
         return f"residual must be 3-D [B, S, D], got {residual.dim()}-D"
     if tuple(update.shape) != tuple(residual.shape):
@@ -115,29 +130,34 @@ def _unsupported_reason(residual: torch.Tensor, gate: torch.Tensor, update: torc
     return None
 
 
-def can_use_gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> bool:
+def can_use_gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                          gate_table: torch.Tensor | None = None) -> bool:
     """True when :func:`gate_residual` reproduces eager for these inputs. Rejected (False):
     non-tensors (``gate=None`` too: a plain add is one eager op, nothing to fuse); residual not
     3-D; update shape != residual shape; dtypes other than bf16/fp16/fp32; different devices, or
     the CPU without TRITON_INTERPRET=1; an input requiring grad with grad mode on (no backward);
     gate not [B, D], [B, 1, D] or [B, S, D] broadcastable to residual. Mixed dtypes follow torch's
     promotion (the product in promote(gate, update), the result in the residual's dtype). Any
-    strides are handled."""
-    return _unsupported_reason(residual, gate, update) is None
+    strides are handled. ``gate_table``: a [D] row (bf16 / fp16 / fp32) on the same device."""
+    return _unsupported_reason(residual, gate, update, gate_table) is None
 
 
-def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> tuple | None:
+def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+            gate_table: torch.Tensor | None = None) -> tuple | None:
     """(grid, scalar arguments, constexprs) from the inputs' geometry, or None for an empty output
-    (cached per geometry by :func:`gate_residual`, common/plans.py)."""
+    (cached per geometry by :func:`gate_residual`, common/plans.py). With ``gate_table`` the gate
+    operand is fp32 (``table + gate.float()``) and the tile kernel runs (per-token gates only
+    come with tables; the flat kernel is the per-sample path)."""
     B, S, D = residual.shape
     if B * S * D == 0:
         return None
     sr, su = residual.stride(), update.stride()
     sg = broadcast_3d(gate, (B, S, D))
     assert sg is not None
-    consts = dict(DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate.dtype, update.dtype)),
+    gate_dt = torch.float32 if gate_table is not None else gate.dtype
+    consts = dict(DTYPE=tl_dtype(residual.dtype), P_DT=tl_dtype(promote(gate_dt, update.dtype)),
                   enable_fp_fusion=False)
-    if sg[1] == 0 and residual.is_contiguous() and update.is_contiguous() and _flat_enabled():
+    if gate_table is None and sg[1] == 0 and residual.is_contiguous() and update.is_contiguous() and _flat_enabled():
         sd = S * D
         return (_gate_residual_flat_kernel, (cdiv(sd, _FLAT_BLOCK), B), (sd, sg[0], sg[2]),
                 dict(consts, D=D, BLOCK=_FLAT_BLOCK, EVEN=sd % _FLAT_BLOCK == 0, num_warps=_FLAT_WARPS))
@@ -148,36 +168,48 @@ def _recipe(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) ->
     R = B * S
     grid = (cdiv(R, block_r), cdiv(D, block_d))
     # out is contiguous [B, S, D]: strides (S * D, D, 1)
-    scalars = (R, S, D, sr[0], sr[1], sr[2], sg[0], sg[1], sg[2], su[0], su[1], su[2], S * D, D)
-    return _gate_residual_kernel, grid, scalars, dict(consts, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+    scalars = (R, S, D, sr[0], sr[1], sr[2], sg[0], sg[1], sg[2], su[0], su[1], su[2], S * D, D,
+               0 if gate_table is None else gate_table.stride(0))
+    return _gate_residual_kernel, grid, scalars, dict(consts, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+                                                      G_TAB=gate_table is not None)
 
 
-def _fire(r: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+def _fire(r: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+          gate_table: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
     if r is None:
         return out
     kernel, grid, scalars, consts = r
     # int32 addressing depends on the storages' sizes, which the geometry key does not hold
-    i64 = not fits_int32(residual, gate, update, out)
-    launch(kernel, grid, residual, gate, update, out, *scalars, I64=i64, **consts)
+    if kernel is _gate_residual_flat_kernel:
+        i64 = not fits_int32(residual, gate, update, out)
+        launch(kernel, grid, residual, gate, update, out, *scalars, I64=i64, **consts)
+    else:
+        gt = out if gate_table is None else gate_table
+        i64 = not fits_int32(residual, gate, update, out, gt)
+        launch(kernel, grid, residual, gate, update, out, gt, *scalars, I64=i64, **consts)
     return in_eager_layout(out, residual)
 
 
-def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    return _fire(_recipe(residual, gate, update), residual, gate, update)
+def _launch(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+            gate_table: torch.Tensor | None = None) -> torch.Tensor:
+    return _fire(_recipe(residual, gate, update, gate_table), residual, gate, update, gate_table)
 
 
 @torch.library.custom_op("ditfuse::gate_residual", mutates_args=())
-def _gate_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
-    return _launch(residual, gate, update)
+def _gate_residual_op(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                      gate_table: torch.Tensor | None = None) -> torch.Tensor:
+    return _launch(residual, gate, update, gate_table)
 
 
 @_gate_residual_op.register_fake
-def _(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+def _(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+      gate_table: torch.Tensor | None = None) -> torch.Tensor:
     return residual.new_empty(residual.shape)
 
 
-def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+                  gate_table: torch.Tensor | None = None) -> torch.Tensor:
     """``out = r(residual + r(gate * update))``, bitwise equal to torch 2.11 CUDA eager
     ``residual + gate.unsqueeze(1) * update`` (r = round to the dtype, nearest-even).
 
@@ -185,25 +217,28 @@ def gate_residual(residual: torch.Tensor, gate: torch.Tensor, update: torch.Tens
     token; all bf16, fp16 or fp32. Returns a new contiguous [B, S, D] tensor. FLUX's fp16 ``clip``
     after the single block's residual is a separate op and not part of this kernel. Raises
     :class:`UnsupportedInput` exactly where :func:`can_use_gate_residual` is False. Runs as the
-    custom op ``ditfuse::gate_residual``.
+    custom op ``ditfuse::gate_residual``. ``gate_table`` ([D] or None): the gate is ``gate_table +
+    gate.float()`` (Wan 2.2 TI2V's per-token ``scale_shift_table + temb.float()`` chunk), that one
+    fp32 add done in the kernel on the embedding as the model holds it.
     """
-    return _keyed(None, residual, gate, update)
+    return _keyed(None, residual, gate, update, gate_table)
 
 
 _RECIPES = Recipes()
 
 
-def _keyed(key: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+def _keyed(key: tuple | None, residual: torch.Tensor, gate: torch.Tensor, update: torch.Tensor,
+           gate_table: torch.Tensor | None = None) -> torch.Tensor:
     if use_custom_op():
-        reason = _unsupported_reason(residual, gate, update)
+        reason = _unsupported_reason(residual, gate, update, gate_table)
         if reason is not None:
             raise UnsupportedInput(reason)
-        return torch.ops.ditfuse.gate_residual(residual, gate, update)
+        return torch.ops.ditfuse.gate_residual(residual, gate, update, gate_table)
     if key is None:
-        key = call_key((residual, gate, update))
-    r = _RECIPES.checked(key, lambda: _unsupported_reason(residual, gate, update),
-                         lambda: _recipe(residual, gate, update))
-    return _fire(r, residual, gate, update)
+        key = call_key((residual, gate, update) if gate_table is None else (residual, gate, update, gate_table))
+    r = _RECIPES.checked(key, lambda: _unsupported_reason(residual, gate, update, gate_table),
+                         lambda: _recipe(residual, gate, update, gate_table))
+    return _fire(r, residual, gate, update, gate_table)
 
 
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).

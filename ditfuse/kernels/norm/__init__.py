@@ -17,14 +17,15 @@ _EXACT = "ditfuse.kernels.exact"
 _ROWS_NOTE = "batch and sequence length only change the grid: every row runs the same reduction tree"
 
 _LN_KEY = (K("scale", rank=True), K("shift", rank=True), K("eps", value=True), K("weight"), K("bias"),
-           K("norm_dtype", value=True))
+           K("norm_dtype", value=True), K("scale_table"), K("shift_table"))
 
 LAYERNORM_MODULATE = OpDescriptor(
     op="norm.layernorm_modulate",
     contract=Contract.BIT_EXACT,
     replaces="r(r(r(LN(x)) * r(1 + scale)) + shift)  (shift optional)",
     summary="LayerNorm (torch's vectorized Welford order; affine or not; in the model dtype or fp32) "
-            "+ adaLN modulate in one pass",
+            "+ adaLN modulate in one pass; per-token modulation may come as table row + embedding "
+            "(Wan 2.2 TI2V's fp32 sum formed in registers)",
     reference=f"{_REF}:layernorm_modulate",
     exact=f"{_EXACT}:layernorm_modulate_fp64",
     impls=(triton_impl(_KERNEL, "layernorm_modulate"),),
@@ -40,7 +41,7 @@ GATE_RESIDUAL_LAYERNORM_MODULATE = OpDescriptor(
     reference=f"{_REF}:gate_residual_layernorm_modulate",
     exact=f"{_EXACT}:gate_residual_layernorm_modulate_fp64",
     impls=(triton_impl(_KERNEL, "gate_residual_layernorm_modulate"),),
-    key=(K("residual", dims=(-1,)), K("gate", rank=True), K("update"), *_LN_KEY),
+    key=(K("residual", dims=(-1,)), K("gate", rank=True), K("update"), *_LN_KEY, K("gate_table")),
     key_note=_ROWS_NOTE,
 )
 

@@ -97,14 +97,17 @@ def _vec_tile(ptr, sd, vec, k4, valid_t):
 @triton.jit
 def _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
               vec, k4, valid, RES: tl.constexpr, EXACT: tl.constexpr,
-              P_DT: tl.constexpr, H_DT: tl.constexpr):
+              P_DT: tl.constexpr, H_DT: tl.constexpr, gt_ptr, gtsd, G_TAB: tl.constexpr):
     """The LayerNorm input tile: x, or the residual sum h (rounded as eager stores it when EXACT,
-    the fp32 sum otherwise)."""
+    the fp32 sum otherwise). ``G_TAB``: the gate is ``f32(table[d]) + f32(gate)`` (one fp32 add:
+    Wan's ``scale_shift_table + temb.float()`` chunk, formed here instead of read)."""
     x = load_row_tile(x_ptr, b, s, xsb, xss, xsd, vec, k4, valid)
     if RES != 0:
         u = load_row_tile(u_ptr, b, s, usb, uss, usd, vec, k4, valid)
         if RES == 2:
             g = load_row_tile(g_ptr, b, s, gsb, gss, gsd, vec, k4, valid)
+            if G_TAB:
+                g = load_row_tile(gt_ptr, b, s, 0, 0, gtsd, vec, k4, valid) + g
             u = g * u
             if EXACT:
                 u = rround(u, P_DT)
@@ -116,7 +119,8 @@ def _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
 
 @triton.jit
 def _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                 vec, k4, valid, RES: tl.constexpr, EXACT: tl.constexpr, P_DT: tl.constexpr, H_DT: tl.constexpr):
+                 vec, k4, valid, RES: tl.constexpr, EXACT: tl.constexpr, P_DT: tl.constexpr, H_DT: tl.constexpr,
+                 gt_ptr, gtsd, G_TAB: tl.constexpr):
     """The loop kernel's pass-2 tile. With a residual, the bit-exact kernel reads back the h it
     stored (the same threads wrote those elements in pass 1: same tile layout) instead of
     recomputing it from 2-3 inputs; the close kernel needs the unrounded sum and recomputes it."""
@@ -125,7 +129,7 @@ def _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, 
         return load_f32(h_ptr + src, valid)
     else:
         return _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                         vec, k4, valid, RES, EXACT, P_DT, H_DT)
+                         vec, k4, valid, RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
 
 
 @triton.jit
@@ -178,14 +182,20 @@ def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, 
            wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
            HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr, EXACT: tl.constexpr,
            LN_DT: tl.constexpr, SC_DT: tl.constexpr, M_DT: tl.constexpr, S_DT: tl.constexpr,
-           OUT_DT: tl.constexpr, AFFINE_FMA: tl.constexpr):
+           OUT_DT: tl.constexpr, AFFINE_FMA: tl.constexpr,
+           sct_ptr, sht_ptr, sctsd, shtsd, SC_TAB: tl.constexpr, SH_TAB: tl.constexpr):
     """Pass 2 on one tile: normalise (torch's one rounding), the affine, eager's modulate
-    roundings, store."""
+    roundings, store. ``SC_TAB`` / ``SH_TAB``: scale / shift is ``f32(table[d]) + f32(operand)``
+    (one fp32 add, as eager's ``scale_shift_table + temb.float()``)."""
     n = rstd * (x - mean_r)
     w = _vec_tile(w_ptr, wsd, vec, k4, valid_t) if HAS_W else 0.0
     bb = _vec_tile(bias_ptr, bsd, vec, k4, valid_t) if HAS_B else 0.0
     sc = load_row_tile(sc_ptr, b, s, scsb, scss, scsd, vec, k4, valid) if MODULATE else 0.0
     sh = load_row_tile(sh_ptr, b, s, shsb, shss, shsd, vec, k4, valid) if MODULATE == 1 else 0.0
+    if SC_TAB:
+        sc = load_row_tile(sct_ptr, b, s, 0, 0, sctsd, vec, k4, valid) + sc
+    if SH_TAB:
+        sh = load_row_tile(sht_ptr, b, s, 0, 0, shtsd, vec, k4, valid) + sh
     n = _epilogue(n, w, bb, sc, sh, HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, AFFINE_FMA)
     dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
     tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=valid)
@@ -211,16 +221,17 @@ def _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4, 
 # contiguous rows get vector loads.
 @triton.jit(do_not_specialize=["M", "S", "N", "NVEC", "J", "eps"])
 def _ln_kernel(
-    x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
+    x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr, gt_ptr, sct_ptr, sht_ptr,
     M, S, N, NVEC, J, eps,
     xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd, wsd, bsd,
-    scsb, scss, scsd, shsb, shss, shsd,
+    scsb, scss, scsd, shsb, shss, shsd, gtsd, sctsd, shtsd,
     RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr,
     EXACT: tl.constexpr,
     P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
     R: tl.constexpr, AFFINE_FMA: tl.constexpr = True, JS: tl.constexpr = 0, FULL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, G_TAB: tl.constexpr = False, SC_TAB: tl.constexpr = False,
+    SH_TAB: tl.constexpr = False,
 ):
     rows = tl.program_id(0).to(tl.int64) * R + tl.arange(0, R).to(tl.int64)
     row_ok = rows < M
@@ -242,11 +253,11 @@ def _ln_kernel(
             vec = j * LN_THREADS + t
             if FULL:  # every vector exists and tail rows read row 0 (clamped): no predicate
                 x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                              vec, k4, None, RES, EXACT, P_DT, H_DT)
+                              vec, k4, None, RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
             else:
                 valid = (vec < NVEC)[:, None, None] & row_ok[None, :, None]
                 x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                              vec, k4, valid, RES, EXACT, P_DT, H_DT)
+                              vec, k4, valid, RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
             if EXACT:
                 x = round_to(x, H_DT)  # exact: x is a value of H_DT (x itself, or h rounded)
             held = held + (x,)
@@ -265,7 +276,8 @@ def _ln_kernel(
         j = 0
         if PREFETCH:
             nxt = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                            t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT)
+                            t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT,
+                            gt_ptr, gtsd, G_TAB)
         while j < J:
             vec = j * LN_THREADS + t
             valid_t = vec < NVEC
@@ -274,10 +286,10 @@ def _ln_kernel(
                 x = nxt
                 nxt = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
                                 vec + LN_THREADS, k4, (vec + LN_THREADS < NVEC)[:, None, None] & row_ok[None, :, None],
-                                RES, EXACT, P_DT, H_DT)
+                                RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
             else:
                 x = _ln_input(x_ptr, g_ptr, u_ptr, b, s, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                              vec, k4, valid, RES, EXACT, P_DT, H_DT)
+                              vec, k4, valid, RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
             if RES != 0:
                 dst = out_row[None, :, None] + (vec[:, None, None] * 4 + k4[None, None, :])
                 tl.store(h_ptr + dst, round_to(x, H_DT), mask=valid)
@@ -301,13 +313,15 @@ def _ln_kernel(
             valid = valid_t[:, None, None] & row_ok[None, :, None]
             _apply(held[j].to(tl.float32), sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4,
                    valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
-                   HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
+                   HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA,
+                   sct_ptr, sht_ptr, sctsd, shtsd, SC_TAB, SH_TAB)
     else:
         # Pass 2 over the row again (_pass2_input), prefetched like pass 1.
         j = 0
         if PREFETCH:
             nxt = _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd,
-                               t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT)
+                               t, k4, (t < NVEC)[:, None, None] & row_ok[None, :, None], RES, EXACT, P_DT, H_DT,
+                               gt_ptr, gtsd, G_TAB)
         while j < J:
             vec = j * LN_THREADS + t
             valid_t = vec < NVEC
@@ -317,13 +331,14 @@ def _ln_kernel(
                 nxt = _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
                                    usd, vec + LN_THREADS, k4,
                                    (vec + LN_THREADS < NVEC)[:, None, None] & row_ok[None, :, None],
-                                   RES, EXACT, P_DT, H_DT)
+                                   RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
             else:
                 x = _pass2_input(x_ptr, g_ptr, u_ptr, h_ptr, b, s, out_row, xsb, xss, xsd, gsb, gss, gsd, usb, uss,
-                                 usd, vec, k4, valid, RES, EXACT, P_DT, H_DT)
+                                 usd, vec, k4, valid, RES, EXACT, P_DT, H_DT, gt_ptr, gtsd, G_TAB)
             _apply(x, sc_ptr, sh_ptr, w_ptr, bias_ptr, out_ptr, b, s, out_row, vec, k4,
                    valid_t, valid, mean_r, rstd, wsd, bsd, scsb, scss, scsd, shsb, shss, shsd,
-                   HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA)
+                   HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, OUT_DT, AFFINE_FMA,
+                   sct_ptr, sht_ptr, sctsd, shtsd, SC_TAB, SH_TAB)
             j += 1
 
 
@@ -353,15 +368,16 @@ def _wvec(ptr, sd, vec, k4):
 # arithmetic, same bits.
 @triton.jit(do_not_specialize=["M", "S", "N", "eps"])
 def _ln_warp_kernel(
-    x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr,
+    x_ptr, g_ptr, u_ptr, w_ptr, bias_ptr, sc_ptr, sh_ptr, h_ptr, out_ptr, gt_ptr, sct_ptr, sht_ptr,
     M, S, N, eps,
     xsb, xss, xsd, gsb, gss, gsd, usb, uss, usd, wsd, bsd,
-    scsb, scss, scsd, shsb, shss, shsd,
+    scsb, scss, scsd, shsb, shss, shsd, gtsd, sctsd, shtsd,
     RES: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, MODULATE: tl.constexpr,
     EXACT: tl.constexpr,
     P_DT: tl.constexpr, H_DT: tl.constexpr, LN_DT: tl.constexpr, SC_DT: tl.constexpr,
     M_DT: tl.constexpr, S_DT: tl.constexpr, OUT_DT: tl.constexpr,
     R: tl.constexpr, JS: tl.constexpr, AFFINE_FMA: tl.constexpr = True,
+    G_TAB: tl.constexpr = False, SC_TAB: tl.constexpr = False, SH_TAB: tl.constexpr = False,
 ):
     row_ok, b, s, out_row = warp_rows(M, S, N, R)
     lane = tl.arange(0, 32)
@@ -378,7 +394,10 @@ def _ln_warp_kernel(
             if RES != 0:
                 u = _wtile(u_ptr, b, s, usb, uss, usd, vec, k4)
                 if RES == 2:
-                    u = _wtile(g_ptr, b, s, gsb, gss, gsd, vec, k4) * u
+                    g = _wtile(g_ptr, b, s, gsb, gss, gsd, vec, k4)
+                    if G_TAB:
+                        g = _wtile(gt_ptr, b, s, 0, 0, gtsd, vec, k4) + g
+                    u = g * u
                     if EXACT:
                         u = rround(u, P_DT)
                 x = x + u
@@ -416,6 +435,10 @@ def _ln_warp_kernel(
             bt = _wvec(bias_ptr, bsd, vec, k4) if HAS_B else 0.0
             sc = _wtile(sc_ptr, b, s, scsb, scss, scsd, vec, k4) if MODULATE else 0.0
             sh = _wtile(sh_ptr, b, s, shsb, shss, shsd, vec, k4) if MODULATE == 1 else 0.0
+            if SC_TAB:
+                sc = _wtile(sct_ptr, b, s, 0, 0, sctsd, vec, k4) + sc
+            if SH_TAB:
+                sh = _wtile(sht_ptr, b, s, 0, 0, shtsd, vec, k4) + sh
             n = _epilogue(n, wt, bt, sc, sh, HAS_W, HAS_B, MODULATE, EXACT, LN_DT, SC_DT, M_DT, S_DT, AFFINE_FMA)
             dst = out_row[:, None, None] + (vec[None, :, None] * 4 + k4[None, None, :])
             tl.store(out_ptr + dst, round_to(n, OUT_DT), mask=keep)
@@ -463,6 +486,9 @@ def _unsupported_reason(
     norm_dtype: torch.dtype | None = None,
     gate: torch.Tensor | None = None,
     update: torch.Tensor | None = None,
+    gate_table: torch.Tensor | None = None,
+    scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> str | None:
     """Why the kernel does not reproduce eager for these inputs, or None when it does.
 
@@ -482,7 +508,9 @@ def _unsupported_reason(
       misaligned pointer sends it to RowwiseMomentsCUDAKernel too. (A non-contiguous x is copied
       by F.layer_norm into a fresh, aligned buffer first, and so is ``x.float()``; the residual
       sum h is a fresh eager output: all handled.)
-    - eps not a real number; an input requiring grad in grad mode (no backward).
+    - eps not a real number; an input requiring grad in grad mode (no backward);
+    - a ``*_table`` row not [D] / not bf16, fp16 or fp32 / on another device, or given without
+      its operand (the gate only with a gated residual).
     """
     if not isinstance(x, torch.Tensor):
         return "input is not a tensor"
@@ -508,7 +536,18 @@ def _unsupported_reason(
         reason = _check_param(name, t, D, x, norm_dtype)
         if reason:
             return reason
-    tensors = [x] + [t for _, t in mods] + [t for t in (weight, bias) if t is not None]
+    tables = []
+    for name, tab, operand in (("gate_table", gate_table, gate if update is not None else None),
+                               ("scale_table", scale_table, scale), ("shift_table", shift_table, shift)):
+        if tab is None:
+            continue
+        if operand is None:
+            return f"{name} given without its operand"
+        reason = _check_param(name, tab, D, x, torch.float32)
+        if reason:
+            return reason
+        tables.append(tab)
+    tensors = [x] + [t for _, t in mods] + [t for t in (weight, bias) if t is not None] + tables
     if update is not None:
         if not isinstance(update, torch.Tensor):
             return "update is not a tensor"
@@ -611,14 +650,23 @@ class _Recipe(NamedTuple):
     block: tuple  # (grid, scalars, kwargs)
 
 
+def _operand_dtype(t: torch.Tensor | None, table: torch.Tensor | None) -> torch.dtype | None:
+    """The dtype of a modulation operand as eager forms it: ``table + t.float()`` is fp32."""
+    if t is None:
+        return None
+    return torch.float32 if table is not None else t.dtype
+
+
 def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
             rows_per_program: int | None = None, affine_fma: bool = True,
-            unroll: bool = True, warp: bool | None = None, prefetch: bool | None = None) -> _Recipe:
+            unroll: bool = True, warp: bool | None = None, prefetch: bool | None = None,
+            tables: tuple = (None, None, None)) -> _Recipe:
     B, S, D = x.shape
     res = _NO_RES if update is None else (_ADD if gate is None else _GATED)
+    gt, sct, sht = tables
     consts, out_dt, h_dt = _rounding_plan(
-        x.dtype, None if res != _GATED else gate.dtype, None if update is None else update.dtype,
-        None if scale is None else scale.dtype, None if shift is None else shift.dtype, norm_dtype)
+        x.dtype, None if res != _GATED else _operand_dtype(gate, gt), None if update is None else update.dtype,
+        _operand_dtype(scale, sct), _operand_dtype(shift, sht), norm_dtype)
     M = B * S
     if M == 0:
         return _Recipe(res, out_dt, h_dt, True, None, ((0,), (), {}))
@@ -628,9 +676,11 @@ def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     g = gate if gate is not None else u
     strides = (*x.stride(), *_mod_strides(g if res == _GATED else None), *u.stride(),
                weight.stride(0) if weight is not None else 0, bias.stride(0) if bias is not None else 0,
-               *_mod_strides(scale), *_mod_strides(shift))
+               *_mod_strides(scale), *_mod_strides(shift),
+               *(0 if t is None else t.stride(0) for t in (gt if res == _GATED else None, sct, sht)))
     flags = dict(RES=res, HAS_W=weight is not None, HAS_B=bias is not None, MODULATE=0 if scale is None else (1 if shift is not None else 2),
-                 EXACT=exact, **consts, AFFINE_FMA=affine_fma, enable_fp_fusion=False)
+                 EXACT=exact, **consts, AFFINE_FMA=affine_fma, enable_fp_fusion=False,
+                 G_TAB=res == _GATED and gt is not None, SC_TAB=sct is not None, SH_TAB=sht is not None)
     R = warp_plan(D, M, warp, unroll, rows_per_program, residual=res != _NO_RES,
                   max_steps=WARP_MAX_STEPS if res != _NO_RES else LN_WARP_MAX_STEPS)
     warp_launch = None
@@ -643,9 +693,10 @@ def _recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     return _Recipe(res, out_dt, h_dt, False, warp_launch, block)
 
 
-def _fire(r: _Recipe, x, gate, update, scale, shift, weight, bias) -> tuple[torch.Tensor, torch.Tensor]:
+def _fire(r: _Recipe, x, gate, update, scale, shift, weight, bias,
+          tables: tuple = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch recipe ``r`` on these tensors; h is ``out`` when there is no
-    residual."""
+    residual. ``tables``: the (gate, scale, shift) table rows or None each."""
     out = torch.empty(x.shape, dtype=r.out_dt, device=x.device)
     h = torch.empty(x.shape, dtype=r.h_dt, device=x.device) if r.res != _NO_RES else out
     if r.empty:
@@ -653,7 +704,7 @@ def _fire(r: _Recipe, x, gate, update, scale, shift, weight, bias) -> tuple[torc
     u = update if update is not None else x
     ptrs = (x, gate if gate is not None else u, u, weight if weight is not None else x,
             bias if bias is not None else x, scale if scale is not None else x,
-            shift if shift is not None else x, h, out)
+            shift if shift is not None else x, h, out, *(x if t is None else t for t in tables))
     if r.warp is not None:
         grid, scalars, kw = r.warp
         compiled = launch(_ln_warp_kernel, grid, *ptrs, *scalars, **kw)
@@ -675,7 +726,7 @@ def _eager_h(r: _Recipe, h: torch.Tensor, residual: torch.Tensor) -> torch.Tenso
 def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
             rows_per_program: int | None = None, affine_fma: bool = True,
             unroll: bool = True, warp: bool | None = None,
-            prefetch: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            prefetch: bool | None = None, tables: tuple = (None, None, None)) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate (h, out) and launch; h is ``out`` when there is no residual. ``rows_per_program``
     only tiles the work (benchmarks sweep it); any value gives the same bits. ``affine_fma=False``
     computes the affine without the contraction (for the order probe only). ``unroll=False`` keeps
@@ -685,9 +736,11 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
     same bits). ``prefetch`` forces (True) or refuses (False) the runtime loop's prefetch
     (default :func:`ln_prefetch`: with a residual; same bits). The launch never
     contracts across ops (``enable_fp_fusion=False``), in the close variant too: its statistics
-    then stay torch's, bit for bit, and only the epilogue's roundings go."""
+    then stay torch's, bit for bit, and only the epilogue's roundings go. ``tables``: the (gate,
+    scale, shift) table rows (``*_table`` of the public functions)."""
     return _fire(_recipe(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact, rows_per_program,
-                         affine_fma, unroll, warp, prefetch), x, gate, update, scale, shift, weight, bias)
+                         affine_fma, unroll, warp, prefetch, tables), x, gate, update, scale, shift, weight, bias,
+                 tables)
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -697,21 +750,25 @@ def _launch(x, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact:
 def _layernorm_modulate_op(
     x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float,
     weight: torch.Tensor | None, bias: torch.Tensor | None, norm_dtype: torch.dtype | None, exact: bool,
+    scale_table: torch.Tensor | None = None, shift_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return _launch(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact)[1]
+    return _launch(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact,
+                   tables=(None, scale_table, shift_table))[1]
 
 
-def _out_dtype(x, scale, shift, norm_dtype):
+def _out_dtype(x, scale, shift, norm_dtype, scale_table=None, shift_table=None):
     if norm_dtype is not None:
         return x.dtype
     if scale is None:
         return x.dtype
-    return promote(x.dtype, scale.dtype) if shift is None else promote(x.dtype, scale.dtype, shift.dtype)
+    sc, sh = _operand_dtype(scale, scale_table), _operand_dtype(shift, shift_table)
+    return promote(x.dtype, sc) if shift is None else promote(x.dtype, sc, sh)
 
 
 @_layernorm_modulate_op.register_fake
-def _(x, scale, shift, eps, weight, bias, norm_dtype, exact):
-    return torch.empty(x.shape, dtype=_out_dtype(x, scale, shift, norm_dtype), device=x.device)
+def _(x, scale, shift, eps, weight, bias, norm_dtype, exact, scale_table=None, shift_table=None):
+    return torch.empty(x.shape, dtype=_out_dtype(x, scale, shift, norm_dtype, scale_table, shift_table),
+                       device=x.device)
 
 
 @torch.library.custom_op("ditfuse::gate_residual_layernorm_modulate", mutates_args=())
@@ -719,14 +776,19 @@ def _gate_residual_layernorm_modulate_op(
     residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
     scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float,
     weight: torch.Tensor | None, bias: torch.Tensor | None, norm_dtype: torch.dtype | None, exact: bool,
+    gate_table: torch.Tensor | None = None, scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact)
+    return _launch(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact,
+                   tables=(gate_table, scale_table, shift_table))
 
 
 @_gate_residual_layernorm_modulate_op.register_fake
-def _(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact):
+def _(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact, gate_table=None,
+      scale_table=None, shift_table=None):
     return (torch.empty(residual.shape, dtype=residual.dtype, device=residual.device),
-            torch.empty(residual.shape, dtype=_out_dtype(residual, scale, shift, norm_dtype), device=residual.device))
+            torch.empty(residual.shape, dtype=_out_dtype(residual, scale, shift, norm_dtype, scale_table, shift_table),
+                        device=residual.device))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -735,49 +797,63 @@ def _(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact
 _RECIPES = {(gated, exact): Recipes() for gated in (False, True) for exact in (True, False)}
 
 
-def _ln(x, scale, shift, eps, weight, bias, norm_dtype, exact: bool, key: tuple | None = None) -> torch.Tensor:
+def _ln(x, scale, shift, eps, weight, bias, norm_dtype, exact: bool, key: tuple | None = None,
+        scale_table=None, shift_table=None) -> torch.Tensor:
     if use_custom_op():
-        reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype)
+        reason = _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype, None, None, None,
+                                     scale_table, shift_table)
         if reason is not None:
             raise UnsupportedInput(reason)
-        return torch.ops.ditfuse.layernorm_modulate(x, scale, shift, float(eps), weight, bias, norm_dtype, exact)
+        return torch.ops.ditfuse.layernorm_modulate(x, scale, shift, float(eps), weight, bias, norm_dtype, exact,
+                                                    scale_table, shift_table)
     cache = _RECIPES[False, exact]
+    tables = (None, scale_table, shift_table)
     if key is None:
-        key = call_key((x, scale, shift, eps, weight, bias, norm_dtype))
-    r = cache.checked(key, lambda: _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype),
-                      lambda: _recipe(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact))
-    return _fire(r, x, None, None, scale, shift, weight, bias)[1]
+        key = call_key((x, scale, shift, eps, weight, bias, norm_dtype)
+                       + (() if scale_table is None and shift_table is None else (scale_table, shift_table)))
+    r = cache.checked(key, lambda: _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype, None, None,
+                                                       None, scale_table, shift_table),
+                      lambda: _recipe(x, None, None, scale, shift, eps, weight, bias, norm_dtype, exact,
+                                      tables=tables))
+    return _fire(r, x, None, None, scale, shift, weight, bias, tables)[1]
 
 
 def _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact: bool,
-           key: tuple | None = None):
+           key: tuple | None = None, gate_table=None, scale_table=None, shift_table=None):
     if use_custom_op():
-        reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update)
+        reason = _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update,
+                                     gate_table, scale_table, shift_table)
         if reason is not None:
             raise UnsupportedInput(reason)
         return torch.ops.ditfuse.gate_residual_layernorm_modulate(
-            residual, gate, update, scale, shift, float(eps), weight, bias, norm_dtype, exact)
+            residual, gate, update, scale, shift, float(eps), weight, bias, norm_dtype, exact,
+            gate_table, scale_table, shift_table)
     cache = _RECIPES[True, exact]
+    tables = (gate_table, scale_table, shift_table)
     if key is None:
-        key = call_key((residual, gate, update, scale, shift, eps, weight, bias, norm_dtype))
+        key = call_key((residual, gate, update, scale, shift, eps, weight, bias, norm_dtype)
+                       + (() if tables == (None, None, None) else tables))
     r = cache.checked(
-        key, lambda: _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update),
-        lambda: _recipe(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact))
-    return _fire(r, residual, gate, update, scale, shift, weight, bias)
+        key, lambda: _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update, *tables),
+        lambda: _recipe(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, exact, tables=tables))
+    return _fire(r, residual, gate, update, scale, shift, weight, bias, tables)
 
 
 def can_use_layernorm_modulate(
     x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+    scale_table: torch.Tensor | None = None, shift_table: torch.Tensor | None = None,
 ) -> bool:
     """True when :func:`layernorm_modulate` reproduces eager bit for bit for these inputs
     (``_unsupported_reason`` lists every rejection)."""
-    return _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype) is None
+    return _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype, None, None, None,
+                               scale_table, shift_table) is None
 
 
 def layernorm_modulate(
     x: torch.Tensor, scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+    scale_table: torch.Tensor | None = None, shift_table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``out = r(r(r(LN(x)) * r(1 + scale)) + shift)`` (module docstring for the rounding dtypes),
     bit-exact vs torch 2.11 CUDA eager ``ditfuse.kernels.reference.layernorm_modulate``.
@@ -785,72 +861,91 @@ def layernorm_modulate(
     x: [B, S, D]; scale, shift: [B, D], [B, 1, D] or [B, S, D] (both None: LayerNorm alone;
     shift None: ``r(r(LN(x)) * r(1 + scale))``, the shift-free modulate);
     weight, bias: [D] or None; ``norm_dtype=torch.float32`` for FP32LayerNorm + ``.type_as``.
-    For AdaLayerNormContinuous pass its first chunk as ``scale``. Raises UnsupportedInput where
-    :func:`can_use_layernorm_modulate` is False.
+    ``scale_table`` / ``shift_table`` ([D] rows, or None): the operand is ``table + scale.float()``
+    (Wan 2.2 TI2V's per-token ``scale_shift_table + temb.float()`` chunk), that one fp32 add done
+    in the kernel on the embedding as the model holds it (bf16, strided chunk views), so no fp32
+    sum is written or read. For AdaLayerNormContinuous pass its first chunk as ``scale``. Raises
+    UnsupportedInput where :func:`can_use_layernorm_modulate` is False.
     """
-    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True)
+    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True, None, scale_table, shift_table)
 
 
-def _keyed_ln(key, x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None):
-    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True, key)
+def _keyed_ln(key, x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None, scale_table=None,
+              shift_table=None):
+    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, True, key, scale_table, shift_table)
 
 
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
 layernorm_modulate.keyed = _keyed_ln
 
 
-def can_use_layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None) -> bool:
+def can_use_layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None,
+                                    scale_table=None, shift_table=None) -> bool:
     """True when :func:`layernorm_modulate_fp32` takes these inputs (the bit-exact predicate)."""
-    return _unsupported_reason(x, scale, shift, eps, weight, bias, norm_dtype) is None
+    return can_use_layernorm_modulate(x, scale, shift, eps, weight, bias, norm_dtype, scale_table, shift_table)
 
 
-def layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None) -> torch.Tensor:
+def layernorm_modulate_fp32(x, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None, scale_table=None,
+                            shift_table=None) -> torch.Tensor:
     """Close (quality="high"): ``out = r_out(LN(x) * (1 + scale) + shift)``, torch's statistics,
     fp32 epilogue, one rounding. Same arguments and rejections as :func:`layernorm_modulate`."""
-    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, False)
+    return _ln(x, scale, shift, eps, weight, bias, norm_dtype, False, None, scale_table, shift_table)
 
 
 def can_use_gate_residual_layernorm_modulate(
     residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
     scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+    gate_table: torch.Tensor | None = None, scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> bool:
     """True when :func:`gate_residual_layernorm_modulate` is bit-exact for these inputs."""
-    return _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update) is None
+    return _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update,
+                               gate_table, scale_table, shift_table) is None
 
 
 def gate_residual_layernorm_modulate(
     residual: torch.Tensor, gate: torch.Tensor | None, update: torch.Tensor,
     scale: torch.Tensor | None, shift: torch.Tensor | None, eps: float = 1e-6,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, norm_dtype: torch.dtype | None = None,
+    gate_table: torch.Tensor | None = None, scale_table: torch.Tensor | None = None,
+    shift_table: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add + LayerNorm (+ modulate) in one pass: ``h = r(residual + r(gate * update))``
     (``gate=None``: ``r(residual + update)``), ``n = layernorm_modulate(h, ...)``; returns ``(h, n)``,
     both bit-exact vs eager. residual, update: [B, S, D]; gate, scale, shift: [B, D], [B, 1, D] or
-    [B, S, D]. Raises UnsupportedInput where :func:`can_use_gate_residual_layernorm_modulate` is
-    False.
+    [B, S, D]; ``*_table``: [D] rows that make the operand ``table + operand.float()``, summed in
+    the kernel (:func:`layernorm_modulate`). Raises UnsupportedInput where
+    :func:`can_use_gate_residual_layernorm_modulate` is False.
     """
-    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True)
+    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True, None,
+                  gate_table, scale_table, shift_table)
 
 
-def _keyed_gr_ln(key, residual, gate, update, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None):
-    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True, key)
+def _keyed_gr_ln(key, residual, gate, update, scale, shift, eps=1e-6, weight=None, bias=None, norm_dtype=None,
+                 gate_table=None, scale_table=None, shift_table=None):
+    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, True, key,
+                  gate_table, scale_table, shift_table)
 
 
 gate_residual_layernorm_modulate.keyed = _keyed_gr_ln
 
 
 def can_use_gate_residual_layernorm_modulate_fp32(residual, gate, update, scale, shift, eps=1e-6, weight=None,
-                                                  bias=None, norm_dtype=None) -> bool:
+                                                  bias=None, norm_dtype=None, gate_table=None, scale_table=None,
+                                                  shift_table=None) -> bool:
     """True when :func:`gate_residual_layernorm_modulate_fp32` takes these inputs."""
-    return _unsupported_reason(residual, scale, shift, eps, weight, bias, norm_dtype, gate, update) is None
+    return can_use_gate_residual_layernorm_modulate(residual, gate, update, scale, shift, eps, weight, bias,
+                                                    norm_dtype, gate_table, scale_table, shift_table)
 
 
 def gate_residual_layernorm_modulate_fp32(residual, gate, update, scale, shift, eps=1e-6, weight=None, bias=None,
-                                          norm_dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
+                                          norm_dtype=None, gate_table=None, scale_table=None,
+                                          shift_table=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Close (quality="high"): ``h = r(residual + gate * update)``, ``n`` the fp32 LayerNorm (+
     modulate) of the unrounded sum, one rounding each; returns ``(h, n)``."""
-    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, False)
+    return _gr_ln(residual, gate, update, scale, shift, eps, weight, bias, norm_dtype, False, None,
+                  gate_table, scale_table, shift_table)
 
 
 __all__ = [
