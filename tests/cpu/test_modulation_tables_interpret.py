@@ -164,3 +164,23 @@ def test_rejections():
     assert not grt.can_use_gate_residual(x, chunks[2], upd, rows[2][:10])
     with pytest.raises(UnsupportedInput, match="gate_table"):
         grt.gate_residual(x, chunks[2], upd, rows[2].double())
+
+
+def test_probe_block_paths_agree():
+    """bench/probes/probe_block_modulation.py's two sequences (round 33: table_add then the ops on
+    fp32 chunks; round 34: the ops on bf16 chunks + table rows) give the same bits for a whole
+    block's modulation consumers, next block's opening included (a tiny shape here; the GPU run
+    checks the real ones before timing)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "probes" / "probe_block_modulation.py"
+    spec = importlib.util.spec_from_file_location("probe_block_modulation", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+
+    t = probe.inputs(2, 5, 64, "cpu", seed=3)
+    (_, a), (_, b) = [(k, fn(t)) for k, fn in probe.paths().items()]
+    assert len(a) == len(b) == 7
+    for i, (p, q) in enumerate(zip(a, b)):
+        _eq(q, p, f"output {i}")
