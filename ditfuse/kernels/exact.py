@@ -252,11 +252,14 @@ def _rms_d_fp64(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Te
 
 
 def rms_norm_diffusers_scale_fp64(
-    x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``RMS(x; w) * (1 + scale)`` (``scale=None``: the norm alone) in fp64."""
+    """``RMS(x; w) * (1 + scale) + shift`` (``scale`` / ``shift`` None: left out) in fp64."""
     n = _rms_d_fp64(x, weight, eps)
-    return n if scale is None else n * (1 + _d(_per_token(scale, x.dim())))
+    if scale is not None:
+        n = n * (1 + _d(_per_token(scale, x.dim())))
+    return n if shift is None else n + _d(_per_token(shift, x.dim()))
 
 
 def gate_residual_rms_norm_diffusers_fp64(

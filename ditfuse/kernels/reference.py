@@ -517,19 +517,22 @@ def rms_norm_diffusers(
 
 
 def rms_norm_diffusers_scale(
-    x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float
+    x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float,
+    shift: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Z-Image ``attention_norm1(x) * scale_msa`` / ``ffn_norm1(x) * scale_mlp`` with
-    ``scale_* = 1.0 + chunk``: ``out = r(rms_norm_diffusers(x, w) * r(1 + scale))``.
+    ``scale_* = 1.0 + chunk``: ``out = r(rms_norm_diffusers(x, w) * r(1 + scale))``; LTX-Video's
+    ``norm1(h) * (1 + scale_msa) + shift_msa`` adds ``shift``: ``r(out + shift)``.
 
-    ``scale`` is the raw modulation chunk ([B, D], [B, 1, D] or per token [B, S, D]); the
-    ``1.0 + scale`` diffusers computes in the block is the ``r(1 + scale)`` here (a Python float
-    plus a bf16 tensor stays bf16). There is no shift. ``scale=None`` (an unmodulated refiner
-    block's ``attention_norm1``) is ``rms_norm_diffusers(x, weight, eps)`` alone.
+    ``scale`` / ``shift`` are raw modulation chunks ([B, D], [B, 1, D] or per token [B, S, D]);
+    the ``1.0 + scale`` diffusers computes in the block is the ``r(1 + scale)`` here (a Python
+    float plus a bf16 tensor stays bf16). ``scale=None`` (an unmodulated refiner block's
+    ``attention_norm1``) is ``rms_norm_diffusers(x, weight, eps)`` alone (plus the shift if given).
     """
-    if scale is None:
-        return rms_norm_diffusers(x, weight, eps)
-    return rms_norm_diffusers(x, weight, eps) * (1.0 + _per_token(scale, x.dim()))
+    out = rms_norm_diffusers(x, weight, eps)
+    if scale is not None:
+        out = out * (1.0 + _per_token(scale, x.dim()))
+    return out if shift is None else out + _per_token(shift, x.dim())
 
 
 def gate_residual_rms_norm_diffusers(

@@ -6,11 +6,11 @@ modulation product and sum rounds there, as FLUX.1's do. Per block (chains in di
 ``r`` a rounding to the dtype torch's promotion gives; bf16 throughout for a bf16 model, fp32 for
 an fp32 one):
 
-1. ``norm1(h) * (1 + scale_msa)``: diffusers ``RMSNorm`` without affine (``x * rsqrt(mean(x32^2) +
-   eps)`` in fp32, one rounding to x's dtype), times ``r(1 + scale)``
-   -> ``norm.rms_norm_diffusers_scale`` (its chain ``r(RMS_d(x) * r(1 + scale))`` is this one:
-   Z-Image's ``norm(x) * (1.0 + scale)``; ``1`` and ``1.0`` give the same bf16 sum).
-   ``... + shift_msa``: eager (no op takes diffusers' RMSNorm with a shift; one add).
+1. ``norm1(h) * (1 + scale_msa) + shift_msa``: diffusers ``RMSNorm`` without affine (``x *
+   rsqrt(mean(x32^2) + eps)`` in fp32, one rounding to x's dtype), times ``r(1 + scale)``, plus the
+   shift -> ``norm.rms_norm_diffusers_scale`` with its ``shift`` (``r(r(RMS_d(x) * r(1 + scale)) +
+   shift)``: Z-Image's ``norm(x) * (1.0 + scale)``, ``1`` and ``1.0`` give the same bf16 sum, and
+   one more add; round 35 took the shift into the op, before it was a separate eager add).
 2. Self-attention (``attn1``, the ``ltx.attention`` site): ``norm_q`` / ``norm_k`` are
    ``torch.nn.RMSNorm(H * Dh)`` over all heads, then LTX's ``apply_rotary_emb`` on the flat
    [B, S, H * Dh] rows: ``(x.float() * cos + x_rot.float() * sin).to(x.dtype)`` with
@@ -33,7 +33,7 @@ an fp32 one):
    site is mounted on it and hands every call with ``encoder_hidden_states`` to diffusers'
    processor): its q and k differ in length (the QK op wants one shape) and it has no RoPE; the
    plain add is one eager op (the gated-residual kernel refuses ``gate=None`` for that reason).
-5. ``norm2(h) * (1 + scale_mlp)`` -> ``norm.rms_norm_diffusers_scale``; ``+ shift_mlp`` eager.
+5. ``norm2(h) * (1 + scale_mlp) + shift_mlp`` -> ``norm.rms_norm_diffusers_scale`` (as 1).
 6. ``ff``: diffusers' ``FeedForward`` (Linear, ``F.gelu(approximate="tanh")``, Linear), called as
    a module: eager (the GELU is one elementwise kernel already; no op saves a pass there).
 7. ``h + ff * gate_mlp`` -> ``modulate.gate_residual`` (as 3).
@@ -45,9 +45,9 @@ table + embedded timestep in the model dtype) -> ``norm.layernorm_modulate`` wit
 ``norm_dtype=None`` (FLUX.1's AdaLayerNormContinuous chain: ``r(r(r(LN(x)) * r(1 + scale)) +
 shift)``); ``proj_out`` as a module.
 
-Not fused, and why: the ``+ shift`` after each RMSNorm (no op has diffusers' RMSNorm with a shift;
-a new kernel could not be GPU-verified in this change), attention itself, the cross-attention
-path, the FF, and the block boundary (the existing hand-off opens the next block with a
+Not fused, and why: the ``ada_values`` sum (per token for I2V / condition pipelines: the table +
+temb sum in the model dtype, a [B, S, 6, D] tensor per block; the ops' table rows assume Wan's
+fp32 sum), attention itself, the cross-attention path, the FF, and the block boundary (the existing hand-off opens the next block with a
 LayerNorm, not diffusers' RMSNorm). Every op is bit-exact and gated at first sight; no
 quality="high" tier (``high=False``: no close variant was admitted for LTX's shapes). LoRA scales
 (``attention_kwargs``) and gradient checkpointing take diffusers' forward.
@@ -104,7 +104,7 @@ def block_forward(
     )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada_values.unbind(dim=2)
     norm_hidden_states = _ops.rms_norm_diffusers_scale(hidden_states, block.norm1.weight, scale_msa,
-                                                       block.norm1.eps) + shift_msa
+                                                       block.norm1.eps, shift_msa)
 
     attn_hidden_states = block.attn1(
         hidden_states=norm_hidden_states,
@@ -121,7 +121,7 @@ def block_forward(
     )
     hidden_states = hidden_states + attn_hidden_states
     norm_hidden_states = _ops.rms_norm_diffusers_scale(hidden_states, block.norm2.weight, scale_mlp,
-                                                       block.norm2.eps) + shift_mlp
+                                                       block.norm2.eps, shift_mlp)
 
     ff_output = feed_forward(block.ff, norm_hidden_states, _ops)
     return _gate_residual(_ops, hidden_states, gate_mlp, ff_output)

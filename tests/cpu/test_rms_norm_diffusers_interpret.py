@@ -56,6 +56,12 @@ def _mod(B, S, D, dtype, g, shape="b1d"):
 def _check_all(x, r, gate, scale, w, w2, label):
     got = mod.rms_norm_diffusers_scale(x, w, scale, EPS)
     assert_bitwise_equal(got, sim.rms_norm_diffusers_scale(x, w, scale, EPS, interp_rsqrt), f"Z1 {label}")
+    if gate is not None:
+        # LTX-Video's ``norm(h) * (1 + scale) + shift``: the gate's operand (every layout the
+        # tests give it) serves as the shift
+        got = mod.rms_norm_diffusers_scale(x, w, scale, EPS, gate)
+        assert_bitwise_equal(got, sim.rms_norm_diffusers_scale(x, w, scale, EPS, interp_rsqrt, shift=gate),
+                             f"Z1 + shift {label}")
     got = mod.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS)
     assert_bitwise_equal(got, sim.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS, interp_rsqrt), f"Z6 {label}")
     h, n = mod.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w2, scale, EPS)
@@ -187,6 +193,9 @@ def test_simulation_elementwise_equals_reference(wkind, dtype):
     w = _weight(D, "half" if dtype != torch.float32 else "fp32", dtype, g) if wkind else None
     w2 = _weight(D, "half" if dtype != torch.float32 else "fp32", dtype, g) if wkind else None
     assert_bitwise_equal(sim.rms_norm_diffusers_scale(x, w, scale, EPS), rf.rms_norm_diffusers_scale(x, w, scale, EPS))
+    for sc in (scale, None):
+        assert_bitwise_equal(sim.rms_norm_diffusers_scale(x, w, sc, EPS, shift=gate),
+                             rf.rms_norm_diffusers_scale(x, w, sc, EPS, gate))
     assert_bitwise_equal(sim.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS),
                          rf.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS))
     # the second norm's input h is not small integers: compare the first output, and the second
@@ -255,6 +264,8 @@ def _rejections():
         "residual shape": dict(r=r[:, :2]),
         "residual dtype": dict(r=r.float()),
         "gate broadcast": dict(gate=gate[:, :, :32]),
+        "shift dtype": dict(shift=scale.float()),
+        "shift broadcast": dict(shift=scale[:, :, :32]),
         "eps type": dict(eps="1e-5"),
         "grad": dict(x=x.clone().requires_grad_(True)),
         "warp split": dict(x=torch.zeros(1, 2, 8192, dtype=x.dtype), r=torch.zeros(1, 2, 8192, dtype=x.dtype),
@@ -273,6 +284,12 @@ def test_rejections(name):
     a.update(_CASES[name])
     res_only = name in ("residual shape", "residual dtype")
     gate_case = name.startswith("gate")
+    if name.startswith("shift"):  # MODE 0 only: the same operand with a good shift is taken
+        assert mod.can_use_rms_norm_diffusers_scale(a["x"], a["w"], a["scale"], a["eps"], gate)
+        assert not mod.can_use_rms_norm_diffusers_scale(a["x"], a["w"], a["scale"], a["eps"], a["shift"]), name
+        with pytest.raises(UnsupportedInput, match="shift"):
+            mod.rms_norm_diffusers_scale(a["x"], a["w"], a["scale"], a["eps"], a["shift"])
+        return
     with torch.enable_grad():
         if not res_only and not gate_case:
             assert not mod.can_use_rms_norm_diffusers_scale(a["x"], a["w"], a["scale"], a["eps"]), name
@@ -306,3 +323,35 @@ def test_empty_rows():
     assert out.shape == x.shape
     h, n = mod.gate_residual_rms_norm_diffusers_scale(x, None, x, None, None, None, EPS)
     assert h.shape == n.shape == x.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("B,S,D", [(1, 1, 64), (2, 13, 256), (1, 31, 96), (2, 3, 3840)])
+def test_ltx_per_token_scale_shift(dtype, B, S, D):
+    """LTX-Video's block head as diffusers spells it: ``ada = table[None, None] + temb.reshape(B,
+    S, 6, -1)`` unbound on dim 2 (strided [B, S, D] views, per token for I2V), then
+    ``norm1(h) * (1 + scale_msa) + shift_msa`` with diffusers' weightless RMSNorm. The kernel on
+    those views equals the simulation bit for bit, with NaN, +-Inf, -0 and 1 + scale = 0 in the
+    operands; the shift alone (scale None) too."""
+    g = _gen(B * 1000 + S * 10 + D)
+    x = _rows(B, S, D, dtype=dtype, g=g)
+    table = (torch.randn(6, D, generator=g) / D ** 0.5).to(dtype)
+    temb = (torch.randn(B, S, 6 * D, generator=g) * 0.5).to(dtype)
+    ada = table[None, None] + temb.reshape(B, S, 6, -1)
+    shift, scale = ada.unbind(dim=2)[:2]
+    x[0, 0, 1] = float("nan")
+    x[-1, -1, 2] = float("-inf")
+    x[0, -1, :4] = -0.0
+    scale[0, 0, 3] = -1.0
+    shift[0, 0, 4] = float("inf")
+    shift[-1, 0, 5] = -0.0
+    assert scale.stride(-1) == 1 and scale.stride(1) == 6 * D
+    for sc in (scale, None):
+        got = mod.rms_norm_diffusers_scale(x, None, sc, EPS, shift)
+        want = sim.rms_norm_diffusers_scale(x, None, sc, EPS, interp_rsqrt, shift=shift)
+        assert_bitwise_equal(got, want, f"LTX {dtype} [{B},{S},{D}] scale={'yes' if sc is not None else 'None'}")
+    # the per-sample (T2V) layout: temb [B, 1, 6D]
+    ada1 = table[None, None] + temb[:, :1].reshape(B, 1, 6, -1)
+    sh1, sc1 = ada1.unbind(dim=2)[:2]
+    assert_bitwise_equal(mod.rms_norm_diffusers_scale(x, None, sc1, EPS, sh1),
+                         sim.rms_norm_diffusers_scale(x, None, sc1, EPS, interp_rsqrt, shift=sh1), "LTX per sample")

@@ -112,9 +112,10 @@ def _scaled(n: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return _times(n, one_plus.expand_as(n))
 
 
-def rms_norm_diffusers_scale(x, weight, scale, eps, rsqrt=torch.rsqrt):
-    """``r(RMS_d(x; w) * r(1 + scale))``."""
-    return _scaled(rms_d(x, weight, eps, rsqrt), scale)
+def rms_norm_diffusers_scale(x, weight, scale, eps, rsqrt=torch.rsqrt, shift=None):
+    """``r(RMS_d(x; w) * r(1 + scale))``, then ``r(. + shift)`` with a shift."""
+    n = _scaled(rms_d(x, weight, eps, rsqrt), scale)
+    return n if shift is None else _plus(n, _per_token(shift, n.dim()).expand_as(n))
 
 
 def gate_residual_rms_norm_diffusers(residual, gate, update, weight, eps, rsqrt=torch.rsqrt):

@@ -159,13 +159,14 @@ _RD_NOTE = ("the whole shape of the normed rows: their count B*S sets MeanOps' f
 RMS_NORM_DIFFUSERS_SCALE = OpDescriptor(
     op="norm.rms_norm_diffusers_scale",
     contract=Contract.BIT_EXACT,
-    replaces="r(RMS_d(x; w) * r(1 + scale)) (scale None: RMS_d(x; w))",
+    replaces="r(RMS_d(x; w) * r(1 + scale)) (scale None: RMS_d(x; w)); with a shift r(that + shift)",
     summary="diffusers RMSNorm (torch's generic-reduce mean order and MeanOps factor, rsqrt.approx, "
-            "two roundings) + Z-Image's scale in one pass",
+            "two roundings) + Z-Image's scale or LTX-Video's scale and shift in one pass",
     reference=f"{_REF}:rms_norm_diffusers_scale",
     exact=f"{_EXACT}:rms_norm_diffusers_scale_fp64",
     impls=(triton_impl(_RD, "rms_norm_diffusers_scale"),),
-    key=(K("x", dims=(0,), tail_shape=True), K("weight"), K("scale", rank=True), K("eps", value=True)),
+    key=(K("x", dims=(0,), tail_shape=True), K("weight"), K("scale", rank=True), K("eps", value=True),
+         K("shift", rank=True)),
     key_note=_RD_NOTE,
 )
 

@@ -2,9 +2,10 @@
 in the Z-Image block; bit-exact vs torch 2.11 CUDA eager (diffusers 0.42.1). One kernel body, a
 constexpr ``MODE`` picks the chain:
 
-MODE 0, ``rms_norm_diffusers_scale(x, weight, scale, eps)`` (Z1; ``scale=None``: plain RMS_d)::
+MODE 0, ``rms_norm_diffusers_scale(x, weight, scale, eps, shift)`` (Z1; ``scale=None``: plain
+RMS_d; LTX-Video's ``norm1(h) * (1 + scale) + shift`` with ``shift``)::
 
-    out = r(RMS_d(x; w) * r(1 + scale))
+    out = r(RMS_d(x; w) * r(1 + scale))          (shift given: r(that + shift))
 
 MODE 1, ``gate_residual_rms_norm_diffusers(residual, gate, update, weight, eps)`` (Z6)::
 
@@ -178,11 +179,11 @@ def _gated_h(x_ptr, r_ptr, g_ptr, w_ptr, xrow, rrow, grow, cols, m, cmask, rstd,
 # registers (notes/rms_diffusers_tiling.md); D is fixed per model, so this costs no recompiles.
 @triton.jit(do_not_specialize=["n_rows", "S", "factor", "eps"])
 def _rms_d_kernel(
-    x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, w2_ptr, h_ptr, o_ptr,
+    x_ptr, r_ptr, g_ptr, s_ptr, w_ptr, w2_ptr, h_ptr, o_ptr, t_ptr,
     n_rows, S, D,
-    sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd,
+    sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd, stb, sts, std,
     factor, eps,
-    MODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr,
+    MODE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_SHIFT: tl.constexpr,
     WMODE: tl.constexpr, W2MODE: tl.constexpr, DTYPE: tl.constexpr,
     W: tl.constexpr, VEC: tl.constexpr, BR: tl.constexpr, NCH: tl.constexpr,
     READBACK: tl.constexpr = False,
@@ -212,6 +213,7 @@ def _rms_d_kernel(
 
     if MODE == 0:
         srow = b * ssb + s * sss
+        trow = b * stb + s * sts
         for k in range(NCH):
             cols = k * CW + lane_cols
             cmask = cols < D
@@ -221,6 +223,9 @@ def _rms_d_kernel(
             if HAS_SCALE:
                 sc = load_f32(s_ptr + srow[:, None] + cols[None, :] * ssd, m)
                 n = rround(n * rround(1.0 + sc, DTYPE), DTYPE)
+            if HAS_SHIFT:
+                sh = load_f32(t_ptr + trow[:, None] + cols[None, :] * std, m)
+                n = rround(n + sh, DTYPE)
             tl.store(o_ptr + orow[:, None] + cols[None, :], round_to(n, DTYPE), mask=m)
     else:
         rrow = b * srb + s * srs
@@ -313,9 +318,11 @@ def _unsupported_reason(
     scale: torch.Tensor | None,
     weights: tuple,
     eps: float,
+    shift: torch.Tensor | None = None,
 ) -> str | None:
     """Why the kernel does not reproduce eager for these arguments (None: it does). ``x`` is the
-    normed input (update in the residual modes), ``residual`` None in MODE 0."""
+    normed input (update in the residual modes), ``residual`` None in MODE 0 (the only mode with a
+    ``shift``)."""
     if not isinstance(x, torch.Tensor):
         return "input is not a tensor"
     if x.dtype not in SUPPORTED_DTYPES:
@@ -323,7 +330,7 @@ def _unsupported_reason(
     if not 1 <= x.dim() <= 3:
         return f"rows must be [D], [N, D] or [B, S, D], got {x.dim()} dims"
     tensors = [x]
-    for name, t in (("residual", residual), ("gate", gate), ("scale", scale)):
+    for name, t in (("residual", residual), ("gate", gate), ("scale", scale), ("shift", shift)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor):
@@ -361,7 +368,7 @@ def _unsupported_reason(
     if residual is not None and tuple(residual.shape) != tuple(x.shape):
         return f"residual {tuple(residual.shape)} and update {tuple(x.shape)} differ in shape"
     views = [x] + ([residual] if residual is not None else [])
-    for name, t in (("gate", gate), ("scale", scale)):
+    for name, t in (("gate", gate), ("scale", scale), ("shift", shift)):
         if t is None:
             continue
         e = _row_operand(t, x)
@@ -373,15 +380,15 @@ def _unsupported_reason(
     return None
 
 
-def _views(x, residual, gate, scale) -> list:
+def _views(x, residual, gate, scale, shift=None) -> list:
     views = [x, residual if residual is not None else x]
-    views.append(_row_operand(gate, x) if gate is not None else x)
-    views.append(_row_operand(scale, x) if scale is not None else x)
+    for t in (gate, scale, shift):
+        views.append(_row_operand(t, x) if t is not None else x)
     return views
 
 
 def _recipe(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
-            num_warps: int | None = None, readback: bool | None = None) -> tuple | None:
+            num_warps: int | None = None, readback: bool | None = None, shift=None) -> tuple | None:
     """(grid, scalar arguments, constexprs) of a launch from its inputs' geometry; None for no
     rows (cached per geometry by the public functions, common/plans.py)."""
     D = x.shape[-1]
@@ -389,8 +396,8 @@ def _recipe(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
     if rows == 0:
         return None
     W, VEC, _ = reduce_launch(D, rows)
-    (B, S, _), strides = as_3d(*_views(x, residual, gate, scale))
-    (sxb, sxs, _), (srb, srs, srd), (sgb, sgs, sgd), (ssb, sss, ssd) = strides
+    (B, S, _), strides = as_3d(*_views(x, residual, gate, scale, shift))
+    (sxb, sxs, _), (srb, srs, srd), (sgb, sgs, sgd), (ssb, sss, ssd), (stb, sts, std) = strides
     CW = VEC * W
     NCH = cdiv(D, CW)
     if block_rows is None:
@@ -402,60 +409,63 @@ def _recipe(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: 
     BR = block_rows
     if BR & (BR - 1):
         raise ValueError(f"block_rows must be a power of two, got {BR}")
-    scalars = (rows, S, D, sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd, mean_factor(rows, D), float(eps))
+    scalars = (rows, S, D, sxb, sxs, srb, srs, srd, sgb, sgs, sgd, ssb, sss, ssd, stb, sts, std,
+               mean_factor(rows, D), float(eps))
     consts = dict(MODE=mode, HAS_GATE=gate is not None, HAS_SCALE=scale is not None,
+                  HAS_SHIFT=mode == 0 and shift is not None,
                   WMODE=_wmode(w), W2MODE=_wmode(w2), DTYPE=tl_dtype(x.dtype),
                   W=W, VEC=VEC, BR=BR, NCH=NCH, READBACK=mode == 2 and bool(readback),
                   num_warps=num_warps, enable_fp_fusion=False, enable_reflect_ftz=False)
     return (cdiv(rows, BR),), scalars, consts
 
 
-def _fire(mode: int, r: tuple | None, x, residual, gate, scale, w, w2):
+def _fire(mode: int, r: tuple | None, x, residual, gate, scale, w, w2, shift=None):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     h = torch.empty(x.shape, dtype=x.dtype, device=x.device) if mode != 0 else out
     if r is None:
         return out, h
     grid, scalars, consts = r
-    views = _views(x, residual, gate, scale)
+    views = _views(x, residual, gate, scale, shift)
     wt = w.contiguous() if w is not None else x
     wt2 = w2.contiguous() if w2 is not None else x
-    launch(_rms_d_kernel, grid, x, views[1], views[2], views[3], wt, wt2, h, out, *scalars, **consts)
+    launch(_rms_d_kernel, grid, x, views[1], views[2], views[3], wt, wt2, h, out, views[4], *scalars, **consts)
     return out, h
 
 
 def _launch(mode: int, x, residual, gate, scale, w, w2, eps: float, block_rows: int | None = None,
-            num_warps: int | None = None, readback: bool | None = None):
+            num_warps: int | None = None, readback: bool | None = None, shift=None):
     """Run MODE ``mode``; returns ``(out, h)`` (``h is out`` in MODE 0). ``block_rows`` (a power of
     two), ``num_warps`` and ``readback`` (MODE 2 only: re-read the stored ``h`` instead of
     recomputing it) choose the tiling, never the bits. Defaults (None) are the fastest launches of
     the H200 sweep over Z-Image's shapes (bench/results/probe_rms_diffusers_tiling_h200.csv, D
     specialized): MODE 0/1 up to 8 rows on 8 warps (1 warp per 128-column chunk row), MODE 2 one
     row per program, one warp per 128 columns, with read-back."""
-    return _fire(mode, _recipe(mode, x, residual, gate, scale, w, w2, eps, block_rows, num_warps, readback),
-                 x, residual, gate, scale, w, w2)
+    return _fire(mode, _recipe(mode, x, residual, gate, scale, w, w2, eps, block_rows, num_warps, readback, shift),
+                 x, residual, gate, scale, w, w2, shift)
 
 
 _RECIPES = {mode: Recipes() for mode in (0, 1, 2)}
 
 
-def _cached(mode: int, key: tuple | None, x, residual, gate, scale, w, w2, eps: float):
+def _cached(mode: int, key: tuple | None, x, residual, gate, scale, w, w2, eps: float, shift=None):
     """The launch with its predicate and recipe cached per call key (common/plans.py)."""
     weights = (w,) if mode != 2 else (w, w2)
-    r = _RECIPES[mode].checked(key, lambda: _unsupported_reason(x, residual, gate, scale, weights, eps),
-                               lambda: _recipe(mode, x, residual, gate, scale, w, w2, eps))
-    return _fire(mode, r, x, residual, gate, scale, w, w2)
+    r = _RECIPES[mode].checked(key, lambda: _unsupported_reason(x, residual, gate, scale, weights, eps, shift),
+                               lambda: _recipe(mode, x, residual, gate, scale, w, w2, eps, shift=shift))
+    return _fire(mode, r, x, residual, gate, scale, w, w2, shift)
 
 
 # ---- custom ops (one opaque node for torch.compile)
 
 
 @torch.library.custom_op("ditfuse::rms_norm_diffusers_scale", mutates_args=())
-def _rms_scale_op(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
-    return _launch(0, x, None, None, scale, weight, None, eps)[0]
+def _rms_scale_op(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None, eps: float,
+                  shift: torch.Tensor | None = None) -> torch.Tensor:
+    return _launch(0, x, None, None, scale, weight, None, eps, shift=shift)[0]
 
 
 @_rms_scale_op.register_fake
-def _(x, weight, scale, eps):
+def _(x, weight, scale, eps, shift=None):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
@@ -488,7 +498,7 @@ def _(residual, gate, update, out_weight, next_weight, scale, eps):
 
 
 def can_use_rms_norm_diffusers_scale(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None,
-                                     eps: float) -> bool:
+                                     eps: float, shift: torch.Tensor | None = None) -> bool:
     """True when :func:`rms_norm_diffusers_scale` reproduces eager bit for bit. Rejected (False):
     a non-tensor input or dtype other than bf16/fp16/fp32; rows of more than 3 dims; a weight not
     [D], or bf16/fp16 of another dtype than the rows, or fp32 with bf16/fp16 rows (fp32 output),
@@ -498,28 +508,32 @@ def can_use_rms_norm_diffusers_scale(x: torch.Tensor, weight: torch.Tensor | Non
     (torch's reduce layout there is not verified); D >= 128 not a multiple of 4; >= 2^31
     elements; rows not contiguous (stride(-1) != 1) or leading strides < D; shapes for which torch
     splits a row's mean across warps (D of several thousand with few rows... e.g. D >= 8192);
-    operand layouts whose leading dims are not two strided dims."""
-    return _unsupported_reason(x, None, None, scale, (weight,), eps) is None
+    operand layouts whose leading dims are not two strided dims. A ``shift`` is rejected as the
+    scale is (dtype, broadcast, layout)."""
+    return _unsupported_reason(x, None, None, scale, (weight,), eps, shift) is None
 
 
 def rms_norm_diffusers_scale(x: torch.Tensor, weight: torch.Tensor | None, scale: torch.Tensor | None,
-                             eps: float) -> torch.Tensor:
-    """``out = r(RMS_d(x; weight) * r(1 + scale))`` (``scale=None``: ``RMS_d(x; weight)``),
-    bit-exact vs torch 2.11 CUDA eager ``attention_norm1(x) * (1.0 + scale)`` (module doc).
-    ``scale`` is the raw modulation chunk ([B, D], [B, 1, D] or [B, S, D]); the output is a new
-    contiguous tensor of x's shape and dtype. Raises :class:`UnsupportedInput` exactly where
-    :func:`can_use_rms_norm_diffusers_scale` is False."""
-    return _keyed_scale(None, x, weight, scale, eps)
+                             eps: float, shift: torch.Tensor | None = None) -> torch.Tensor:
+    """``out = r(RMS_d(x; weight) * r(1 + scale))`` (``scale=None``: ``RMS_d(x; weight)``), then
+    with ``shift`` ``r(out + shift)``; bit-exact vs torch 2.11 CUDA eager Z-Image's
+    ``attention_norm1(x) * (1.0 + scale)`` and LTX-Video's ``norm1(h) * (1 + scale) + shift``
+    (module doc). ``scale`` / ``shift`` are raw modulation chunks ([B, D], [B, 1, D] or
+    [B, S, D], any strides); the output is a new contiguous tensor of x's shape and dtype. Raises
+    :class:`UnsupportedInput` exactly where :func:`can_use_rms_norm_diffusers_scale` is False."""
+    return _keyed_scale(None, x, weight, scale, eps, shift)
 
 
-def _keyed_scale(key, x, weight, scale, eps):
+def _keyed_scale(key, x, weight, scale, eps, shift=None):
     if use_custom_op():
-        reason = _unsupported_reason(x, None, None, scale, (weight,), eps)
+        reason = _unsupported_reason(x, None, None, scale, (weight,), eps, shift)
         if reason is not None:
             raise UnsupportedInput(reason)
-        return torch.ops.ditfuse.rms_norm_diffusers_scale(x, weight, scale, float(eps))
-    key = call_key((x, weight, scale, eps)) if key is None else key
-    return _cached(0, key, x, None, None, scale, weight, None, eps)[0]
+        if shift is None:  # the schema's default: keeps the traced graph of shift-free callers as it was
+            return torch.ops.ditfuse.rms_norm_diffusers_scale(x, weight, scale, float(eps))
+        return torch.ops.ditfuse.rms_norm_diffusers_scale(x, weight, scale, float(eps), shift)
+    key = call_key((x, weight, scale, eps, shift)) if key is None else key
+    return _cached(0, key, x, None, None, scale, weight, None, eps, shift)[0]
 
 
 # The gate computes the call key once and hands it down (contracts/ops.py GatedOp).
