@@ -58,6 +58,9 @@ def test_kernels_vs_eager(B, S, D):
             assert rk.can_use_rms_norm_diffusers_scale(x, w, scale, EPS), tag
             for got, want, name in (
                 (rk.rms_norm_diffusers_scale(x, w, scale, EPS), ref.rms_norm_diffusers_scale(x, w, scale, EPS), "Z1"),
+                # LTX-Video's form, the gate's chunk serving as the shift
+                (rk.rms_norm_diffusers_scale(x, w, scale, EPS, gate),
+                 ref.rms_norm_diffusers_scale(x, w, scale, EPS, gate), "Z1+shift"),
                 (rk.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS),
                  ref.gate_residual_rms_norm_diffusers(r, gate, x, w, EPS), "Z6"),
                 (rk.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w2, scale, EPS),
@@ -92,6 +95,42 @@ def test_per_token_and_strided_operands():
     mm = compare_outputs(rk.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w, scale, EPS),
                          ref.gate_residual_rms_norm_diffusers_scale(r, gate, x, w, w, scale, EPS), "strided")
     assert mm is None, str(mm)
+
+
+LTX_SHAPES = [(1, 7392, 2048), (2, 7392, 2048), (1, 4111, 4096), (2, 1, 2048), (1, 13, 4096)]
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+@pytest.mark.parametrize("B,S,D", LTX_SHAPES, ids=[f"{b}x{s}x{d}" for b, s, d in LTX_SHAPES])
+def test_ltx_scale_shift_vs_eager(B, S, D, per_token):
+    """LTX-Video's ``norm1(h) * (1 + scale_msa) + shift_msa`` as its block spells it: weightless
+    diffusers RMSNorm, ``ada = table[None, None] + temb.reshape(B, T, 6, -1)`` unbound on dim 2
+    (strided views; T = S per token, as LTX's image-to-video, else 1), NaN / Inf in the rows and
+    the shift, ``1 + scale = 0``; bf16 / fp16 / fp32 models."""
+    from diffusers.models.normalization import RMSNorm
+
+    norm = RMSNorm(D, eps=1e-6, elementwise_affine=False).to(DEV)
+    g = torch.Generator(device=DEV).manual_seed(B * 131 + S + D + per_token)
+    failures = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = _rows((B, S, D), dtype, g)
+        T = S if per_token else 1
+        table = (torch.randn(6, D, generator=g, device=DEV) / D ** 0.5).to(dtype)
+        temb = (torch.randn(B, T, 6 * D, generator=g, device=DEV) * 0.5).to(dtype)
+        ada = table[None, None] + temb.reshape(B, T, 6, -1)
+        shift, scale = ada.unbind(dim=2)[:2]
+        x[0, 0, 1] = float("nan")
+        x[-1, -1, 2] = float("inf")
+        scale[0, 0, 3] = -1.0
+        shift[0, 0, 4] = float("-inf")
+        for sc in (scale, None):
+            tag = f"LTX [{B},{S},{D}] {dtype} per_token={per_token} scale={'yes' if sc is not None else 'None'}"
+            assert rk.can_use_rms_norm_diffusers_scale(x, None, sc, 1e-6, shift), tag
+            eager = norm(x) * (1 + sc) + shift if sc is not None else norm(x) + shift
+            mm = compare_outputs(rk.rms_norm_diffusers_scale(x, None, sc, 1e-6, shift), eager, tag)
+            if mm:
+                failures.append(str(mm))
+    assert not failures, "\n".join(failures)
 
 
 # -- the adapter ---------------------------------------------------------------------------------
