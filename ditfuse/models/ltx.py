@@ -54,7 +54,9 @@ quality="high" tier (``high=False``: no close variant was admitted for LTX's sha
 
 GPU (round 20, H100): tests/gpu/test_ltx_gpu.py passed (bitwise, every op verified, no fallback:
 tiny, 0.9.x width 2048 and 13B width 4096, B=1 and 2); the 0.9.x-size step at 704x512x161 went
-115.91 -> 80.81 ms (bench/results/ltx_step_round20_h100.csv).
+115.91 -> 80.81 ms (bench/results/ltx_step_round20_h100.csv). Round 35 (H100, the shift in the op):
+the GPU tests again (with test_zimage_gpu's ``test_ltx_scale_shift_vs_eager``), and on one machine
+round 34's tree 83.17 against this one's 81.16 ms lossless (bench/results/ltx_step_round35_a_h100.csv).
 """
 
 from __future__ import annotations
