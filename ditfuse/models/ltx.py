@@ -47,8 +47,8 @@ shift)``); ``proj_out`` as a module.
 
 Not fused, and why: the ``ada_values`` sum (per token for I2V / condition pipelines: the table +
 temb sum in the model dtype, a [B, S, 6, D] tensor per block; the ops' table rows assume Wan's
-fp32 sum), attention itself, the cross-attention path, the FF, and the block boundary (the existing hand-off opens the next block with a
-LayerNorm, not diffusers' RMSNorm). Every op is bit-exact and gated at first sight; no
+fp32 sum), attention itself, the cross-attention path, the FF, and the block boundary (the
+existing hand-off opens the next block with a LayerNorm, not diffusers' RMSNorm). Every op is bit-exact and gated at first sight; no
 quality="high" tier (``high=False``: no close variant was admitted for LTX's shapes). LoRA scales
 (``attention_kwargs``) and gradient checkpointing take diffusers' forward.
 

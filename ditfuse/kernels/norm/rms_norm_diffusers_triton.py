@@ -529,8 +529,6 @@ def _keyed_scale(key, x, weight, scale, eps, shift=None):
         reason = _unsupported_reason(x, None, None, scale, (weight,), eps, shift)
         if reason is not None:
             raise UnsupportedInput(reason)
-        if shift is None:  # the schema's default: keeps the traced graph of shift-free callers as it was
-            return torch.ops.ditfuse.rms_norm_diffusers_scale(x, weight, scale, float(eps))
         return torch.ops.ditfuse.rms_norm_diffusers_scale(x, weight, scale, float(eps), shift)
     key = call_key((x, weight, scale, eps, shift)) if key is None else key
     return _cached(0, key, x, None, None, scale, weight, None, eps, shift)[0]
